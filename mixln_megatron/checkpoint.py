@@ -1,0 +1,143 @@
+"""The Mix-LN settings record in checkpoints, and the build-time announcement.
+
+Both layer kinds store their two norms under the same keys (layer.py), so a checkpoint's tensor
+layout does not reveal P. The settings therefore travel with the weights, in three places:
+
+1. torch_dist: a replicated ShardedObject `decoder.layers.mixln_settings`, emitted by global
+   layer 1 of every model that is not plain Pre-LN. Loading into such a model a checkpoint with a
+   different P or scheme, or one without the record (a stock Pre-LN checkpoint), fails with a
+   message that names both. The record is NOT emitted at P = 0 with scheme mixln, so that a stock
+   checkpoint loads at Megatron's default strictness (which raises on requested-but-missing keys)
+   and a P = 0 checkpoint loads into megatron's stock spec.
+2. Megatron-LM's checkpoint content metadata (`mixln` entry): Megatron-LM hands the loaded
+   metadata back to `sharded_state_dict(metadata=...)`, so every Mix-LN model, P = 0 included,
+   checks it before any tensor is read.
+3. Legacy (per-rank torch) checkpoints: the same record in the regular state_dict of layer 1.
+
+The mismatch is reported through load_state_dict's `error_msgs`, which raises even when
+Megatron-LM retries a failed strict load non-strictly.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from .placement import Placement
+
+logger = logging.getLogger(__name__)
+
+RECORD_NAME = "mixln_settings"
+METADATA_KEY = "mixln"
+
+_announced = set()
+
+
+class MixLNCheckpointMismatch(RuntimeError):
+    """A checkpoint's Mix-LN settings differ from the model's."""
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+def announce_placement(placement: Placement, layer_number: int) -> None:
+    """Rank 0 prints one line per distinct placement at model build (users look for it)."""
+    if placement in _announced:
+        return
+    _announced.add(placement)
+    if _rank() == 0:
+        print(placement.describe(), flush=True)
+
+
+def _comparable(record: Optional[dict]) -> tuple:
+    if record is None:
+        return ("mixln", 0)
+    return (record.get("scheme", "mixln"), int(record.get("post_ln_layers", 0)))
+
+
+def describe_record(record: Optional[dict]) -> str:
+    if record is None:
+        return "no Mix-LN record (a stock Pre-LN checkpoint: P = 0)"
+    alpha = record.get("alpha")
+    return (
+        f"scheme={record.get('scheme', 'mixln')} P={record.get('post_ln_layers')} "
+        f"of L={record.get('num_layers')}" + (f" (alpha={alpha})" if alpha is not None else "")
+    )
+
+
+def mismatch_message(checkpoint_record: Optional[dict], model_placement: Placement) -> Optional[str]:
+    """None when compatible, else a message naming both settings."""
+    if _comparable(checkpoint_record) == _comparable(model_placement.record()):
+        return None
+    return (
+        f"Mix-LN settings differ: the checkpoint has {describe_record(checkpoint_record)}, the model "
+        f"has {describe_record(model_placement.record())}. Set MIXLN_ALPHA / MIXLN_POST_LN_LAYERS "
+        f"(or --mixln-alpha / --mixln-post-ln-layers) to the checkpoint's values to continue it."
+    )
+
+
+def _replica_id(layer) -> tuple:
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_pg_rank
+
+    tp_rank = get_pg_rank(layer.pg_collection.tp)
+    dp_cp = getattr(layer.pg_collection, "dp_cp", None)
+    if dp_cp is not None:
+        dp_rank = get_pg_rank(dp_cp)
+    else:
+        dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    return (0, tp_rank, dp_rank)
+
+
+def add_settings_record(layer, sharded: dict, prefix: str, metadata: Optional[dict]) -> None:
+    """Called from MixLNTransformerLayer.sharded_state_dict (save and load alike)."""
+    placement: Placement = layer.placement
+    if isinstance(metadata, dict):
+        loaded = metadata.get(METADATA_KEY)
+        if loaded is not None:
+            problem = mismatch_message(loaded, placement)
+            if problem:
+                raise MixLNCheckpointMismatch(problem)
+        else:
+            metadata[METADATA_KEY] = placement.record()
+    if placement.is_stock or layer.layer_number != 1 or getattr(layer, "is_mtp_layer", False):
+        return
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    key = f"{prefix}{RECORD_NAME}"
+    sharded[key] = ShardedObject(key, placement.record(), (1,), (0,), replica_id=_replica_id(layer))
+
+
+def add_legacy_record(layer, state_dict: dict, prefix: str) -> None:
+    """state_dict hook: the record for legacy (torch.save of state_dict) checkpoints."""
+    if not layer.placement.is_stock and layer.layer_number == 1 and not getattr(layer, "is_mtp_layer", False):
+        state_dict[f"{prefix}{RECORD_NAME}"] = layer.placement.record()
+
+
+def check_settings_record(layer, state_dict: dict, prefix: str, error_msgs: list) -> None:
+    """Called from MixLNTransformerLayer._load_from_state_dict: pop the record and compare."""
+    record = state_dict.pop(f"{prefix}{RECORD_NAME}", None)
+    if layer.layer_number != 1 or getattr(layer, "is_mtp_layer", False):
+        return
+    if record is None and layer.placement.is_stock:
+        return  # a stock checkpoint into a P = 0 model: nothing to say
+    problem = mismatch_message(record, layer.placement)
+    if problem:
+        error_msgs.append(problem)
+
+
+def read_checkpoint_record(checkpoint_dir: str) -> Optional[dict]:
+    """The Mix-LN record in a torch_dist checkpoint's content metadata (Megatron-LM saves it).
+
+    Returns None when the checkpoint has no such metadata entry (stock Pre-LN, or saved outside
+    Megatron-LM's save_checkpoint); the sharded record is then checked by the model on load.
+    """
+    from megatron.core import dist_checkpointing
+
+    metadata = dist_checkpointing.load_content_metadata(checkpoint_dir) or {}
+    return metadata.get(METADATA_KEY)

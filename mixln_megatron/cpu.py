@@ -1,0 +1,189 @@
+"""Run megatron-core (and Megatron-LM's training loop) on a machine without a GPU, with gloo.
+
+A development aid for tests, the CPU demo and debugging on a laptop; never for production.
+Nothing here happens at import time: call `enable()` (megatron-core) and, for
+`megatron.training.pretrain`, also `enable_training()`. Both are idempotent; both refuse to run
+when CUDA is available, since then the shims would hide real bugs.
+
+What they change, and why (measured on megatron-core 0.19.2; see the project README):
+  enable()
+    - torch.cuda.current_device() -> cpu device: megatron uses it as `device=` everywhere.
+    - torch.cuda.synchronize / current_stream / Stream / stream -> no-ops (DDP, p2p, get_model).
+    - the "CUDA" RNG (torch.cuda.*rng*, megatron's tracker state getters/setters) -> the CPU
+      generator, which is what dropout on CPU tensors draws from.
+    - host-side seed draws of torch DataLoaders use their own generator. On a GPU they come from
+      the CPU generator while dropout uses the CUDA one; on CPU they would share one stream, so a
+      resumed run (which builds its loaders after loading the RNG state) would drift.
+    - a TorchFunctionMode that maps literal device="cuda" / Tensor.cuda() / .to("cuda") to CPU
+      and reports tensor types as torch.cuda.* (optimizer and clip_grads assert on it).
+  enable_training()
+    - initialize_megatron(allow_no_cuda=True), reporting one device while it runs (otherwise
+      model-parallel groups and seeds are silently skipped on a machine with 0 devices).
+    - validate_args: device architecture 0 (no driver to ask) and CUDA_DEVICE_MAX_CONNECTIONS=1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_state = {"core": False, "training": False, "mode": None}
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream: every method is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return None
+
+    def query(self):
+        return True
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps CUDA device requests to CPU and reports CPU tensors' types as torch.cuda.*."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type:
+            if len(args) == 1 and not kwargs:
+                name = func(*args)
+                return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+            if len(args) > 1 and isinstance(args[1], str):
+                args = (args[0], args[1].replace("torch.cuda.", "torch."), *args[2:])
+        device = kwargs.get("device")
+        if device is not None and _is_cuda_device(device):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _check_no_cuda(what: str) -> None:
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            f"mixln_megatron.cpu.{what}() is for machines without a GPU; CUDA is available here, "
+            "so run megatron-core on the GPU instead of shimming it"
+        )
+
+
+def _separate_dataloader_seed_stream() -> None:
+    """DataLoader.__iter__ draws its base seed from a host generator of its own (see module doc)."""
+    import torch.utils.data as tud
+
+    host = torch.Generator().manual_seed(torch.initial_seed() & 0xFFFFFFFF)
+    original_iter = tud.DataLoader.__iter__
+
+    @functools.wraps(original_iter)
+    def __iter__(self):
+        device_stream = torch.get_rng_state()
+        torch.set_rng_state(host.get_state())
+        try:
+            return original_iter(self)
+        finally:
+            host.set_state(torch.get_rng_state())
+            torch.set_rng_state(device_stream)
+
+    tud.DataLoader.__iter__ = __iter__
+
+
+def enable() -> None:
+    """Make megatron-core run on CPU with gloo. Idempotent."""
+    if _state["core"]:
+        return
+    _check_no_cuda("enable")
+    cuda = torch.cuda
+    cuda.current_device = lambda: torch.device("cpu")
+    cuda.synchronize = lambda *a, **k: None
+    cuda.current_stream = lambda *a, **k: _NullStream()
+    cuda.default_stream = lambda *a, **k: _NullStream()
+    cuda.Stream = _NullStream
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    # Seed the CPU generator directly: torch.manual_seed itself calls torch.cuda.manual_seed_all.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+
+    import megatron.core.tensor_parallel.random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(
+        new_state
+    )
+    # The tracker logs a warning per fork when it cannot find CUDA graphs support; noise on CPU.
+    logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+    _separate_dataloader_seed_stream()
+    mode = _CudaToCpuMode()
+    mode.__enter__()
+    _state.update(core=True, mode=mode)
+
+
+def enable_training() -> None:
+    """Additionally make megatron.training.pretrain run on CPU. Calls enable(). Idempotent."""
+    enable()
+    if _state["training"]:
+        return
+    from megatron.training import arguments as margs
+    from megatron.training import initialize as minit
+    from megatron.training import training as mtrain
+
+    original_initialize = minit.initialize_megatron
+
+    @functools.wraps(original_initialize)
+    def initialize_megatron_on_cpu(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        saved = (torch.cuda.device_count, torch.cuda.set_device)
+        torch.cuda.device_count = lambda: 1
+        torch.cuda.set_device = lambda *a, **k: None
+        try:
+            return original_initialize(*args, **kwargs)
+        finally:
+            torch.cuda.device_count, torch.cuda.set_device = saved
+
+    mtrain.initialize_megatron = initialize_megatron_on_cpu
+    margs.get_device_arch_version = lambda: 0
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    _state["training"] = True
+
+
+def is_enabled() -> bool:
+    return _state["core"]
+
+
+CPU_MEGATRON_FLAGS = (
+    "--distributed-backend", "gloo",
+    "--no-gradient-accumulation-fusion",
+    "--no-rope-fusion",
+    "--no-persist-layer-norm",
+    "--no-masked-softmax-fusion",
+    "--no-bias-swiglu-fusion",
+    "--transformer-impl", "local",
+)
+"""Megatron-LM flags a CPU run needs (fused CUDA kernels off, gloo, local modules)."""

@@ -1,0 +1,260 @@
+"""MixLNTransformerLayer: megatron's TransformerLayer, Post-LN for the first P global layers.
+
+Pre-LN (megatron as is):  h = x + Attn(N_in(x));   y = h + MLP(N_mlp(h))
+Post-LN (this module):    h = N1(x + Attn(x));     y = N2(h + MLP(h))
+
+The kind is decided once, before TransformerLayer.__init__, from the global 1-based
+layer_number (megatron's offset already accounts for PP, VPP, uneven stages and layouts), so
+one spec serves every layer and every pipeline split builds the same network.
+
+The Post-LN layer reuses megatron's attention, MLP and bias-dropout-add; only the norms move:
+its input/pre-MLP norms are IdentityOp, N1 runs at the end of `_forward_attention` and N2 at
+the end of `_forward_post_mlp`. Those are the methods CUDA-graph capture calls directly, so the
+norms live inside the captured paths.
+
+Checkpoint keys (one answer for every backend and for conversion):
+    role                  local module               TE module                     torch_dist key (layer-stacked)          HF (Mix-LN code)
+    Pre-LN attn norm      input_layernorm            linear_qkv (fused norm)       self_attention.linear_qkv.layer_norm_*  input_layernorm
+    Pre-LN MLP norm       pre_mlp_layernorm          linear_fc1 (fused norm)       mlp.linear_fc1.layer_norm_*             post_attention_layernorm
+    Post-LN N1            post_attention_layernorm   post_attention_layernorm      mlp.linear_fc1.layer_norm_*             post_attention_layernorm
+    Post-LN N2            post_mlp_layernorm         post_mlp_layernorm            self_attention.linear_qkv.layer_norm_*  post_feedforward_layernorm
+Both kinds map their two norms onto the same two stacked keys, so a checkpoint's layout does not
+depend on P: torch_dist stacking, resharding across TP/PP/VPP and alpha = 0 interchangeability
+with megatron's stock spec all come for free. What the layout cannot tell, the recorded settings
+do (see checkpoint.py): which layers are Post-LN is checked on load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Optional
+
+import torch
+
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+from megatron.core.utils import get_pg_rank, make_viewless_tensor
+
+from . import checkpoint as mixln_checkpoint
+from .placement import MixLNSettings, Placement, resolve_placement
+
+logger = logging.getLogger(__name__)
+
+# Where each Post-LN norm is stored in sharded checkpoints (see the table above).
+POST_LN_KEYS_MAP = {
+    "post_attention_layernorm.": "mlp.linear_fc1.layer_norm_",
+    "post_mlp_layernorm.": "self_attention.linear_qkv.layer_norm_",
+}
+POST_LN_NORM_NAMES = ("post_attention_layernorm", "post_mlp_layernorm")
+
+
+class MixLNUnsupportedError(NotImplementedError):
+    """A configuration the Mix-LN layer does not support (yet); the message says why."""
+
+
+def check_supported(config) -> None:
+    """Reject, with the reason, configurations the Mix-LN layer would build wrongly."""
+    if getattr(config, "num_moe_experts", None):
+        raise MixLNUnsupportedError(
+            "Mix-LN layers do not support MoE yet (num_moe_experts is set): the MoE layer owns its "
+            "pre-MLP norm and routing, and a Post-LN MoE layer is not defined by the paper"
+        )
+    if getattr(config, "multi_latent_attention", False):
+        raise MixLNUnsupportedError(
+            "Mix-LN layers do not support multi-latent attention (MLA) yet: MLA fuses the input "
+            "norm into its down-projections, so a Post-LN MLA layer needs its own design"
+        )
+    if getattr(config, "experimental_attention_variant", None):
+        raise MixLNUnsupportedError(
+            f"Mix-LN layers do not support experimental_attention_variant="
+            f"{config.experimental_attention_variant!r}"
+        )
+    if getattr(config, "use_te_op_fuser", False):
+        raise MixLNUnsupportedError(
+            "use_te_op_fuser is not supported: TE's fused MLP owns the pre-MLP norm, which a "
+            "Post-LN layer must apply after the residual add instead"
+        )
+    if getattr(config, "inference_fuse_tp_communication", False):
+        raise MixLNUnsupportedError(
+            "inference_fuse_tp_communication is not supported: it fuses the residual add with the "
+            "next layer's input norm, which does not exist in a Post-LN layer"
+        )
+    if getattr(config, "heterogeneous_block_specs", False):
+        raise MixLNUnsupportedError("heterogeneous block specs are not supported by Mix-LN layers")
+
+
+def _plain_linear_for(linear_cls):
+    """The Post-LN counterpart of a fused norm+linear class (the norm moves after the add)."""
+    try:
+        from megatron.core.extensions.transformer_engine import (
+            HAVE_TE,
+            TEColumnParallelLinear,
+            TELayerNormColumnParallelLinear,
+        )
+    except ImportError:  # pragma: no cover - megatron without the TE extension module
+        return linear_cls
+    if HAVE_TE and isinstance(linear_cls, type) and issubclass(linear_cls, TELayerNormColumnParallelLinear):
+        return TEColumnParallelLinear
+    return linear_cls
+
+
+def _without_fused_norm(spec):
+    """Copy of an attention / MLP spec with any fused norm+linear replaced by a plain linear."""
+    if isinstance(spec, functools.partial):  # MLP.as_mlp_submodule builders (megatron 0.19)
+        subs = spec.keywords.get("submodules")
+        if subs is None or not hasattr(subs, "linear_fc1"):
+            return spec
+        new_subs = dataclasses.replace(subs, linear_fc1=_plain_linear_for(subs.linear_fc1))
+        return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": new_subs})
+    if isinstance(spec, ModuleSpec) and spec.submodules is not None and dataclasses.is_dataclass(spec.submodules):
+        field = "linear_qkv" if hasattr(spec.submodules, "linear_qkv") else (
+            "linear_fc1" if hasattr(spec.submodules, "linear_fc1") else None)
+        if field is None:
+            return spec
+        new_subs = dataclasses.replace(
+            spec.submodules, **{field: _plain_linear_for(getattr(spec.submodules, field))}
+        )
+        return ModuleSpec(module=spec.module, params=dict(spec.params), submodules=new_subs)
+    return spec
+
+
+def post_ln_submodules(submodules: TransformerLayerSubmodules) -> TransformerLayerSubmodules:
+    """The Post-LN variant of the submodules a layer received; the shared spec is never mutated."""
+    return dataclasses.replace(
+        submodules,
+        input_layernorm=IdentityOp,
+        pre_mlp_layernorm=IdentityOp,
+        self_attention=_without_fused_norm(submodules.self_attention),
+        mlp=_without_fused_norm(submodules.mlp),
+        sharded_state_dict_keys_map=dict(POST_LN_KEYS_MAP),
+    )
+
+
+class MixLNTransformerLayer(TransformerLayer):
+    """A TransformerLayer that is Post-LN when its global layer_number <= P.
+
+    Extra spec params (ModuleSpec.params):
+        mixln_settings: MixLNSettings (None: environment, then defaults).
+        post_ln_norm:   the norm class for N1 / N2, called as (config=, hidden_size=, eps=).
+    """
+
+    def __init__(
+        self,
+        config,
+        submodules: TransformerLayerSubmodules,
+        layer_number: int = 1,
+        hidden_dropout: Optional[float] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        vp_stage: Optional[int] = None,
+        is_mtp_layer: bool = False,
+        add_layer_offset: bool = True,
+        mixln_settings: Optional[MixLNSettings] = None,
+        post_ln_norm=None,
+        **kwargs,
+    ):
+        check_supported(config)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        # Same global numbering TransformerLayer computes, needed before its __init__ builds modules.
+        if is_mtp_layer or not add_layer_offset:
+            global_number = layer_number
+        else:
+            global_number = layer_number + get_transformer_layer_offset(
+                config, vp_stage, get_pg_rank(pg_collection.pp)
+            )
+        self.placement: Placement = resolve_placement(config.num_layers, mixln_settings)
+        # MTP layers sit after the decoder and are built from megatron's stock spec; if one ever
+        # reaches this class it stays Pre-LN rather than being numbered into the Post-LN group.
+        self.is_post_ln = (not is_mtp_layer) and self.placement.is_post_ln(global_number)
+        self.norm_output_scale = 1.0 if is_mtp_layer else self.placement.norm_output_scale(global_number)
+        if self.is_post_ln:
+            if post_ln_norm is None:
+                raise ValueError(
+                    "MixLNTransformerLayer needs `post_ln_norm` in its spec params; build the spec "
+                    "with mixln_megatron.spec.MixLNTransformerLayerSpec(...)"
+                )
+            submodules = post_ln_submodules(submodules)
+        super().__init__(
+            config,
+            submodules,
+            layer_number=layer_number,
+            hidden_dropout=hidden_dropout,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+            is_mtp_layer=is_mtp_layer,
+            add_layer_offset=add_layer_offset,
+            **kwargs,
+        )
+        assert self.layer_number == global_number, (self.layer_number, global_number)
+        if self.is_post_ln:
+            # Never the fused-residual RMSNorm: the residual add happens in bias-dropout-add.
+            make = functools.partial(
+                post_ln_norm, config=self.config, hidden_size=self.config.hidden_size,
+                eps=self.config.layernorm_epsilon,
+            )
+            self.post_attention_layernorm = make()  # N1
+            self.post_mlp_layernorm = make()  # N2
+        elif self.norm_output_scale != 1.0:
+            self._apply_layernorm_scaling()
+        self._register_state_dict_hook(
+            lambda module, state_dict, prefix, _meta: mixln_checkpoint.add_legacy_record(module, state_dict, prefix)
+        )
+        mixln_checkpoint.announce_placement(self.placement, self.layer_number)
+
+    # ---------------------------------------------------------------- LayerNorm Scaling
+    def _apply_layernorm_scaling(self) -> None:
+        """Scale the output of both pre-norms by 1/sqrt(l); the stored weights stay untouched."""
+        from .backends import set_norm_output_scale
+
+        set_norm_output_scale(self, self.norm_output_scale)
+
+    # ---------------------------------------------------------------- forward
+    def _forward_attention(self, *args, **kwargs):
+        hidden_states, context = super()._forward_attention(*args, **kwargs)
+        if self.is_post_ln:
+            hidden_states = self.post_attention_layernorm(hidden_states)  # h = N1(x + Attn(x))
+        return hidden_states, context
+
+    def _forward_post_mlp(self, mlp_output_with_bias, residual):
+        output = super()._forward_post_mlp(mlp_output_with_bias, residual)
+        if not self.is_post_ln:
+            return output
+        output = self.post_mlp_layernorm(output)  # y = N2(h + MLP(h))
+        # Pipeline send and activation checkpointing need a view-less tensor.
+        return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
+
+    # ---------------------------------------------------------------- checkpoints
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.is_post_ln:
+            # TE norms carry an (empty, fp8-less) `_extra_state`; Pre-LN layers have no such key,
+            # and torch_dist stacks every per-layer key over all layers, so it must not appear.
+            for key in [k for k in sharded if k.endswith("_extra_state")]:
+                if any(key.startswith(f"{prefix}{name}.") for name in POST_LN_NORM_NAMES):
+                    del sharded[key]
+        mixln_checkpoint.add_settings_record(self, sharded, prefix, metadata)
+        return sharded
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        mixln_checkpoint.check_settings_record(self, state_dict, prefix, error_msgs)
+        if self.is_post_ln:
+            # The dropped `_extra_state` entries (see sharded_state_dict): keep the module's own.
+            for name in POST_LN_NORM_NAMES:
+                module = getattr(self, name)
+                key = f"{prefix}{name}._extra_state"
+                if (
+                    type(module).get_extra_state is not torch.nn.Module.get_extra_state
+                    and key not in state_dict
+                ):
+                    state_dict[key] = module.get_extra_state()
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )

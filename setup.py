@@ -1,0 +1,36 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="mixln-megatron",
+    version="0.1.0",
+    description="Mix-LN (Post-LN in the first layers, Pre-LN after) as a Megatron-LM / megatron-core plugin",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.12",
+    packages=find_packages(include=["mixln_megatron", "mixln_megatron.*"]),
+    include_package_data=True,
+    package_data={"mixln_megatron": ["assets/**/*", "hf/*.py"]},
+    install_requires=[
+        "megatron-core>=0.19,<0.20",
+        "torch>=2.4",
+        "psutil",  # megatron's dist_checkpointing save needs it but does not declare it
+        "tqdm",
+    ],
+    extras_require={
+        # NVIDIA apex is optional and never comes from PyPI (PyPI's `apex` is an unrelated package).
+        "te": ["transformer-engine[pytorch]"],
+        "hf": ["transformers>=4.56,<6", "safetensors>=0.4"],
+        "data": ["nltk>=3.9", "tokenizers>=0.15"],
+        "analysis": ["matplotlib>=3.7"],
+        "dev": [
+            "pytest>=8",
+            "pytest-timeout",
+            "transformers>=4.56,<6",
+            "safetensors>=0.4",
+            "nltk>=3.9",
+            "tokenizers>=0.15",
+            "matplotlib>=3.7",
+        ],
+    },
+    entry_points={"console_scripts": ["mixln-megatron=mixln_megatron.cli:main"]},
+)
