@@ -4,7 +4,7 @@
 set -u
 tried=()
 ok() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; }
-for name in ${PYTHON:-} python3.14 python3.13 python3.12 python3 python; do
+for name in ${PYTHON:-} python3.12 python3.13 python3.14 python3 python; do
   [ -n "$name" ] || continue
   if path=$(command -v "$name" 2>/dev/null); then
     tried+=("$path")
@@ -17,7 +17,7 @@ roots=()
 command -v pyenv >/dev/null 2>&1 && roots+=("$(pyenv root)")
 roots+=("${PYENV_ROOT:-$HOME/.pyenv}")
 for root in "${roots[@]}"; do
-  for path in $(ls -d "$root"/versions/3.1[2-9]*/bin/python3 2>/dev/null | sort -rV); do
+  for path in $(ls -d "$root"/versions/3.12*/bin/python3 2>/dev/null | sort -rV) $(ls -d "$root"/versions/3.1[3-9]*/bin/python3 2>/dev/null | sort -V); do
     tried+=("$path")
     if ok "$path"; then echo "$path"; exit 0; fi
   done
