@@ -33,6 +33,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _state = {"core": False, "training": False, "mode": None}
+_saved = []  # (object, attribute, original value) for disable()
+
+
+def _patch(obj, name, value) -> None:
+    _saved.append((obj, name, getattr(obj, name)))
+    setattr(obj, name, value)
 
 
 class _NullStream:
@@ -111,7 +117,7 @@ def _separate_dataloader_seed_stream() -> None:
             host.set_state(torch.get_rng_state())
             torch.set_rng_state(device_stream)
 
-    tud.DataLoader.__iter__ = __iter__
+    _patch(tud.DataLoader, "__iter__", __iter__)
 
 
 def enable() -> None:
@@ -120,23 +126,23 @@ def enable() -> None:
         return
     _check_no_cuda("enable")
     cuda = torch.cuda
-    cuda.current_device = lambda: torch.device("cpu")
-    cuda.synchronize = lambda *a, **k: None
-    cuda.current_stream = lambda *a, **k: _NullStream()
-    cuda.default_stream = lambda *a, **k: _NullStream()
-    cuda.Stream = _NullStream
-    cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
-    cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    _patch(cuda, "current_device", lambda: torch.device("cpu"))
+    _patch(cuda, "synchronize", lambda *a, **k: None)
+    _patch(cuda, "current_stream", lambda *a, **k: _NullStream())
+    _patch(cuda, "default_stream", lambda *a, **k: _NullStream())
+    _patch(cuda, "Stream", _NullStream)
+    _patch(cuda, "stream", lambda *a, **k: contextlib.nullcontext())
+    _patch(cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
+    _patch(cuda, "set_rng_state", lambda new_state, device="cuda": torch.set_rng_state(new_state))
     # Seed the CPU generator directly: torch.manual_seed itself calls torch.cuda.manual_seed_all.
-    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    _patch(cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed)))
 
     import megatron.core.tensor_parallel.random as mrandom
 
-    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(
-        new_state
-    )
+    _patch(mrandom, "_get_cuda_rng_state",
+           lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
+    _patch(mrandom, "_set_cuda_rng_state",
+           lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
     # The tracker logs a warning per fork when it cannot find CUDA graphs support; noise on CPU.
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
     _separate_dataloader_seed_stream()
@@ -167,10 +173,20 @@ def enable_training() -> None:
         finally:
             torch.cuda.device_count, torch.cuda.set_device = saved
 
-    mtrain.initialize_megatron = initialize_megatron_on_cpu
-    margs.get_device_arch_version = lambda: 0
+    _patch(mtrain, "initialize_megatron", initialize_megatron_on_cpu)
+    _patch(margs, "get_device_arch_version", lambda: 0)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     _state["training"] = True
+
+
+def disable() -> None:
+    """Undo enable() / enable_training() (for test isolation)."""
+    while _saved:
+        obj, name, value = _saved.pop()
+        setattr(obj, name, value)
+    if _state["mode"] is not None:
+        _state["mode"].__exit__(None, None, None)
+    _state.update(core=False, training=False, mode=None)
 
 
 def is_enabled() -> bool:

@@ -1,0 +1,30 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Settings must never leak in from the developer's shell.
+for _name in list(os.environ):
+    if _name.startswith("MIXLN_"):
+        del os.environ[_name]
+
+
+@pytest.fixture(scope="module")
+def mcore_single():
+    """A single-process gloo group with megatron's parallel state (TP1 PP1), torn down after."""
+    import torch
+
+    import mcore_utils
+    from mixln_megatron import cpu
+
+    mcore_utils.init_distributed()
+    yield
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    cpu.disable()
