@@ -53,9 +53,8 @@ def layer_submodules(backend: str, normalization: str = "RMSNorm", qk_layernorm:
         raise ValueError(f"Mix-LN supports normalization RMSNorm or LayerNorm, got {normalization!r}")
     if backend == "te":
         require_te("The Mix-LN TE spec")
-        return get_gpt_layer_with_transformer_engine_submodules(
-            normalization=normalization, qk_layernorm=qk_layernorm
-        )
+        # TE's norms read config.normalization themselves (RMSNorm or LayerNorm).
+        return get_gpt_layer_with_transformer_engine_submodules(qk_layernorm=qk_layernorm)
     subs = get_gpt_layer_local_submodules(normalization=normalization, qk_layernorm=qk_layernorm)
     subs.input_layernorm = MixLNNorm
     subs.pre_mlp_layernorm = MixLNNorm

@@ -1,0 +1,109 @@
+"""What can be checked of the TransformerEngine path without TE (the GPU check covers the rest).
+
+- Post-LN layers derive plain TE linears from the fused norm+linear classes of the TE spec,
+  without mutating the shared spec.
+- A norm with `_extra_state` (as TE's RMSNorm has) in Post-LN layers only still saves and loads
+  with torch_dist, whose per-layer stacking would otherwise reject a key some layers lack.
+"""
+
+import functools
+import os
+
+import pytest
+import torch
+
+import mcore_utils as mu
+
+
+def test_post_ln_variant_replaces_fused_te_linears(monkeypatch):
+    import megatron.core.extensions.transformer_engine as te_ext
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    from mixln_megatron.layer import POST_LN_KEYS_MAP, post_ln_submodules
+
+    # Without TE, megatron's TE classes are MagicMocks: stand in real classes for them.
+    class FusedNormLinear:  # TELayerNormColumnParallelLinear
+        pass
+
+    class PlainLinear:  # TEColumnParallelLinear
+        pass
+
+    monkeypatch.setattr(te_ext, "HAVE_TE", True)
+    monkeypatch.setattr(te_ext, "TELayerNormColumnParallelLinear", FusedNormLinear)
+    monkeypatch.setattr(te_ext, "TEColumnParallelLinear", PlainLinear)
+    fused, plain = FusedNormLinear, PlainLinear
+    te_like = TransformerLayerSubmodules(
+        self_attention=ModuleSpec(
+            module=SelfAttention,
+            submodules=SelfAttentionSubmodules(linear_qkv=fused, core_attention=object,
+                                              linear_proj=object),
+        ),
+        mlp=functools.partial(
+            MLP.as_mlp_submodule,
+            submodules=MLPSubmodules(linear_fc1=fused, linear_fc2=object),
+        ),
+    )
+    post = post_ln_submodules(te_like)
+    assert post.self_attention.submodules.linear_qkv is plain
+    assert post.mlp.keywords["submodules"].linear_fc1 is plain
+    assert post.sharded_state_dict_keys_map == POST_LN_KEYS_MAP
+    # the shared spec is untouched
+    assert te_like.self_attention.submodules.linear_qkv is fused
+    assert te_like.mlp.keywords["submodules"].linear_fc1 is fused
+
+
+WORKER_CODE = r'''
+import os, sys, torch
+sys.path.insert(0, sys.argv[2])
+import mcore_utils as mu
+from mixln_megatron.norms import MixLNNorm
+
+class NormWithExtraState(MixLNNorm):
+    """Stands in for TE's RMSNorm, which always emits `_extra_state` (fp8 metadata)."""
+    def get_extra_state(self):
+        return torch.tensor([7.0])
+    def set_extra_state(self, state):
+        self.loaded_extra = state
+
+def main():
+    from megatron.core import dist_checkpointing
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from mixln_megatron.spec import MixLNTransformerLayerSpec
+    mu.init_distributed()
+    cfg = mu.tiny_config(num_layers=4)
+    layer = MixLNTransformerLayerSpec(backend="local", post_ln_layers=2)
+    layer.params["post_ln_norm"] = NormWithExtraState
+    spec = TransformerBlockSubmodules(layer_specs=[layer] * 4, layer_norm=MixLNNorm)
+    model = mu.build_gpt(cfg, spec)
+    assert "decoder.layers.0.post_mlp_layernorm._extra_state" in model.state_dict()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn(p.shape))
+    ckpt = sys.argv[1]
+    os.makedirs(ckpt, exist_ok=True)
+    dist_checkpointing.save({"model": model.sharded_state_dict()}, ckpt)
+    torch.manual_seed(99)
+    other = mu.build_gpt(cfg, spec)
+    loaded = dist_checkpointing.load({"model": other.sharded_state_dict()}, ckpt)
+    other.load_state_dict(loaded["model"])  # strict: the dropped extra states must not be missing
+    for (n, a), (_, b) in zip(model.state_dict().items(), other.state_dict().items()):
+        if torch.is_tensor(a) and "extra_state" not in n:
+            assert torch.equal(a, b), n
+    print("OK", flush=True)
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_norm_extra_state_in_post_ln_layers_only_saves_and_loads(tmp_path):
+    from torchrun import torchrun
+
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER_CODE)
+    proc = torchrun(str(script), 1, tmp_path / "ckpt", os.path.dirname(__file__))
+    assert "OK" in proc.stdout
