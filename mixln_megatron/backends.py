@@ -13,6 +13,8 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_submodules,
     get_gpt_layer_with_transformer_engine_submodules,
 )
+import torch
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from .norms import MixLNNorm
@@ -72,14 +74,44 @@ def norm_class(backend: str):
     return MixLNNorm
 
 
+def scale_linear_output(linear, scale: float):
+    """Make a fused norm+linear behave as linear(scale * norm(x)), exactly.
+
+    The linear map commutes with the scalar: W (s n) = s (W n). A bias that the module adds
+    itself is unscaled, so it is restored: s (W n + b) + (1 - s) b = W (s n) + b. A bias that
+    megatron receives separately (skip_bias_add) is left alone. The fused TE kernel, and the
+    stored norm weight, stay untouched. Returns the hook handle.
+    """
+
+    def hook(module, inputs, output):
+        out, extra = output if isinstance(output, tuple) else (output, None)
+        scaled = out * scale
+        bias = getattr(module, "bias", None)
+        returns_bias_separately = bool(getattr(module, "te_return_bias", False) or getattr(module, "skip_bias_add", False))
+        if torch.is_tensor(bias) and bias.numel() and not returns_bias_separately:
+            scaled = scaled + (1.0 - scale) * bias
+        return (scaled, extra) if isinstance(output, tuple) else scaled
+
+    return linear.register_forward_hook(hook)
+
+
 def set_norm_output_scale(layer, scale: float) -> None:
-    """LayerNorm Scaling on a Pre-LN layer: scale both pre-norm outputs by `scale`."""
-    targets = [layer.input_layernorm, layer.pre_mlp_layernorm]
-    for module in targets:
-        if isinstance(module, MixLNNorm):
-            module.output_scale = scale
+    """LayerNorm Scaling on a Pre-LN layer: scale both pre-norm outputs by `scale`.
+
+    Local norms scale their own output. TE's fused norm+linear (LayerNormColumnParallelLinear)
+    gets its GEMM output scaled instead, which is the same map and keeps the fused kernel.
+    """
+    pairs = [
+        (layer.input_layernorm, layer.self_attention.linear_qkv),
+        (layer.pre_mlp_layernorm, layer.mlp.linear_fc1),
+    ]
+    for norm, linear in pairs:
+        if isinstance(norm, MixLNNorm):
+            norm.output_scale = scale
+        elif isinstance(norm, IdentityOp) and hasattr(linear, "layer_norm_weight"):
+            scale_linear_output(linear, scale)
         else:
             raise NotImplementedError(
-                f"LayerNorm Scaling is not available for norm module {type(module).__name__} yet; "
-                "use the local backend"
+                f"LayerNorm Scaling does not know how to scale {type(norm).__name__} followed by "
+                f"{type(linear).__name__}; use the te or local backend of mixln_megatron"
             )

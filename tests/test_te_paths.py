@@ -107,3 +107,30 @@ def test_norm_extra_state_in_post_ln_layers_only_saves_and_loads(tmp_path):
     script.write_text(WORKER_CODE)
     proc = torchrun(str(script), 1, tmp_path / "ckpt", os.path.dirname(__file__))
     assert "OK" in proc.stdout
+
+
+@pytest.mark.usefixtures("mcore_single")
+@pytest.mark.parametrize("bias, skip_bias_add", [(False, False), (True, False), (True, True)])
+def test_lns_output_scaling_of_a_fused_norm_linear_is_exact(bias, skip_bias_add):
+    """TE's fused LayerNormLinear cannot scale its norm output; scaling its GEMM output is the
+    same map. Checked on megatron's ColumnParallelLinear standing in for the fused module."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from mixln_megatron.backends import scale_linear_output
+
+    cfg = mu.tiny_config(num_layers=4)
+    torch.manual_seed(0)
+    linear = ColumnParallelLinear(64, 96, config=cfg, init_method=torch.nn.init.normal_, bias=bias,
+                                  skip_bias_add=skip_bias_add, gather_output=False)
+    if bias:
+        with torch.no_grad():
+            linear.bias.normal_()
+    x = torch.randn(8, 2, 64)
+    scale = 0.5 ** 0.5
+    expected_out, expected_bias = linear(x * scale)
+    handle = scale_linear_output(linear, scale)
+    out, out_bias = linear(x)
+    handle.remove()
+    # same map up to fp32 rounding (the scalar moves across the GEMM)
+    assert (out - expected_out).abs().max().item() <= 1e-6 * expected_out.abs().max().item()
+    assert (out_bias is None) == (expected_bias is None)
