@@ -55,6 +55,7 @@ def test_settings_mismatch_is_a_clear_error(workdir):
         assert "checkpoint has scheme=mixln P=2 of L=4" in ref[key], ref[key]
         assert "model has scheme=mixln P=1 of L=4" in ref[key], ref[key]
     assert "mixln_settings" in ref["stock_into_p2"]
+    assert "checkpoint has scheme=mixln+lns P=1" in ref["lns_scheme_mismatch"], ref["lns_scheme_mismatch"]
 
 
 def test_alpha_zero_is_interchangeable_with_the_stock_spec(workdir):
@@ -73,6 +74,9 @@ def test_two_process_layouts_match_tp1pp1(workdir):
     assert got["tp2_sp_norms_identical"] is True
     assert got["kinds_pp2"] == got["kinds_pp2_vpp2"] == POST_LN_4
     assert got["kinds_pp2_uneven"] == POST_LN_6
+    lns_ref = load(workdir, "reference")["lns_tp1pp1"]
+    assert_close(got["lns_tp2_sp"], lns_ref, "mixln+lns tp2+sp")
+    assert_close(got["lns_pp2"], lns_ref, "mixln+lns pp2")
 
 
 def test_four_process_layouts_and_resharding(workdir):

@@ -121,6 +121,8 @@ class MixLNLlamaModel(MixLNLlamaPreTrainedModel, LlamaModel):
     """LlamaModel with Mix-LN decoder layers; `forward` (masks, cache, rotary, final norm) is LlamaModel's."""
 
     def __init__(self, config: MixLNLlamaConfig):
+        if not callable(getattr(config, "validate_mixln", None)):
+            raise TypeError(f"MixLNLlamaModel needs a MixLNLlamaConfig, got {type(config).__name__}")
         config.validate_mixln()
         # Skip LlamaModel.__init__ (it would build stock layers only to throw them away) and build the same
         # attributes LlamaModel.forward reads, with Mix-LN layers.

@@ -28,21 +28,23 @@ MICRO_BATCHES = 2
 STEPS = 3
 
 
-def spec_for(cfg, post_ln_layers, vp_stage, stock=False):
+def spec_for(cfg, post_ln_layers, vp_stage, stock=False, scheme=None):
     if stock:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         return get_gpt_layer_local_spec(normalization="RMSNorm")
     from mixln_megatron.spec import get_mixln_decoder_block_spec
 
-    return get_mixln_decoder_block_spec(cfg, backend="local", post_ln_layers=post_ln_layers, vp_stage=vp_stage)
+    return get_mixln_decoder_block_spec(cfg, backend="local", post_ln_layers=post_ln_layers,
+                                        scheme=scheme, vp_stage=vp_stage)
 
 
 class Run:
     """One parallel layout: model chunks (DDP-wrapped), optimizer, and the step functions."""
 
     def __init__(self, tp=1, pp=1, vpp=None, sp=False, distopt=False, post_ln_layers=P, stock=False,
-                 load=None, seed=1234, num_layers=NUM_LAYERS, metadata_check=True, **cfg_overrides):
+                 load=None, seed=1234, num_layers=NUM_LAYERS, metadata_check=True, scheme=None,
+                 **cfg_overrides):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -52,7 +54,7 @@ class Run:
                                   **cfg_overrides)
         self.vpp = vpp
         self.models = [
-            mu.build_gpt(self.cfg, spec_for(self.cfg, post_ln_layers, i if vpp else None, stock),
+            mu.build_gpt(self.cfg, spec_for(self.cfg, post_ln_layers, i if vpp else None, stock, scheme),
                          vp_stage=i if vpp else None)
             for i in range(vpp or 1)
         ]
@@ -189,6 +191,18 @@ def phase_reference(workdir):
     out["tp1pp1_distopt"] = figures(Run(load=base, distopt=True))
     out["kinds_pp1"] = Run().layer_kinds()
 
+    # LayerNorm Scaling on the Pre-LN layers of a Mix-LN model (scheme mixln+lns, P = 1).
+    lns_dir = os.path.join(workdir, "base_lns")
+    lns = Run(seed=2, scheme="mixln+lns", post_ln_layers=1)
+    lns.train(steps=2, seed=11)
+    lns.save(lns_dir)
+    out["lns_tp1pp1"] = figures(Run(load=lns_dir, scheme="mixln+lns", post_ln_layers=1))
+    try:
+        Run(load=lns_dir, post_ln_layers=1)  # same P, scheme mixln: refused
+        out["lns_scheme_mismatch"] = "no error"
+    except BaseException as e:  # noqa: BLE001
+        out["lns_scheme_mismatch"] = f"{type(e).__name__}: {e}"
+
     # A model with another P refuses the checkpoint, naming both settings (both record channels).
     for key, check in (("mismatch_metadata", True), ("mismatch_sharded", False)):
         try:
@@ -228,6 +242,9 @@ def phase_world2(workdir):
     out["pp2_vpp2"] = figures(Run(pp=2, vpp=2, load=base))
     out["dp2_distopt"] = figures(Run(load=base, distopt=True))
     out["tp2_distopt"] = figures(Run(tp=2, load=base, distopt=True))
+    lns_dir = os.path.join(workdir, "base_lns")
+    out["lns_tp2_sp"] = figures(Run(tp=2, sp=True, load=lns_dir, scheme="mixln+lns", post_ln_layers=1))
+    out["lns_pp2"] = figures(Run(pp=2, load=lns_dir, scheme="mixln+lns", post_ln_layers=1))
     out["kinds_pp2"] = Run(pp=2).layer_kinds()
     out["kinds_pp2_vpp2"] = Run(pp=2, vpp=2).layer_kinds()
     out["kinds_pp2_uneven"] = Run(pp=2, num_layers=6, post_ln_layers=3, num_layers_in_first_pipeline_stage=2,
