@@ -202,3 +202,42 @@ def test_spec_names_resolve_through_megatron_import_module():
 
     for name in ("mixln_layer_spec", "mixln_local_layer_spec"):
         assert import_module(("mixln_megatron.spec", name)) is getattr(spec_module, name)
+
+
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_mixln_norm_matches_torch(normalization, zero_centered):
+    from mixln_megatron.norms import MixLNNorm
+
+    cfg = mu.tiny_config(num_layers=4, normalization=normalization, layernorm_zero_centered_gamma=zero_centered)
+    norm = MixLNNorm(config=cfg, hidden_size=64, eps=1e-5)
+    gamma = torch.randn(64)
+    with torch.no_grad():
+        norm.weight.copy_(gamma - 1 if zero_centered else gamma)
+        if norm.bias is not None:
+            norm.bias.normal_()
+    x = torch.randn(8, 2, 64)
+    if normalization == "RMSNorm":
+        ref = torch.nn.functional.rms_norm(x, (64,), gamma, 1e-5)
+    else:
+        ref = torch.nn.functional.layer_norm(x, (64,), gamma, norm.bias.detach(), 1e-5)
+    assert (norm(x) - ref).abs().max().item() <= 1e-5
+
+
+def test_layernorm_model_builds_and_runs():
+    from mixln_megatron.spec import get_mixln_decoder_block_spec
+
+    cfg = mu.tiny_config(num_layers=4, normalization="LayerNorm")
+    model = mu.build_gpt(cfg, get_mixln_decoder_block_spec(cfg, backend="local", post_ln_layers=1))
+    ids, labels, pos, mask = mu.batch()
+    loss = model(ids, pos, mask, labels=labels).mean()
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert model.decoder.layers[0].post_attention_layernorm.bias is not None
+
+
+def test_unknown_normalization_is_rejected():
+    from mixln_megatron.backends import layer_submodules
+
+    with pytest.raises(ValueError, match="RMSNorm or LayerNorm"):
+        layer_submodules("local", normalization="L2Norm")

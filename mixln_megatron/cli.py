@@ -1,0 +1,68 @@
+"""`mixln-megatron <command> ...`: one command, sub-commands implemented in their own modules.
+
+    mixln-megatron pretrain  [Megatron-LM args] [--mixln-*]   Megatron-LM training loop with Mix-LN
+    mixln-megatron preprocess ...                              corpus -> Megatron indexed dataset
+    mixln-megatron convert to-hf | from-hf ...                 Megatron checkpoint <-> Hugging Face
+    mixln-megatron analyze grad-norms | angular-distance | layer-drop | train-health ...
+    mixln-megatron placement --num-layers L [--alpha A | --post-ln-layers P]
+
+Each sub-command's module is imported only when it runs, so `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "pretrain": ("mixln_megatron.pretrain", "Pretrain with Megatron-LM's training loop (Mix-LN spec, --mixln-* flags)."),
+    "preprocess": ("mixln_megatron.data.preprocess", "Turn JSONL / text into a Megatron indexed dataset (offline)."),
+    "convert": ("mixln_megatron.convert.cli", "Convert checkpoints: to-hf, from-hf."),
+    "analyze": ("mixln_megatron.analysis.cli", "Diagnostics: grad-norms, angular-distance, layer-drop, train-health."),
+    "placement": ("mixln_megatron.cli", "Print which layers are Post-LN for a model shape."),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: mixln-megatron <command> [args]", "", "commands:"]
+    lines += [f"  {name:11s} {help_text}" for name, (_, help_text) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def placement_main(argv=None) -> int:
+    import argparse
+
+    from .placement import MixLNSettings, resolve_placement
+
+    parser = argparse.ArgumentParser(prog="mixln-megatron placement", description="Show the Post-LN layers.")
+    parser.add_argument("--num-layers", type=int, required=True)
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--alpha", type=str)
+    group.add_argument("--post-ln-layers", type=int)
+    parser.add_argument("--scheme", type=str)
+    args = parser.parse_args(argv)
+    settings = MixLNSettings(alpha=args.alpha, post_ln_layers=args.post_ln_layers, scheme=args.scheme)
+    print(resolve_placement(args.num_layers, settings).describe())
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"mixln-megatron: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    if command == "placement":
+        return placement_main(rest)
+    module = importlib.import_module(COMMANDS[command][0])
+    if command == "pretrain":
+        sys.argv = [f"mixln-megatron {command}", *rest]  # Megatron-LM's parser reads sys.argv
+    result = module.main(rest)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
