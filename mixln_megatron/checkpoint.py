@@ -1,4 +1,4 @@
-"""The Mix-LN settings record in checkpoints, and the build-time announcement.
+"""The Mix-LN settings record in checkpoints.
 
 Both layer kinds store their two norms under the same keys (layer.py), so a checkpoint's tensor
 layout does not reveal P. The settings therefore travel with the weights, in three places:
@@ -32,26 +32,9 @@ logger = logging.getLogger(__name__)
 RECORD_NAME = "mixln_settings"
 METADATA_KEY = "mixln"
 
-_announced = set()
-
 
 class MixLNCheckpointMismatch(RuntimeError):
     """A checkpoint's Mix-LN settings differ from the model's."""
-
-
-def _rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return 0
-
-
-def announce_placement(placement: Placement, layer_number: int) -> None:
-    """Rank 0 prints one line per distinct placement at model build (users look for it)."""
-    if placement in _announced:
-        return
-    _announced.add(placement)
-    if _rank() == 0:
-        print(placement.describe(), flush=True)
 
 
 def _comparable(record: Optional[dict]) -> tuple:

@@ -43,6 +43,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import get_pg_rank, make_viewless_tensor
 
+from . import advice
 from . import checkpoint as mixln_checkpoint
 from .placement import MixLNSettings, Placement, resolve_placement
 
@@ -207,7 +208,7 @@ class MixLNTransformerLayer(TransformerLayer):
         self._register_state_dict_hook(
             lambda module, state_dict, prefix, _meta: mixln_checkpoint.add_legacy_record(module, state_dict, prefix)
         )
-        mixln_checkpoint.announce_placement(self.placement, self.layer_number)
+        advice.announce(self.placement)
 
     # ---------------------------------------------------------------- LayerNorm Scaling
     def _apply_layernorm_scaling(self) -> None:
