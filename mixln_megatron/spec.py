@@ -79,6 +79,8 @@ def get_mixln_decoder_block_spec(
         backend=backend, alpha=alpha, post_ln_layers=post_ln_layers, scheme=scheme,
         normalization=config.normalization, qk_layernorm=getattr(config, "qk_layernorm", False),
     )
+    from .grads_hook import install_from_spec  # gradient-spike scaler, only with MIXLN_SPIKE_SCALER=1
+    layer = install_from_spec(config, layer)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(
         layer_specs=[layer] * num_layers, layer_norm=backends.norm_class(backend)

@@ -1,0 +1,942 @@
+#!/usr/bin/env python3
+"""The GPU check: Mix-LN on a real GPU with megatron-core's local backend (no TransformerEngine).
+
+Run it through `benchmarks/gpu_check.sh` (which makes megatron-core importable from the carried
+wheel when the machine lacks it). Four phases, each printed with a timestamp as it finishes, and
+the JSON in benchmarks/results/ rewritten after each phase so that a cut-off run keeps its figures:
+
+1. parity    Mix-LN decoder (L = 4, P = 2, GQA) forward + backward on the GPU in fp32 and bf16,
+             against a CPU reference computed from the same weights in a separate process (which
+             uses mixln_megatron.cpu; this process never does when it runs on the GPU).
+2. timing    forward + backward step time and peak step memory on a 7B-shaped slice of the
+             decoder (h 4096, ffn 11008, 32 heads, 8 layers, seq 4096, micro-batch 1, bf16):
+             megatron's stock local spec, the Mix-LN local spec with P = 0 (same network, the
+             project's norm module), P = 2 and P = L (all Post-LN). Variants are interleaved in one
+             process (order rotated each round); medians and ratios are reported, and the cost of
+             one Post-LN layer is extrapolated to the paper's 7B setting (32 layers, P = 2).
+             Scope: the decoder block only (layers + final norm); no embedding, output layer or
+             loss, so the ratios are upper bounds of the whole-model ratios.
+3. spike     the gradient-spike scaler's time per step on the same slice: the P = 2 slice is
+             wrapped in megatron's DDP, mixln_megatron.grads_hook.install_spike_scaler installs
+             the hook, and the scaler's work after finalize_model_grads is timed between device
+             syncs (skipped with a message when grads_hook / spike are not in the checkout).
+4. result    one JSON (machine, versions, every figure) and the line
+                 RESULT step_ratio=<r> mem_ratio=<m> gpu_vs_cpu_max_abs=<d>
+             step_ratio / mem_ratio: Mix-LN P = 2 over megatron's stock local spec (median step
+             time; peak memory of a step above what was allocated before it, i.e. activations
+             and temporaries, weights and gradients excluded). gpu_vs_cpu_max_abs: the largest
+             absolute difference over output, input gradient and parameter gradients in fp32.
+
+`--cpu-dry-run` runs the same code on the CPU (mixln_megatron.cpu + gloo) with tiny shapes, so
+that tests/test_gpu_check_dryrun.py keeps the script from rotting between GPU runs.
+
+Exit status: 0 all checks passed; 1 a parity check failed (figures are still measured and
+written); 2 wrong invocation or no GPU; 3 a needed package is missing (named in the message).
+
+benchmarks/te_check.py imports the helpers below (Shape, configs, block builders, the timing
+loop, JSON writing); keep their signatures stable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import importlib
+import importlib.util
+import json
+import logging
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+DEFAULT_RESULTS = os.path.join(HERE, "results")
+MCORE_SERIES = "0.19"
+
+# ----------------------------------------------------------------------------- logging
+
+_T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    """One progress line: wall-clock time and seconds since start (partial runs stay readable)."""
+    now = _dt.datetime.now().strftime("%H:%M:%S")
+    print(f"[{now} +{time.monotonic() - _T0:6.1f}s] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- preflight (stdlib only)
+
+# (module, why it is needed). megatron-core 0.19.2 imports numpy, packaging and (for its MoE /
+# SSM kernels) triton at import time; its wheel declares only numpy, packaging and torch.
+BASE_MODULES = (
+    ("torch", "PyTorch"),
+    ("numpy", "imported by megatron-core at import time"),
+    ("packaging", "imported by megatron-core at import time"),
+)
+GPU_MODULES = (("triton", "imported unconditionally by megatron-core 0.19 (MoE/SSM kernels)"),)
+
+
+def _spec_missing(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):
+        return True
+
+
+def preflight(need_gpu_modules: bool, extra: tuple = ()) -> None:
+    """Fail early, naming every missing package, before anything heavy is imported."""
+    wanted = list(BASE_MODULES) + (list(GPU_MODULES) if need_gpu_modules else []) + list(extra)
+    missing = [(m, why) for m, why in wanted if _spec_missing(m)]
+    if _spec_missing("megatron.core"):
+        missing.append((
+            "megatron.core",
+            f"megatron-core {MCORE_SERIES}.x: run through benchmarks/gpu_check.sh (installs the wheel "
+            "in benchmarks/wheels/ offline), or pip install megatron-core==0.19.2",
+        ))
+    if _spec_missing("mixln_megatron"):
+        missing.append(("mixln_megatron", f"this project: put {REPO} on PYTHONPATH or pip install -e ."))
+    if not missing:
+        try:  # what megatron.core itself imports at import time
+            import megatron.core  # noqa: F401
+        except ModuleNotFoundError as exc:
+            missing.append((exc.name or str(exc), "imported by megatron.core at import time"))
+    if missing:
+        print("MISSING: " + ", ".join(m for m, _ in missing), file=sys.stderr, flush=True)
+        for m, why in missing:
+            print(f"  - {m}: {why}", file=sys.stderr)
+        print(
+            "Carry missing Python packages as wheels and install them offline, e.g. "
+            "`python3 -m pip install --no-index --no-deps --target /tmp/site <wheels>` and "
+            "`export PYTHONPATH=/tmp/site:$PYTHONPATH`.",
+            file=sys.stderr, flush=True,
+        )
+        sys.exit(3)
+
+
+# ----------------------------------------------------------------------------- shapes and configs
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    seq: int
+    micro_batch: int = 1
+    query_groups: Optional[int] = None  # None = multi-head attention (LLaMA-2 7B)
+
+    def describe(self) -> str:
+        g = f" groups {self.query_groups}" if self.query_groups else ""
+        return (f"L {self.layers} h {self.hidden} ffn {self.ffn} heads {self.heads}{g} "
+                f"seq {self.seq} mbs {self.micro_batch}")
+
+
+SLICE_7B = Shape(layers=8, hidden=4096, ffn=11008, heads=32, seq=4096, micro_batch=1)
+PAPER_7B_LAYERS, PAPER_7B_POST_LN = 32, 2
+PARITY_SHAPE = Shape(layers=4, hidden=128, ffn=352, heads=4, seq=64, micro_batch=2, query_groups=2)
+PARITY_POST_LN = 2
+DRY_SLICE = Shape(layers=4, hidden=64, ffn=176, heads=4, seq=64, micro_batch=1)
+DRY_PARITY_SHAPE = Shape(layers=4, hidden=64, ffn=176, heads=4, seq=32, micro_batch=2, query_groups=2)
+
+# Tolerances (relative: max |a - b| / max |ref|, per tensor). fp32 runs with TF32 off; bf16 is
+# compared with the fp32 CPU reference (the CPU's own bf16 error, 2-3e-2 on these shapes, is
+# reported alongside). A misplaced or skipped norm gives O(1) errors, far above both bounds.
+TOL_FP32 = 1e-3
+TOL_BF16 = 1e-1
+
+
+def make_config(shape: Shape, dtype, on_cpu: bool, **overrides):
+    """TransformerConfig of a LLaMA-style decoder; every fused kernel that needs apex/TE is off."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = dict(
+        num_layers=shape.layers, hidden_size=shape.hidden, ffn_hidden_size=shape.ffn,
+        num_attention_heads=shape.heads, num_query_groups=shape.query_groups,
+        normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        attention_dropout=0.0, hidden_dropout=0.0,
+        use_cpu_initialization=on_cpu,
+        # no apex / TE fused kernels on the check machine; identical for every variant
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, masked_softmax_fusion=False, bias_activation_fusion=False,
+    )
+    cfg.update(overrides)
+    return TransformerConfig(**cfg)
+
+
+def block_spec(config, kind: str, post_ln_layers: Optional[int] = None):
+    """kind: stock_local | stock_te (megatron's own GPT decoder spec) | mixln_local | mixln_te."""
+    if kind.startswith("stock_"):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(
+            config, use_transformer_engine=kind == "stock_te", normalization=config.normalization
+        )
+    from mixln_megatron.spec import get_mixln_decoder_block_spec
+
+    backend = {"mixln_local": "local", "mixln_te": "te"}[kind]
+    return get_mixln_decoder_block_spec(config, backend=backend, post_ln_layers=post_ln_layers)
+
+
+def build_block(config, kind: str, post_ln_layers: Optional[int], device, dtype):
+    """The decoder (layers + final norm) as a TransformerBlock, on `device`, converted to `dtype`
+    as megatron's Float16Module does for training (norm weights included)."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    block = TransformerBlock(
+        config, block_spec(config, kind, post_ln_layers), post_layer_norm=True,
+        pre_process=True, post_process=True,
+    )
+    return block.to(device=device, dtype=dtype)
+
+
+def rotary(config, seq: int, device, on_cpu: bool):
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0,
+                           use_cpu_initialization=on_cpu)
+    return rope(seq).to(device)
+
+
+def fwd_bwd(block, x, grad_out, rope):
+    """One training step of the decoder without the optimizer: forward, then backward."""
+    out = block(hidden_states=x, attention_mask=None, rotary_pos_emb=rope)
+    out.backward(grad_out)
+    return out
+
+
+# ----------------------------------------------------------------------------- runtime
+
+
+class Runtime:
+    """The device and its few device-specific operations (sync, memory statistics)."""
+
+    def __init__(self, dry_run: bool):
+        import torch
+
+        self.torch = torch
+        self.dry_run = dry_run
+        self.device = torch.device("cpu") if dry_run else torch.device("cuda", torch.cuda.current_device())
+        self.mode = "cpu-dry-run" if dry_run else "gpu"
+
+    def sync(self) -> None:
+        if not self.dry_run:
+            self.torch.cuda.synchronize()
+
+    def reset_peak(self) -> Optional[int]:
+        """Start a peak window; returns the bytes allocated now (None on CPU)."""
+        if self.dry_run:
+            return None
+        self.torch.cuda.synchronize()
+        self.torch.cuda.reset_peak_memory_stats()
+        return self.torch.cuda.memory_allocated()
+
+    def peak(self) -> Optional[int]:
+        if self.dry_run:
+            return None
+        self.torch.cuda.synchronize()
+        return self.torch.cuda.max_memory_allocated()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_watchdog(seconds: float) -> None:
+    """A hang (a collective that never returns, a stuck kernel) must not eat the machine's time:
+    after `seconds` every thread's stack goes to stderr and the process exits (status 1). The JSON
+    already written keeps the phases that finished."""
+    if seconds and seconds > 0:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(seconds, exit=True)
+        log(f"watchdog: exit after {seconds:.0f}s")
+
+
+def clear_mixln_env() -> None:
+    """The checks measure the configurations they name: MIXLN_* settings (P, scheme, the spike
+    scaler) inherited from the shell must not change what gets built. The reference process
+    inherits the cleaned environment."""
+    dropped = sorted(k for k in os.environ if k.startswith("MIXLN_") and k not in ("MIXLN_FORCE_WHEEL", "MIXLN_MCORE_WHEEL"))
+    for k in dropped:
+        del os.environ[k]
+    if dropped:
+        log(f"ignoring {', '.join(dropped)} from the environment (the check sets P itself)")
+
+
+def require_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: no CUDA device is visible; on a machine without a GPU run with --cpu-dry-run",
+              file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def init_runtime(dry_run: bool, seed: int = 1234, backend: Optional[str] = None) -> Runtime:
+    """One-process torch.distributed group and megatron parallel state (TP = PP = 1)."""
+    import torch
+
+    if dry_run:
+        from mixln_megatron import cpu
+
+        cpu.enable()
+    else:
+        require_cuda()
+        from mixln_megatron import cpu
+
+        # The CPU shims would hide real device bugs: this process must never have them.
+        assert not cpu.is_enabled(), "mixln_megatron.cpu is enabled in the GPU process"
+        torch.cuda.set_device(0)
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        torch.distributed.init_process_group(
+            backend=backend or ("gloo" if dry_run else "nccl"), rank=0, world_size=1
+        )
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    return Runtime(dry_run)
+
+
+def shutdown() -> None:
+    import torch
+
+    try:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+    except Exception:  # pragma: no cover - best effort at exit
+        pass
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- comparisons
+
+
+def compare(a, ref) -> dict:
+    """max |a - ref| and the same relative to max |ref| (tensors of any dtype, compared in fp32)."""
+    a32, r32 = a.detach().float().cpu(), ref.detach().float().cpu()
+    diff = (a32 - r32).abs().max().item() if a32.numel() else 0.0
+    scale = r32.abs().max().item() if r32.numel() else 0.0
+    finite = bool(a32.isfinite().all().item())
+    return {"max_abs": diff if finite else float("inf"), "rel": (diff / scale if scale > 0 else diff) if finite else float("inf"),
+            "ref_max_abs": scale}
+
+
+def compare_run(run: dict, ref: dict) -> dict:
+    """Compare {'out', 'x_grad', 'grads': {name: t}} against the reference of the same form."""
+    out = {"output": compare(run["out"], ref["out"]), "input_grad": compare(run["x_grad"], ref["x_grad"])}
+    worst_name, worst = None, {"max_abs": 0.0, "rel": 0.0}
+    max_abs = 0.0
+    missing = sorted(set(ref["grads"]) ^ set(run["grads"]))
+    for name, g_ref in ref["grads"].items():
+        if name not in run["grads"]:
+            continue
+        c = compare(run["grads"][name], g_ref)
+        max_abs = max(max_abs, c["max_abs"])
+        if c["rel"] >= worst["rel"]:
+            worst_name, worst = name, c
+    out["param_grads"] = {"count": len(ref["grads"]), "max_abs": max_abs, "worst_rel": worst["rel"],
+                          "worst_param": worst_name, "name_mismatch": missing}
+    out["max_abs"] = max(out["output"]["max_abs"], out["input_grad"]["max_abs"], max_abs)
+    out["max_rel"] = max(out["output"]["rel"], out["input_grad"]["rel"], worst["rel"])
+    return out
+
+
+def finite_or_none(v):
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return None
+    return v
+
+
+# ----------------------------------------------------------------------------- phase 1: parity
+
+
+def _parity_inputs(shape: Shape, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape.seq, shape.micro_batch, shape.hidden, generator=g)
+    gout = torch.randn(shape.seq, shape.micro_batch, shape.hidden, generator=g)
+    return x, gout
+
+
+def run_parity_model(block, x, gout, rope) -> dict:
+    """Forward + backward once; returns CPU fp32 copies of output, input grad and param grads."""
+    x = x.detach().clone().requires_grad_(True)
+    out = fwd_bwd(block, x, gout, rope)
+    grads = {n: p.grad.detach().float().cpu() for n, p in block.named_parameters() if p.grad is not None}
+    return {"out": out.detach().float().cpu(), "x_grad": x.grad.detach().float().cpu(), "grads": grads}
+
+
+def reference_main(workdir: str) -> int:
+    """The CPU reference, in its own process (--_reference DIR): builds the parity model with the
+    CPU shims, saves its weights and inputs, and fp32 / bf16 results from those weights."""
+    import torch
+
+    with open(os.path.join(workdir, "parity.json")) as f:
+        job = json.load(f)
+    shape = Shape(**job["shape"])
+    rt = init_runtime(dry_run=True, seed=job["seed"])
+    results = {}
+    state = None
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        cfg = make_config(shape, dtype, on_cpu=True)
+        block = build_block(cfg, "mixln_local", job["post_ln_layers"], rt.device, dtype)
+        if state is None:
+            state = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in block.state_dict().items()}
+            # Norm weights start at exactly 1: perturb them so a misplaced or skipped norm shows.
+            g = torch.Generator().manual_seed(job["seed"] + 1)
+            for k, v in state.items():
+                if torch.is_tensor(v) and "layernorm" in k:
+                    state[k] = v + 0.1 * torch.randn(v.shape, generator=g, dtype=v.dtype)
+        block.load_state_dict(state)
+        x, gout = _parity_inputs(shape, job["seed"])
+        rope = rotary(cfg, shape.seq, rt.device, on_cpu=True)
+        results[name] = run_parity_model(block, x.to(dtype), gout.to(dtype), rope)
+    torch.save({"state": state, "results": results}, os.path.join(workdir, "reference.pt"))
+    shutdown()
+    return 0
+
+
+def run_cpu_reference(workdir: str, shape: Shape, post_ln_layers: int, seed: int, timeout: float = 600) -> dict:
+    """Start the reference process (CUDA hidden, so that it may use the CPU shims) and load its file."""
+    import torch
+
+    with open(os.path.join(workdir, "parity.json"), "w") as f:
+        json.dump({"shape": dataclasses.asdict(shape), "post_ln_layers": post_ln_layers, "seed": seed}, f)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    for var in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        env.pop(var, None)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--_reference", workdir],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-4000:]
+        raise RuntimeError(f"the CPU reference process failed (exit {proc.returncode}):\n{tail}")
+    return torch.load(os.path.join(workdir, "reference.pt"), weights_only=False)
+
+
+def phase_parity(rt: Runtime, shape: Shape, post_ln_layers: int, seed: int) -> dict:
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="mixln_parity_") as workdir:
+        t = time.monotonic()
+        ref = run_cpu_reference(workdir, shape, post_ln_layers, seed)
+        log(f"parity: CPU reference done in {time.monotonic() - t:.1f}s (separate process, CPU shims)")
+    x, gout = _parity_inputs(shape, seed)
+    report = {"shape": dataclasses.asdict(shape), "post_ln_layers": post_ln_layers,
+              "tolerance_rel": {"fp32": TOL_FP32, "bf16": TOL_BF16}}
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # fp32 GEMMs in fp32, not TF32
+    try:
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            cfg = make_config(shape, dtype, on_cpu=rt.dry_run)
+            block = build_block(cfg, "mixln_local", post_ln_layers, rt.device, dtype)
+            block.load_state_dict(ref["state"])
+            rope = rotary(cfg, shape.seq, rt.device, on_cpu=rt.dry_run)
+            run = run_parity_model(block, x.to(rt.device, dtype), gout.to(rt.device, dtype), rope)
+            rt.sync()
+            vs_fp32 = compare_run(run, ref["results"]["fp32"])
+            entry = {"vs_cpu_fp32": vs_fp32}
+            if name == "bf16":
+                entry["vs_cpu_bf16"] = compare_run(run, ref["results"]["bf16"])
+            tol = TOL_FP32 if name == "fp32" else TOL_BF16
+            entry["ok"] = bool(vs_fp32["max_rel"] <= tol and not vs_fp32["param_grads"]["name_mismatch"])
+            report[name] = entry
+            log(f"parity {name}: max_abs {vs_fp32['max_abs']:.3e} max_rel {vs_fp32['max_rel']:.3e} "
+                f"(tol {tol:g}) -> {'ok' if entry['ok'] else 'FAIL'}")
+            del block
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    report["cpu_bf16_vs_cpu_fp32"] = compare_run(ref["results"]["bf16"], ref["results"]["fp32"])
+    report["gpu_vs_cpu_max_abs"] = report["fp32"]["vs_cpu_fp32"]["max_abs"]
+    report["ok"] = report["fp32"]["ok"] and report["bf16"]["ok"]
+    return report
+
+
+# ----------------------------------------------------------------------------- phase 2: timing
+
+
+@dataclasses.dataclass
+class Variant:
+    name: str
+    kind: str  # stock_local | stock_te | mixln_local | mixln_te
+    post_ln_layers: Optional[int]  # None for the stock spec
+    block: object = None
+    params: list = None
+    times_ms: list = dataclasses.field(default_factory=list)
+    step_peak: list = dataclasses.field(default_factory=list)
+    abs_peak: list = dataclasses.field(default_factory=list)
+
+
+def slice_variants(shape: Shape, backend: str = "local") -> List[Variant]:
+    """Stock spec, Mix-LN P = 0, P = 2 (the paper's 7B count) and P = L (every layer Post-LN)."""
+    out = [Variant(f"stock_{backend}", f"stock_{backend}", None)]
+    for p in sorted({0, min(PAPER_7B_POST_LN, shape.layers), shape.layers}):
+        out.append(Variant(f"mixln_{backend}_p{p}", f"mixln_{backend}", p))
+    return out
+
+
+def _stats(values: List[float]) -> dict:
+    if not values:
+        return {}
+    vs = sorted(values)
+    q = statistics.quantiles(vs, n=4) if len(vs) >= 2 else [vs[0]] * 3
+    return {"median": statistics.median(vs), "p25": q[0], "p75": q[2], "min": vs[0], "max": vs[-1], "n": len(vs)}
+
+
+def time_variants(rt: Runtime, config_for: Callable, shape: Shape, variants: List[Variant], warmup: int,
+                  repeats: int, seed: int, on_round: Optional[Callable] = None) -> dict:
+    """Build every variant, then run warmup + repeats rounds; each round steps every variant once,
+    in an order rotated by one per round. Times: wall clock around forward + backward with a device
+    sync on both sides. Memory: peak allocated during the step minus allocated before it."""
+    import torch
+
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(seed)
+    x_host = torch.randn(shape.seq, shape.micro_batch, shape.hidden, generator=g)
+    gout_host = torch.randn(shape.seq, shape.micro_batch, shape.hidden, generator=g)
+    x = x_host.to(rt.device, dtype).requires_grad_(True)
+    gout = gout_host.to(rt.device, dtype)
+    rope = None
+    for v in variants:
+        t = time.monotonic()
+        cfg = config_for(shape, dtype)
+        v.block = build_block(cfg, v.kind, v.post_ln_layers, rt.device, dtype)
+        v.params = [p for p in v.block.parameters() if p.requires_grad]
+        if rope is None:
+            rope = rotary(cfg, shape.seq, rt.device, on_cpu=rt.dry_run)
+        rt.sync()
+        log(f"timing: built {v.name} ({sum(p.numel() for p in v.params) / 1e6:.1f}M params) "
+            f"in {time.monotonic() - t:.1f}s")
+    for r in range(warmup + repeats):
+        k = r % len(variants)
+        order = variants[k:] + variants[:k]
+        line = []
+        for v in order:
+            grads = [p.grad for p in v.params if p.grad is not None]
+            if grads:
+                torch._foreach_zero_(grads)  # gradients stay allocated, as in megatron's DDP buffers
+            x.grad = None
+            base = rt.reset_peak()
+            rt.sync()
+            t0 = time.perf_counter()
+            fwd_bwd(v.block, x, gout, rope)
+            rt.sync()
+            dt = (time.perf_counter() - t0) * 1e3
+            peak = rt.peak()
+            if r >= warmup:
+                v.times_ms.append(dt)
+                if peak is not None:
+                    v.step_peak.append(peak - base)
+                    v.abs_peak.append(peak)
+            line.append(f"{v.name} {dt:.1f}")
+        tag = "warmup" if r < warmup else "timed"
+        log(f"timing round {r + 1}/{warmup + repeats} ({tag}) ms: " + ", ".join(line))
+        if on_round is not None and r >= warmup:
+            on_round(variants)
+    return summarize_variants(variants, shape)
+
+
+def summarize_variants(variants: List[Variant], shape: Shape) -> dict:
+    gib = 1024.0 ** 3
+    out = {}
+    for v in variants:
+        entry = {"kind": v.kind, "post_ln_layers": v.post_ln_layers, "times_ms": [round(t, 4) for t in v.times_ms],
+                 "step_ms": _stats(v.times_ms)}
+        if v.step_peak:
+            entry["step_peak_gib"] = max(v.step_peak) / gib
+            entry["abs_peak_gib"] = max(v.abs_peak) / gib
+        else:
+            entry["step_peak_gib"] = None
+            entry["abs_peak_gib"] = None
+        out[v.name] = entry
+    return out
+
+
+def _ratio(a, b):
+    if a is None or b is None or not b:
+        return None
+    return a / b
+
+
+def derive_figures(summary: dict, shape: Shape, backend: str) -> dict:
+    """Ratios, the cost of one Post-LN layer, and its extrapolation to 32 layers with P = 2."""
+    def med(name):
+        e = summary.get(name)
+        return e["step_ms"].get("median") if e and e["step_ms"] else None
+
+    def mem(name):
+        e = summary.get(name)
+        return e.get("step_peak_gib") if e else None
+
+    stock, p0 = f"stock_{backend}", f"mixln_{backend}_p0"
+    p2 = f"mixln_{backend}_p{min(PAPER_7B_POST_LN, shape.layers)}"
+    pall = f"mixln_{backend}_p{shape.layers}"
+    fig = {
+        "baselines": {"stock": stock, "p0": p0},
+        "step_ratio_p2_vs_stock": _ratio(med(p2), med(stock)),
+        "step_ratio_p2_vs_p0": _ratio(med(p2), med(p0)),
+        "step_ratio_p0_vs_stock": _ratio(med(p0), med(stock)),
+        "step_ratio_pall_vs_p0": _ratio(med(pall), med(p0)),
+        "mem_ratio_p2_vs_stock": _ratio(mem(p2), mem(stock)),
+        "mem_ratio_p2_vs_p0": _ratio(mem(p2), mem(p0)),
+        "mem_ratio_p0_vs_stock": _ratio(mem(p0), mem(stock)),
+        "mem_ratio_pall_vs_p0": _ratio(mem(pall), mem(p0)),
+    }
+    per_layer = {}
+    if med(pall) is not None and med(p0) is not None:
+        per_layer["ms"] = (med(pall) - med(p0)) / shape.layers
+        per_layer["ms_from_p2"] = (med(p2) - med(p0)) / max(1, min(PAPER_7B_POST_LN, shape.layers))
+        layer_ms = med(p0) / shape.layers  # includes 1/L of the final norm: negligible
+        per_layer["pre_ln_layer_ms"] = layer_ms
+        per_layer["pct_of_pre_ln_layer"] = 100.0 * per_layer["ms"] / layer_ms
+    if mem(pall) is not None and mem(p0) is not None:
+        per_layer["step_peak_gib"] = (mem(pall) - mem(p0)) / shape.layers
+    fig["per_post_ln_layer"] = per_layer
+    if "ms" in per_layer:
+        pre_7b = PAPER_7B_LAYERS * per_layer["pre_ln_layer_ms"]
+        extra = PAPER_7B_POST_LN * per_layer["ms"]
+        fig["extrapolated_7b"] = {
+            "layers": PAPER_7B_LAYERS, "post_ln_layers": PAPER_7B_POST_LN,
+            "pre_ln_decoder_step_ms": pre_7b, "mixln_extra_ms": extra,
+            "overhead_pct": 100.0 * extra / pre_7b,
+            "method": "per-layer time of the P=0 slice x 32; plus 2 x (median(P=L) - median(P=0)) / L",
+        }
+    return fig
+
+
+# ----------------------------------------------------------------------------- phase 3: spike scaler
+
+
+def phase_spike(rt: Runtime, variant: Variant, shape: Shape, warmup: int, repeats: int, seed: int) -> dict:
+    """The gradient-spike scaler's cost per step, on the Mix-LN P = 2 slice of the timing phase.
+
+    The slice is wrapped in megatron's DistributedDataParallel (fp32 grad buffers, as in training)
+    and mixln_megatron.grads_hook.install_spike_scaler puts the hook on its config. Each round runs
+    forward + backward and megatron's finalize_model_grads, then times the scaler's own work
+    (`after_finalize`: propose on the boundary norms' reduced grads, and the commit, which is eager
+    without an optimizer) between device syncs. warmup_steps = 0 so the rule is live from step 1.
+    """
+    import torch
+
+    try:
+        grads_hook = importlib.import_module("mixln_megatron.grads_hook")
+    except ModuleNotFoundError as exc:
+        if exc.name in ("mixln_megatron.grads_hook", "mixln_megatron.spike"):
+            reason = f"{exc.name} is not in this checkout"
+            log(f"spike: SKIP ({reason})")
+            return {"status": "skipped", "reason": reason}
+        raise
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+
+    logging.getLogger("megatron.core.distributed").setLevel(logging.WARNING)  # DDP lists every param
+    block = variant.block
+    for p in variant.params:
+        p.grad = None
+    config = block.config
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                              use_distributed_optimizer=False), block,
+    )
+    scaler = grads_hook.install_spike_scaler([ddp], config=config, settings={"warmup_steps": 0})
+    if scaler is None:
+        return {"status": "skipped", "reason": "install_spike_scaler found no Post/Pre-LN boundary"}
+    host_timing = scaler.enable_timing()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape.seq, shape.micro_batch, shape.hidden, generator=g).to(rt.device, torch.bfloat16)
+    gout = torch.randn(shape.seq, shape.micro_batch, shape.hidden, generator=g).to(rt.device, torch.bfloat16)
+    x.requires_grad_(True)
+    rope = rotary(config, shape.seq, rt.device, on_cpu=rt.dry_run)
+    hook_ms, step_ms = [], []
+    try:
+        for i in range(warmup + repeats):
+            ddp.zero_grad_buffer()
+            x.grad = None
+            rt.sync()
+            t0 = time.perf_counter()
+            fwd_bwd(ddp, x, gout, rope)
+            finalize_model_grads([ddp], None)
+            rt.sync()
+            t1 = time.perf_counter()
+            scaler.after_finalize([ddp], False, None)
+            rt.sync()
+            t2 = time.perf_counter()
+            if i >= warmup:
+                step_ms.append((t1 - t0) * 1e3)
+                hook_ms.append((t2 - t1) * 1e3)
+    finally:
+        grads_hook.remove_spike_scaler(config)
+    stats = _stats(hook_ms)
+    step = _stats(step_ms)
+    targets = [t.name for t in scaler.targets]
+    out = {
+        "status": "measured", "on_variant": variant.name, "targets": targets,
+        "target_elements": sum(t.numel for t in scaler.targets),
+        "settings": scaler.settings.describe(),
+        "hook_ms": stats, "hook_times_ms": hook_ms,
+        "ddp_step_ms": step, "pct_of_step": 100.0 * stats["median"] / step["median"] if step.get("median") else None,
+        "host_timing": dict(host_timing),
+        "method": "DDP-wrapped slice; per round fwd+bwd+finalize_model_grads, then the scaler's "
+                  "after_finalize timed between device syncs",
+    }
+    log(f"spike: scaler on {len(targets)} boundary norm tensors: median {stats['median']:.3f} ms per step "
+        f"({fmt(out['pct_of_step'], '.3f')}% of a {step['median']:.1f} ms DDP step)")
+    return out
+
+
+# ----------------------------------------------------------------------------- environment facts
+
+
+def machine_facts(rt: Runtime) -> dict:
+    import torch
+
+    facts = {"hostname": socket.gethostname(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+             "mode": rt.mode}
+    if not rt.dry_run:
+        props = torch.cuda.get_device_properties(rt.device)
+        facts.update(
+            device_name=props.name, capability=f"{props.major}.{props.minor}",
+            multiprocessors=props.multi_processor_count, total_memory_gib=props.total_memory / 1024 ** 3,
+        )
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            facts["driver"] = out.stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            facts["driver"] = None
+    else:
+        facts["device_name"] = "cpu"
+    return facts
+
+
+def versions() -> dict:
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "cudnn": None}
+    try:
+        out["cudnn"] = torch.backends.cudnn.version()
+    except Exception:
+        pass
+    for key, mod, attrs in (("triton", "triton", ("__version__",)),
+                            ("megatron_core", "megatron.core.package_info", ("__shortversion__", "__version__")),
+                            ("mixln_megatron", "mixln_megatron", ("__version__",)),
+                            ("transformer_engine", "transformer_engine", ("__version__",))):
+        try:
+            module = importlib.import_module(mod)
+            out[key] = next(getattr(module, a) for a in attrs if hasattr(module, a))
+        except Exception:
+            out[key] = None
+    try:
+        import megatron.core
+
+        out["megatron_core_path"] = os.path.dirname(megatron.core.__file__)
+    except Exception:
+        out["megatron_core_path"] = None
+    try:
+        out["git_commit"] = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True,
+                                           text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        out["git_commit"] = None
+    return out
+
+
+def write_json(path: str, data: dict) -> None:
+    """Atomic rewrite (the file is rewritten after each phase)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=False, default=lambda o: str(o))
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def result_path(out_dir: str, name: str, mode: str) -> str:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return os.path.join(out_dir, f"{name}-{mode}-{stamp}.json")
+
+
+def fmt(v, spec=".4f") -> str:
+    return "nan" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-dry-run", action="store_true",
+                    help="same code on the CPU (mixln_megatron.cpu + gloo) with tiny shapes")
+    ap.add_argument("--out-dir", default=DEFAULT_RESULTS, help="where the JSON goes (default benchmarks/results)")
+    ap.add_argument("--warmup", type=int, default=None, help="warmup rounds (default 3; dry run 1)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed rounds (default 20; dry run 3)")
+    ap.add_argument("--layers", type=int, default=None, help="layers of the timed slice (default 8)")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length of the timed slice (default 4096)")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--dist-backend", default=None, help="torch.distributed backend (default nccl; dry run gloo)")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="watchdog: dump every thread's stack and exit after this long (default 450 on "
+                         "the GPU, keeping the whole run under 8 minutes; 0 = off; off in the dry run)")
+    ap.add_argument("--_reference", metavar="DIR", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not args._reference:
+        clear_mixln_env()
+    if args._reference:
+        preflight(need_gpu_modules=False)
+        return reference_main(args._reference)
+    if not args.cpu_dry_run and not _spec_missing("torch"):
+        require_cuda()  # before the heavier imports: a CPU machine is told at once
+    preflight(need_gpu_modules=not args.cpu_dry_run)
+    import torch
+
+    dry = args.cpu_dry_run
+    start_watchdog(args.max_seconds if args.max_seconds is not None else (0 if dry else 450))
+    warmup = args.warmup if args.warmup is not None else (1 if dry else 3)
+    repeats = args.repeats if args.repeats is not None else (3 if dry else 20)
+    base_slice = DRY_SLICE if dry else SLICE_7B
+    shape = dataclasses.replace(base_slice, layers=args.layers or base_slice.layers, seq=args.seq or base_slice.seq)
+    parity_shape = DRY_PARITY_SHAPE if dry else PARITY_SHAPE
+
+    rt = init_runtime(dry, seed=args.seed, backend=args.dist_backend)
+    path = result_path(args.out_dir, "gpu_check", rt.mode)
+    machine, vers = machine_facts(rt), versions()
+    log(f"gpu_check ({rt.mode}) on {machine.get('device_name')}; torch {torch.__version__}; megatron-core "
+        f"{vers.get('megatron_core')} from {vers.get('megatron_core_path')}; JSON -> {path}")
+    report = {
+        "check": "gpu_check", "schema": 1, "mode": rt.mode,
+        "started": _dt.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine, "versions": vers,
+        "notes": [
+            "backend: megatron-core local modules (no TransformerEngine, no apex); fused kernels off",
+            "timing scope: decoder block only (layers + final norm), no embedding / output layer / loss",
+            "local attention is unfused (O(seq^2) memory and time), so per-layer baselines are larger "
+            "than with TE's flash attention and overhead percentages are smaller than they would be with TE",
+            "step_peak_gib: peak allocated during a step minus allocated before it (activations and "
+            "temporaries; weights and persistent gradients excluded)",
+        ],
+        "phases": {},
+    }
+    write_json(path, report)
+    ok = True
+
+    # 1. parity
+    if not args.skip_parity:
+        t = time.monotonic()
+        try:
+            parity = phase_parity(rt, parity_shape, PARITY_POST_LN, args.seed)
+        except Exception as exc:
+            log(f"parity: ERROR {type(exc).__name__}: {exc}")
+            parity = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        parity["seconds"] = time.monotonic() - t
+        report["phases"]["parity"] = parity
+        ok = ok and parity.get("ok", False)
+        write_json(path, report)
+
+    # 2. timing
+    spike_variant = None
+    if not args.skip_timing:
+        t = time.monotonic()
+        variants = slice_variants(shape, "local")
+        timing = {"shape": dataclasses.asdict(shape), "dtype": "bf16", "warmup": warmup, "repeats": repeats,
+                  "scope": "decoder block only (TransformerBlock: layers + final norm)"}
+        report["phases"]["timing"] = timing
+
+        def partial(vs):
+            timing["variants"] = summarize_variants(vs, shape)
+            write_json(path, report)
+
+        summary = time_variants(
+            rt, lambda s, d: make_config(s, d, on_cpu=dry), shape, variants, warmup, repeats, args.seed,
+            on_round=partial,
+        )
+        timing["variants"] = summary
+        timing["figures"] = derive_figures(summary, shape, "local")
+        timing["seconds"] = time.monotonic() - t
+        for v in variants:
+            s = summary[v.name]
+            log(f"timing {v.name}: median {fmt(s['step_ms'].get('median'), '.2f')} ms "
+                f"(p25 {fmt(s['step_ms'].get('p25'), '.2f')}, p75 {fmt(s['step_ms'].get('p75'), '.2f')}), "
+                f"step peak {fmt(s['step_peak_gib'], '.3f')} GiB")
+        fig = timing["figures"]
+        log(f"timing ratios: P2/stock step {fmt(fig['step_ratio_p2_vs_stock'])} mem "
+            f"{fmt(fig['mem_ratio_p2_vs_stock'])}; P2/P0 step {fmt(fig['step_ratio_p2_vs_p0'])}; "
+            f"P0/stock step {fmt(fig['step_ratio_p0_vs_stock'])}")
+        if "extrapolated_7b" in fig:
+            e = fig["extrapolated_7b"]
+            log(f"per Post-LN layer: {fmt(fig['per_post_ln_layer']['ms'], '.3f')} ms; 7B (32 layers, P=2) "
+                f"decoder overhead {fmt(e['mixln_extra_ms'], '.3f')} ms = {fmt(e['overhead_pct'], '.3f')}%")
+        write_json(path, report)
+        spike_variant = next((v for v in variants if v.post_ln_layers == min(PAPER_7B_POST_LN, shape.layers)), None)
+
+        # 3. spike scaler on the same slice
+        try:
+            report["phases"]["spike"] = phase_spike(rt, spike_variant, shape, warmup, repeats, args.seed)
+        except Exception as exc:  # a figure missing, not a reason to lose the others
+            log(f"spike: ERROR {type(exc).__name__}: {exc}")
+            report["phases"]["spike"] = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+        write_json(path, report)
+        for v in variants:
+            v.block = v.params = None
+
+    # 4. result
+    fig = report["phases"].get("timing", {}).get("figures", {})
+    parity = report["phases"].get("parity", {})
+    result = {
+        "step_ratio": finite_or_none(fig.get("step_ratio_p2_vs_stock")),
+        "mem_ratio": finite_or_none(fig.get("mem_ratio_p2_vs_stock")),
+        "gpu_vs_cpu_max_abs": finite_or_none(parity.get("gpu_vs_cpu_max_abs")),
+        "parity_ok": parity.get("ok") if parity else None,
+        "definition": "step/mem ratio: Mix-LN P=2 over megatron's stock local spec on the slice; "
+                      "gpu_vs_cpu_max_abs: fp32 parity, max over output, input grad and param grads",
+    }
+    report["result"] = result
+    report["elapsed_s"] = time.monotonic() - _T0
+    write_json(path, report)
+    shutdown()
+    log(f"wrote {path}")
+    if parity and not parity.get("ok", False):
+        print("FAIL parity: GPU results differ from the CPU reference beyond tolerance (see JSON)", flush=True)
+    print(f"RESULT step_ratio={fmt(result['step_ratio'])} mem_ratio={fmt(result['mem_ratio'])} "
+          f"gpu_vs_cpu_max_abs={fmt(result['gpu_vs_cpu_max_abs'], '.3e')}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""`mixln-megatron analyze ...`: the diagnostics of the Mix-LN paper on our models.
+
+  grad-norms         per-layer gradient norm at initialization of Pre-LN, Post-LN and Mix-LN
+                     megatron-core GPTs of one shape, on real text batches (Figures 3e / 6a)
+  angular-distance   mean angular distance between the inputs of layers l and l + n (Eq. 8,
+                     Figure 5) of a Megatron torch_dist checkpoint or a Hugging Face folder
+  layer-drop         perplexity increase when each single layer is bypassed (Eq. 9, perplexity
+                     in place of accuracy), same model sources
+
+Each writes <out-dir>/<name>.json and <out-dir>/<name>.png and prints a short table. Everything
+runs on CPU in one process. Text: --text FILE (paragraphs separated by blank lines), default the
+shipped Austen corpus; tokenizer: --tokenizer DIR (a Hugging Face tokenizer directory), default
+the tokenizer in the HF folder if it has one, else the one named in the Megatron checkpoint's
+args if that directory exists here, else the shipped byte-level BPE.
+
+Megatron checkpoints are read directly into a megatron-core GPTModel (no conversion): the shape
+comes from the args Megatron-LM saved with the checkpoint, P / scheme from its Mix-LN record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Optional, Sequence
+
+from .grad_norms import DEFAULT_VARIANTS, VARIANTS
+
+
+def _seeds(text: str):
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seeds must be comma-separated integers, got {text!r}") from None
+
+
+def _variants(text: str):
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [n for n in names if n not in VARIANTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
+    return names
+
+
+def _embedding_std(text: str):
+    if text in ("megatron", "default"):
+        return None
+    if text == "reference":
+        return math.sqrt(2.0 / 5.0)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("--embedding-std takes a number, 'megatron' or 'reference'") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError("--embedding-std must be positive")
+    return value
+
+
+def _add_text_args(p):
+    p.add_argument("--text", default=None, help="text file (default: the shipped Austen corpus)")
+    p.add_argument("--tokenizer", default=None,
+                   help="Hugging Face tokenizer directory (default: see the command's help)")
+    p.add_argument("--cache-dir", default=None, help="where the shipped corpus is tokenized once (default: $TMPDIR)")
+    p.add_argument("--out-dir", default="analysis", help="where the JSON and PNG go (default: ./analysis)")
+
+
+def _add_model_source_args(p):
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--megatron", metavar="DIR",
+                     help="Megatron-LM torch_dist checkpoint: the --save directory or one iter_* directory")
+    src.add_argument("--hf", metavar="DIR", help="Hugging Face folder (LLaMA or our mixln_llama export)")
+    p.add_argument("--iteration", type=int, default=None, help="Megatron checkpoint iteration (default: latest)")
+    p.add_argument("--post-ln-layers", type=int, default=None,
+                   help="override P for a Megatron checkpoint (default: the checkpoint's record)")
+    p.add_argument("--scheme", default=None, choices=("mixln", "lns", "mixln+lns"),
+                   help="override the scheme for a Megatron checkpoint")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens to average over (default 8192)")
+    p.add_argument("--seq-length", type=int, default=128, help="tokens per sequence (default 128)")
+    p.add_argument("--batch-size", type=int, default=8)
+
+
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog or "mixln-megatron analyze", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("grad-norms", help="per-layer gradient norms at initialization (Figures 3e / 6a)",
+                       description="Per-layer gradient norm (L2 over each layer's parameters) at "
+                       "initialization, one fresh megatron-core GPT per variant and seed.")
+    g.add_argument("--num-layers", type=int, default=12)
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 8/3 hidden, rounded up to 16")
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("--num-batches", type=int, default=4, help="batches whose mean loss is differentiated")
+    g.add_argument("--alpha", type=float, default=0.25, help="Mix-LN alpha (P = floor(alpha * L))")
+    g.add_argument("--variants", type=_variants, default=list(DEFAULT_VARIANTS),
+                   help=f"comma list from {', '.join(VARIANTS)} (default {','.join(DEFAULT_VARIANTS)})")
+    g.add_argument("--seeds", type=_seeds, default=[1234, 1235, 1236], help="model init seeds (default 3)")
+    g.add_argument("--data-seed", type=int, default=0, help="which windows of the text are used")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--embedding-std", type=_embedding_std, default=None,
+                   help="embedding init std: a number, 'megatron' (= init-method-std, default) or "
+                   "'reference' (sqrt(2/5), the Mix-LN reference code)")
+    _add_text_args(g)
+
+    a = sub.add_parser("angular-distance", help="angular distance between layer inputs (Eq. 8, Figure 5)")
+    _add_model_source_args(a)
+    _add_text_args(a)
+
+    d = sub.add_parser("layer-drop", help="perplexity increase per bypassed layer (Eq. 9)")
+    _add_model_source_args(d)
+    _add_text_args(d)
+    return parser
+
+
+def _tokenizer_spec(a, lm=None):
+    from ..data import TokenizerSpec
+
+    if a.tokenizer:
+        return TokenizerSpec.hf_dir(a.tokenizer)
+    hf = getattr(a, "hf", None)
+    if hf and any(os.path.exists(os.path.join(hf, f)) for f in ("tokenizer.json", "vocab.json", "tokenizer.model")):
+        return TokenizerSpec.hf_dir(hf)
+    args = getattr(lm, "saved_args", None)
+    model_dir = getattr(args, "tokenizer_model", None) if args is not None else None
+    if model_dir and os.path.isdir(model_dir):
+        return TokenizerSpec.hf_dir(model_dir)
+    return None  # the shipped tokenizer
+
+
+def _write_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2)
+        f.write("\n")
+
+
+def _run_grad_norms(a) -> int:
+    from . import grad_norms, textdata
+    from .models import ModelShape
+
+    if a.num_layers < 1 or a.batch_size < 1 or a.num_batches < 1 or not a.seeds:
+        print("error: --num-layers, --batch-size, --num-batches must be positive and --seeds non-empty",
+              file=sys.stderr)
+        return 2
+    spec = _tokenizer_spec(a)
+    tokens = textdata.corpus_tokens(a.text, spec, a.cache_dir)
+    from ..data import load_tokenizer
+
+    vocab = int(math.ceil(load_tokenizer(spec).vocab_size / 128) * 128)  # Megatron-style padding
+    shape = ModelShape(
+        num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+        ffn_hidden_size=a.ffn_hidden_size, vocab_size=vocab, seq_length=a.seq_length,
+        init_method_std=a.init_method_std, embedding_init_std=a.embedding_std,
+    )
+    batch_list = textdata.batches(tokens, a.seq_length, a.batch_size, a.num_batches, seed=a.data_seed)
+    t0 = time.time()
+    result = grad_norms.measure_at_init(shape, batch_list, a.variants, a.alpha, a.seeds)
+    result.update(
+        when="at initialization", text=a.text or "shipped Austen corpus",
+        tokens_per_gradient=a.batch_size * a.num_batches * a.seq_length, seconds=round(time.time() - t0, 1),
+        checks=grad_norms.qualitative_checks(result),
+    )
+    base = os.path.join(a.out_dir, "grad_norms")
+    _write_json(base + ".json", result)
+    grad_norms.plot_profiles(result, base + ".png",
+                             title=f"per-layer gradient norm at init ({shape.describe()})")
+    print(f"per-layer gradient norms at initialization: {shape.describe()}, {len(a.seeds)} seed(s), "
+          f"{result['tokens_per_gradient']} tokens")
+    print(grad_norms.format_table(result))
+    for name, ok in result["checks"].items():
+        print(f"  {name}: {ok}")
+    print(f"wrote {base}.json and {base}.png")
+    return 0
+
+
+def _load(a):
+    from .models import load_model
+
+    if a.megatron:
+        return load_model(megatron=a.megatron, iteration=a.iteration, post_ln_layers=a.post_ln_layers,
+                          scheme=a.scheme)
+    if a.post_ln_layers is not None or a.scheme is not None:
+        raise ValueError("--post-ln-layers / --scheme apply to Megatron checkpoints; an HF folder's config says them")
+    return load_model(hf=a.hf)
+
+
+def _eval_batches(a, lm):
+    from . import textdata
+
+    spec = _tokenizer_spec(a, lm)
+    tokens = textdata.corpus_tokens(a.text, spec, a.cache_dir)
+    seq = a.seq_length
+    max_pos = getattr(getattr(lm.module, "config", None), "max_position_embeddings", None)
+    if lm.kind == "megatron":
+        max_pos = getattr(lm.module, "max_sequence_length", None)
+    if max_pos and seq > max_pos:
+        seq = int(max_pos)
+    n_windows = max(1, -(-a.tokens // seq))
+    windows = textdata.batches(tokens, seq, 1, num_batches=min(n_windows, len(tokens) // (seq + 1)))
+    import torch
+
+    out = [(torch.cat([w[0] for w in windows[i:i + a.batch_size]]),
+            torch.cat([w[1] for w in windows[i:i + a.batch_size]])) for i in range(0, len(windows), a.batch_size)]
+    textdata.check_vocab(out, lm.vocab_size)
+    return out, seq
+
+
+def _run_angular(a) -> int:
+    from . import angular
+
+    lm = _load(a)
+    batch_list, seq = _eval_batches(a, lm)
+    t0 = time.time()
+    result = angular.angular_distance_matrix(lm, batch_list)
+    result.update(model=lm.describe(), text=a.text or "shipped Austen corpus", seq_length=seq,
+                  seconds=round(time.time() - t0, 1))
+    base = os.path.join(a.out_dir, "angular_distance")
+    _write_json(base + ".json", result)
+    angular.plot_heatmap(result, base + ".png", title=f"angular distance, {lm.describe()[:90]}")
+    print(lm.describe())
+    print(f"angular distance over {result['tokens']} tokens; d(x_l, x_l+1) per layer:")
+    print("  " + " ".join(f"{x:.3f}" for x in result["adjacent"]))
+    print(f"wrote {base}.json and {base}.png")
+    return 0
+
+
+def _run_layer_drop(a) -> int:
+    from . import layer_drop
+
+    lm = _load(a)
+    batch_list, seq = _eval_batches(a, lm)
+    t0 = time.time()
+    result = layer_drop.layer_drop(lm, batch_list)
+    result.update(model=lm.describe(), text=a.text or "shipped Austen corpus", seq_length=seq,
+                  seconds=round(time.time() - t0, 1))
+    base = os.path.join(a.out_dir, "layer_drop")
+    _write_json(base + ".json", result)
+    layer_drop.plot_layer_drop(result, base + ".png")
+    print(lm.describe())
+    b = result["baseline"]
+    print(f"baseline perplexity {b['ppl']:.3f} over {b['tokens']} tokens")
+    print(f"{'layer':>5} {'PPL without':>12} {'delta':>10}")
+    for r in result["layers"]:
+        print(f"{r['layer']:>5} {r['ppl']:>12.3f} {r['delta_ppl']:>10.3f}")
+    print(f"wrote {base}.json and {base}.png")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
+    parser = build_parser(prog)
+    a = parser.parse_args(argv)
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    try:
+        if a.command == "grad-norms":
+            return _run_grad_norms(a)
+        if a.command == "angular-distance":
+            return _run_angular(a)
+        return _run_layer_drop(a)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(prog="python -m mixln_megatron.analysis.cli"))

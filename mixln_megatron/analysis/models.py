@@ -1,0 +1,516 @@
+"""Models the analyses run on: fresh megatron-core GPTs, Megatron torch_dist checkpoints, HF folders.
+
+Everything here runs on CPU in one process (mixln_megatron.cpu.enable() + a single-rank gloo
+group), which is enough for the model sizes the diagnostics are meant for and needs no GPU.
+
+Three ways in, one interface out (`LanguageModel`):
+  build_megatron_gpt(shape, post_ln_layers=, scheme=, seed=)   a fresh GPTModel from our spec
+  load_megatron_checkpoint(path)                                a torch_dist checkpoint saved by
+        Megatron-LM (`--ckpt-format torch_dist`), loaded into a megatron-core GPTModel built from
+        the model arguments stored in the checkpoint (common.pt `args`); Mix-LN settings from the
+        checkpoint's content metadata, else the saved --mixln-* arguments. No conversion to HF.
+  load_hf_model(path)                                           a Hugging Face folder (stock LLaMA
+        or our mixln_llama export), via AutoModelForCausalLM.
+
+LanguageModel gives the analyses what they need and nothing else:
+  token_losses(ids, labels) -> [b, s] per-token cross-entropy (nats)
+  layer_states(ids)         -> L + 1 tensors [b, s, h]: the input of every decoder layer, then the
+                               output of the last layer (before the final norm)
+  bypass(i)                 -> context manager in which decoder layer i (0-based) is the identity
+  layers                    -> the decoder layers (for per-layer gradient norms)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import socket
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+REFERENCE_EMBEDDING_STD = math.sqrt(2.0 / 5.0)  # the embedding init std of the Mix-LN reference code
+
+
+# ----------------------------------------------------------------------------------- single process
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_megatron_cpu(seed: int = 1234) -> None:
+    """cpu.enable(), a one-rank gloo group and megatron's parallel state (TP = PP = 1), once.
+
+    Reuses a process group / parallel state that already exists (e.g. inside tests).
+    """
+    from megatron.core import parallel_state as ps
+
+    from .. import cpu
+
+    if not torch.cuda.is_available():
+        cpu.enable()
+    if not torch.distributed.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()), LOCAL_RANK="0")
+        torch.distributed.init_process_group(backend="gloo")
+    if torch.distributed.get_world_size() != 1:
+        raise RuntimeError("the analysis tools run in a single process (world size 1), not under torchrun")
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+    seed_everything(seed)
+
+
+def seed_everything(seed: int) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------------- model shapes
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A LLaMA-shaped GPT: RMSNorm, SwiGLU, RoPE, no biases, untied embeddings (as the paper)."""
+
+    num_layers: int = 12
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    ffn_hidden_size: Optional[int] = None  # default: LLaMA's 8/3 * hidden, rounded up to 16
+    vocab_size: int = 4096
+    seq_length: int = 128
+    num_query_groups: Optional[int] = None
+    init_method_std: float = 0.02  # megatron's default (also the std of the embeddings)
+    embedding_init_std: Optional[float] = None  # None: init_method_std (megatron's default)
+    untie_embeddings: bool = True
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return int(math.ceil(8 * self.hidden_size / 3 / 16) * 16)
+
+    def describe(self) -> str:
+        emb = self.embedding_init_std if self.embedding_init_std is not None else self.init_method_std
+        return (f"L={self.num_layers} h={self.hidden_size} heads={self.num_attention_heads} "
+                f"ffn={self.ffn} vocab={self.vocab_size} seq={self.seq_length} "
+                f"init_std={self.init_method_std:g} emb_std={emb:.4g}")
+
+
+def megatron_config(shape: ModelShape, **overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = dict(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
+        ffn_hidden_size=shape.ffn, normalization="RMSNorm", layernorm_epsilon=1e-5,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        init_method_std=shape.init_method_std, embedding_init_method_std=shape.embedding_init_std,
+        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        attention_dropout=0.0, hidden_dropout=0.0, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        masked_softmax_fusion=False, bias_activation_fusion=False,
+    )
+    cfg.update(overrides)
+    return TransformerConfig(**cfg)
+
+
+@contextlib.contextmanager
+def _quiet_gpt_deprecation():
+    """megatron-core 0.19 logs a deprecation notice for every GPTModel built; noise in sweeps."""
+    import logging
+
+    logger = logging.getLogger("megatron.core.models.gpt.gpt_model")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def build_megatron_gpt(
+    shape: ModelShape,
+    post_ln_layers: int = 0,
+    scheme: str = "mixln",
+    seed: int = 1234,
+    config_overrides: Optional[dict] = None,
+):
+    """A fresh megatron-core GPTModel over our spec (local backend) on CPU, seeded."""
+    from megatron.core.models.gpt import GPTModel
+
+    from ..spec import get_mixln_decoder_block_spec
+
+    ensure_megatron_cpu(seed)
+    seed_everything(seed)
+    config = megatron_config(shape, **(config_overrides or {}))
+    spec = get_mixln_decoder_block_spec(config, backend="local", post_ln_layers=post_ln_layers, scheme=scheme)
+    with _quiet_gpt_deprecation():
+        model = GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=shape.vocab_size,
+            max_sequence_length=shape.seq_length, position_embedding_type="rope",
+            share_embeddings_and_output_weights=not shape.untie_embeddings,
+        )
+    return MegatronLM(model)
+
+
+# ----------------------------------------------------------------------------------- interface
+class LanguageModel:
+    """What the analyses need from a causal LM (see the module docstring)."""
+
+    module: torch.nn.Module
+    kind: str = "?"
+
+    @property
+    def layers(self) -> Sequence[torch.nn.Module]:
+        raise NotImplementedError
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    def token_losses(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def layer_states(self, ids: torch.Tensor) -> List[torch.Tensor]:
+        raise NotImplementedError
+
+    def _identity_forward(self, layer):
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def bypass(self, index: int):
+        """Decoder layer `index` (0-based) returns its input unchanged while inside the block."""
+        layer = self.layers[index]
+        had_own = "forward" in layer.__dict__
+        saved = layer.__dict__.get("forward")
+        layer.forward = self._identity_forward(layer)
+        try:
+            yield layer
+        finally:
+            if had_own:
+                layer.forward = saved
+            else:
+                del layer.forward
+
+    def describe(self) -> str:
+        return f"{self.kind} model with {self.num_layers} layers"
+
+
+def _causal_mask(s: int) -> torch.Tensor:
+    return torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), 1)
+
+
+class MegatronLM(LanguageModel):
+    """A megatron-core GPTModel (TP = PP = 1, on CPU)."""
+
+    kind = "megatron"
+
+    def __init__(self, model, source: str = "fresh", placement=None):
+        self.module = model
+        self.source = source
+        self.placement = placement or getattr(model.decoder.layers[0], "placement", None)
+
+    @property
+    def layers(self):
+        return list(self.module.decoder.layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.module.vocab_size)
+
+    def _inputs(self, ids):
+        b, s = ids.shape
+        pos = torch.arange(s).unsqueeze(0).expand(b, s)
+        return pos, _causal_mask(s)
+
+    def token_losses(self, ids, labels):
+        pos, mask = self._inputs(ids)
+        return self.module(ids, pos, mask, labels=labels).float()
+
+    def layer_states(self, ids):
+        states: List[torch.Tensor] = []
+        handles = []
+
+        def pre_hook(module, args, kwargs):
+            x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            states.append(x.detach().transpose(0, 1).float())  # [s, b, h] -> [b, s, h]
+
+        def last_hook(module, args, kwargs, output):
+            out = output[0] if isinstance(output, tuple) else output
+            states.append(out.detach().transpose(0, 1).float())
+
+        layers = self.layers
+        for layer in layers:
+            handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(layers[-1].register_forward_hook(last_hook, with_kwargs=True))
+        try:
+            pos, mask = self._inputs(ids)
+            with torch.no_grad():
+                self.module(ids, pos, mask)
+        finally:
+            for h in handles:
+                h.remove()
+        if len(states) != len(layers) + 1:
+            raise RuntimeError(f"expected {len(layers) + 1} layer states, captured {len(states)}")
+        return states
+
+    def _identity_forward(self, layer):
+        def forward(hidden_states=None, *args, context=None, **kwargs):
+            return hidden_states, context
+        return forward
+
+    def describe(self) -> str:
+        p = self.placement
+        where = f" ({p.describe().replace('[mixln_megatron] ', '')})" if p is not None else ""
+        return f"megatron-core GPTModel, {self.num_layers} layers, from {self.source}{where}"
+
+
+class HFLM(LanguageModel):
+    """A Hugging Face causal LM whose decoder layers are model.model.layers (LLaMA family)."""
+
+    kind = "hf"
+
+    def __init__(self, model, source: str = "memory"):
+        self.module = model
+        self.source = source
+
+    @property
+    def layers(self):
+        return list(self.module.model.layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.module.config.vocab_size)
+
+    def token_losses(self, ids, labels):
+        logits = self.module(input_ids=ids, use_cache=False).logits.float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                               reduction="none").view_as(labels)
+
+    def layer_states(self, ids):
+        """hidden_states[0..L-1] of output_hidden_states (the layer inputs) and the last layer's output.
+
+        The last entry of `hidden_states` is the final norm's output in transformers, so the last
+        layer's raw output is taken with a forward hook instead.
+        """
+        last = []
+
+        def hook(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            last.append(out.detach().float())
+
+        handle = self.layers[-1].register_forward_hook(hook)
+        try:
+            with torch.no_grad():
+                out = self.module(input_ids=ids, output_hidden_states=True, use_cache=False)
+        finally:
+            handle.remove()
+        hs = out.hidden_states
+        n = self.num_layers
+        if hs is None or len(hs) != n + 1 or len(last) != 1:
+            raise RuntimeError(f"expected {n + 1} hidden states from output_hidden_states, got "
+                               f"{None if hs is None else len(hs)}")
+        return [h.detach().float() for h in hs[:n]] + [last[0]]
+
+    def _identity_forward(self, layer):
+        def forward(hidden_states, *args, **kwargs):
+            return hidden_states
+        return forward
+
+    def describe(self) -> str:
+        cfg = self.module.config
+        post = getattr(cfg, "post_ln_layers", 0)
+        scheme = getattr(cfg, "mixln_scheme", "mixln")
+        return (f"Hugging Face {type(self.module).__name__}, {self.num_layers} layers "
+                f"(post_ln_layers={post}, scheme={scheme}), from {self.source}")
+
+
+# ----------------------------------------------------------------------------------- loading
+def load_hf_model(path: str) -> HFLM:
+    """A Hugging Face folder: stock LLaMA, or our mixln_llama export (registered, no remote code)."""
+    from transformers import AutoModelForCausalLM
+
+    from ..hf import register_auto_classes
+
+    register_auto_classes()
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, local_files_only=True)
+    model.eval()
+    if not hasattr(getattr(model, "model", None), "layers"):
+        raise ValueError(f"{path}: expected a LLaMA-family model with model.model.layers, got {type(model).__name__}")
+    return HFLM(model, source=path)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be read by the analysis tools; the message says why."""
+
+
+def resolve_checkpoint_dir(path: str, iteration: Optional[int] = None) -> str:
+    """`path` is Megatron-LM's --save directory (uses latest_checkpointed_iteration.txt or
+    `iteration`) or one iter_XXXXXXX directory itself."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint directory not found: {path}")
+    if os.path.exists(os.path.join(path, "metadata.json")):
+        return path
+    if iteration is None:
+        tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
+        if not os.path.exists(tracker):
+            raise CheckpointError(
+                f"{path} is neither a torch_dist checkpoint (no metadata.json) nor a Megatron-LM save "
+                "directory (no latest_checkpointed_iteration.txt)")
+        text = open(tracker).read().strip()
+        if text == "release":
+            sub = os.path.join(path, "release")
+        else:
+            sub = os.path.join(path, f"iter_{int(text):07d}")
+    else:
+        sub = os.path.join(path, f"iter_{int(iteration):07d}")
+    if not os.path.exists(os.path.join(sub, "metadata.json")):
+        raise CheckpointError(f"{sub} is not a torch_dist checkpoint (no metadata.json); only "
+                              "--ckpt-format torch_dist checkpoints are supported")
+    return sub
+
+
+def _config_from_saved_args(args):
+    """A TransformerConfig for CPU inference from the model arguments Megatron-LM saved."""
+    unsupported = [name for name in ("num_experts", "multi_latent_attention") if getattr(args, name, None)]
+    if unsupported:
+        raise CheckpointError(f"checkpoint uses {', '.join(unsupported)}, which the analysis tools do not support")
+    norm = getattr(args, "normalization", "LayerNorm")
+    if getattr(args, "group_query_attention", False):
+        groups = getattr(args, "num_query_groups", None)
+    else:
+        groups = None
+    overrides = {}
+    if getattr(args, "kv_channels", None):
+        overrides["kv_channels"] = args.kv_channels
+    if getattr(args, "qk_layernorm", False):
+        overrides["qk_layernorm"] = True
+    swiglu = bool(getattr(args, "swiglu", False))
+    shape = ModelShape(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size,
+        vocab_size=_vocab_size(args), seq_length=getattr(args, "max_position_embeddings", None)
+        or getattr(args, "seq_length", 2048),
+        num_query_groups=groups, untie_embeddings=bool(getattr(args, "untie_embeddings_and_output_weights", False)),
+    )
+    return shape, megatron_config(
+        shape, normalization=norm,
+        layernorm_epsilon=getattr(args, "norm_epsilon", 1e-5),
+        gated_linear_unit=swiglu, activation_func=F.silu if swiglu else F.gelu,
+        add_bias_linear=bool(getattr(args, "add_bias_linear", True)),
+        add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
+        layernorm_zero_centered_gamma=bool(getattr(args, "apply_layernorm_1p", False)),
+        **overrides,
+    )
+
+
+def _vocab_size(args) -> int:
+    v = getattr(args, "padded_vocab_size", None)
+    if v is None:
+        raise CheckpointError("the checkpoint's saved args have no padded_vocab_size")
+    return int(v)
+
+
+def _mixln_settings_from_checkpoint(ckpt_dir: str, args) -> dict:
+    """P and scheme: content metadata record > saved --mixln-* args > none (plain Pre-LN).
+
+    A P = 0 guess on a Mix-LN checkpoint is still caught: the layers compare the sharded settings
+    record stored in the checkpoint on load and fail with a message naming both.
+    """
+    from ..checkpoint import read_checkpoint_record
+    from ..placement import MixLNSettings
+
+    try:
+        record = read_checkpoint_record(ckpt_dir)
+    except Exception:  # noqa: BLE001 - older checkpoints have no content metadata
+        record = None
+    if record:
+        return {"post_ln_layers": int(record.get("post_ln_layers", 0)),
+                "scheme": record.get("scheme", "mixln"), "source": "checkpoint metadata"}
+    alpha = getattr(args, "mixln_alpha", None)
+    post = getattr(args, "mixln_post_ln_layers", None)
+    scheme = getattr(args, "mixln_scheme", None)
+    if alpha is not None or post is not None or scheme is not None:
+        placement = MixLNSettings(alpha=alpha, post_ln_layers=post, scheme=scheme).resolve(args.num_layers, environ={})
+        return {"post_ln_layers": placement.post_ln_layers, "scheme": placement.scheme, "source": "saved args"}
+    return {"post_ln_layers": 0, "scheme": "mixln", "source": "none found (Pre-LN)"}
+
+
+def load_megatron_checkpoint(
+    path: str,
+    iteration: Optional[int] = None,
+    post_ln_layers: Optional[int] = None,
+    scheme: Optional[str] = None,
+) -> MegatronLM:
+    """A torch_dist checkpoint (Megatron-LM layout) in a megatron-core GPTModel on CPU.
+
+    The model shape comes from the `args` Megatron-LM stores in the checkpoint; post_ln_layers /
+    scheme override the Mix-LN settings found in it (see _mixln_settings_from_checkpoint).
+    Only TP = PP = 1 in memory; the checkpoint may have been saved with any parallel layout.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.models.gpt import GPTModel
+
+    from ..spec import get_mixln_decoder_block_spec
+
+    ensure_megatron_cpu()
+    ckpt_dir = resolve_checkpoint_dir(path, iteration)
+    common = dist_checkpointing.load_common_state_dict(ckpt_dir)
+    args = common.get("args") if isinstance(common, dict) else None
+    if args is None:
+        raise CheckpointError(f"{ckpt_dir}: no saved `args` in common.pt; cannot tell the model shape")
+    settings = _mixln_settings_from_checkpoint(ckpt_dir, args)
+    if post_ln_layers is not None:
+        settings.update(post_ln_layers=int(post_ln_layers), source="command line")
+    if scheme is not None:
+        settings.update(scheme=scheme)
+    shape, config = _config_from_saved_args(args)
+    spec = get_mixln_decoder_block_spec(config, backend="local", post_ln_layers=settings["post_ln_layers"],
+                                        scheme=settings["scheme"])
+    with _quiet_gpt_deprecation():
+        model = GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=shape.vocab_size,
+            max_sequence_length=shape.seq_length,
+            position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
+            rotary_percent=getattr(args, "rotary_percent", 1.0),
+            rotary_base=getattr(args, "rotary_base", 10000),
+            share_embeddings_and_output_weights=not shape.untie_embeddings,
+        )
+    metadata = None
+    try:
+        metadata = dist_checkpointing.load_content_metadata(ckpt_dir)
+    except Exception:  # noqa: BLE001
+        metadata = None
+    sharded = model.sharded_state_dict(metadata=metadata) if metadata else model.sharded_state_dict()
+    loaded = dist_checkpointing.load({"model": sharded}, ckpt_dir)
+    state = loaded["model"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing:
+        raise CheckpointError(f"{ckpt_dir}: parameters missing from the checkpoint: {missing[:8]}")
+    model.eval()
+    from ..placement import Placement
+
+    placement = Placement(config.num_layers, settings["post_ln_layers"], settings["scheme"],
+                          source=settings["source"])
+    lm = MegatronLM(model, source=ckpt_dir, placement=placement)
+    lm.saved_args = args
+    return lm
+
+
+def load_model(megatron: Optional[str] = None, hf: Optional[str] = None, **kwargs) -> LanguageModel:
+    if (megatron is None) == (hf is None):
+        raise ValueError("give exactly one of a Megatron checkpoint and a Hugging Face folder")
+    if hf is not None:
+        return load_hf_model(hf)
+    return load_megatron_checkpoint(megatron, **kwargs)

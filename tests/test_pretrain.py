@@ -1,0 +1,267 @@
+"""`mixln-megatron pretrain`: Megatron-LM's training loop with the Mix-LN model, on CPU with gloo.
+
+The training runs are subprocesses (`python -m torch.distributed.run ... -m mixln_megatron.pretrain
+--cpu ...`): Megatron's global state allows one pretrain() per process. Losses are compared per
+iteration from the entry point's --loss-log record (Megatron's own log line after a (re)start
+averages two iterations).
+"""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import types
+from argparse import Namespace
+
+import pytest
+
+import mcore_utils as mu
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+    "--position-embedding-type", "rope", "--use-cpu-initialization",
+    "--eval-iters", "1", "--eval-interval", "3", "--log-interval", "1", "--num-workers", "0",
+    "--train-iters", "6",
+]
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def start(args, nproc=1, torchrun=True):
+    """Popen of the entry point (under torchrun with `nproc` workers, or as a plain process)."""
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(mu.free_port()), "-m", "mixln_megatron.pretrain", *args]
+    else:
+        cmd = [sys.executable, "-m", "mixln_megatron.pretrain", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO)
+    proc.cmd = cmd
+    return proc
+
+
+def finish(proc, timeout=400, expect_rc=0):
+    out, _ = proc.communicate(timeout=timeout)
+    if proc.returncode != expect_rc:
+        raise AssertionError(f"{' '.join(proc.cmd)} exited {proc.returncode}:\n{out[-8000:]}")
+    return out
+
+
+def train(args, nproc=1, timeout=400):
+    return finish(start(args, nproc), timeout)
+
+
+def losses(path):
+    with open(path) as f:
+        record = json.load(f)
+    return record, {t["iteration"]: t["loss"] for t in record["train"]}
+
+
+def megatron_logged(out):
+    """{iteration: lm loss} from Megatron's log lines (log-interval 1)."""
+    pat = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
+    return {int(m.group(1)): float(m.group(2)) for m in pat.finditer(out)}
+
+
+# ------------------------------------------------------------------ train, save, resume
+def test_train_save_resume_equals_uninterrupted(tmp_path):
+    """6 iterations at once == 3, torch_dist save, exit, load, 3 more: per-iteration and validation."""
+    ckpt = tmp_path / "ckpt"
+    mix = ["--cpu", *TINY, "--mixln-alpha", "0.25"]  # dropout on (Megatron's 0.1 defaults)
+    full = start([*mix, "--loss-log", str(tmp_path / "full.json")])
+    part1 = start([*mix, "--loss-log", str(tmp_path / "p1.json"), "--save", str(ckpt),
+                   "--save-interval", "3", "--exit-interval", "3", "--ckpt-format", "torch_dist"])
+    out_full = finish(full)
+    finish(part1)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert (ckpt / "iter_0000003" / ".metadata").exists()  # torch_dist layout
+    out2 = train([*mix, "--loss-log", str(tmp_path / "p2.json"), "--load", str(ckpt), "--save", str(ckpt),
+                  "--save-interval", "3", "--ckpt-format", "torch_dist"])
+    assert "loading distributed checkpoint from" in out2 or "successfully loaded checkpoint" in out2
+
+    rec_full, full_losses = losses(tmp_path / "full.json")
+    _, p1 = losses(tmp_path / "p1.json")
+    rec2, p2 = losses(tmp_path / "p2.json")
+    assert sorted(full_losses) == [1, 2, 3, 4, 5, 6]
+    assert sorted(p1) == [1, 2, 3] and sorted(p2) == [4, 5, 6]
+    for it in range(1, 7):
+        assert (p1 if it <= 3 else p2)[it] == pytest.approx(full_losses[it], rel=1e-6, abs=0), it
+    # The losses go down and our record is what Megatron reduces and logs (iteration 2's line
+    # averages iterations 1 and 2, the first line after a start is not reset).
+    assert full_losses[6] < full_losses[1]
+    logged = megatron_logged(out_full)
+    for it in (1, 3, 4, 5, 6):
+        assert logged[it] == pytest.approx(full_losses[it], rel=2e-6), it
+    assert logged[2] == pytest.approx((full_losses[1] + full_losses[2]) / 2, rel=2e-6)
+    # Validation: periodic at 3 and 6, then the final validation and test passes.
+    splits = [(e["split"], e["iteration"]) for e in rec_full["eval"]]
+    assert splits == [("valid", 3), ("valid", 6), ("valid", 6), ("test", 6)]
+    assert [e["loss"] for e in rec2["eval"]] == pytest.approx([e["loss"] for e in rec_full["eval"][1:]], rel=1e-6)
+    # The model that trained is the Mix-LN one: layer 1 of 4 is Post-LN (alpha 0.25).
+    assert rec_full["mixln"]["post_ln_layers"] == 1
+    assert "Post-LN layers: 1" in out_full
+
+
+# ------------------------------------------------------------------ unsupported configurations
+def test_unsupported_configurations_are_rejected():
+    from mixln_megatron.pretrain import MixLNPretrainUnsupported, check_supported_args
+
+    base = dict(use_megatron_fsdp=False, context_parallel_size=1, transformer_impl="local",
+                mtp_num_layers=None, num_experts=None)
+    check_supported_args(Namespace(**base))
+    check_supported_args(Namespace(**{**base, "context_parallel_size": 2, "transformer_impl": "transformer_engine"}))
+    with pytest.raises(MixLNPretrainUnsupported, match="Megatron-FSDP"):
+        check_supported_args(Namespace(**{**base, "use_megatron_fsdp": True}))
+    with pytest.raises(MixLNPretrainUnsupported, match="context parallelism"):
+        check_supported_args(Namespace(**{**base, "context_parallel_size": 2}))
+
+
+def test_entry_point_rejects_megatron_fsdp_and_local_cp_before_starting():
+    fsdp = start(["--cpu", *TINY, "--use-megatron-fsdp"], torchrun=False)
+    cp = start(["--cpu", *TINY, "--context-parallel-size", "2"], torchrun=False)
+    for proc, what in ((fsdp, "Megatron-FSDP (--use-megatron-fsdp) is not supported"),
+                       (cp, "context parallelism (--context-parallel-size > 1) is not supported")):
+        out = finish(proc, timeout=200, expect_rc=2)
+        assert f"mixln-megatron pretrain: error: {what}" in out
+        assert "initializing torch distributed" not in out
+
+
+# ------------------------------------------------------------------ the compile_helpers workaround
+def _stand_in_utils(directory, makefile: bool):
+    os.makedirs(directory, exist_ok=True)
+    if makefile:
+        with open(os.path.join(directory, "Makefile"), "w") as f:
+            f.write("all:\n")
+
+    def compile_helpers():
+        raise AssertionError("the upstream compile step")
+
+    return types.SimpleNamespace(__file__=os.path.join(directory, "utils.py"), compile_helpers=compile_helpers)
+
+
+def test_prebuilt_helpers_used_only_without_makefile(tmp_path):
+    from mixln_megatron import pretrain
+
+    with_makefile = _stand_in_utils(tmp_path / "src", makefile=True)
+    original = with_makefile.compile_helpers
+    assert pretrain.use_prebuilt_dataset_helpers(with_makefile) is False
+    assert with_makefile.compile_helpers is original  # a source tree keeps compiling
+
+    wheel_like = _stand_in_utils(tmp_path / "wheel", makefile=False)
+    assert pretrain.use_prebuilt_dataset_helpers(wheel_like) is True
+    assert wheel_like.compile_helpers is not None and wheel_like.compile_helpers.mixln_prebuilt
+    wheel_like.compile_helpers()  # imports the prebuilt module instead of running make
+    assert pretrain.use_prebuilt_dataset_helpers(wheel_like) is True  # idempotent
+
+
+def test_prebuilt_helpers_not_used_when_they_do_not_import(tmp_path, monkeypatch):
+    from mixln_megatron import pretrain
+
+    monkeypatch.setattr(pretrain, "HELPERS_MODULE", "megatron.core.datasets.no_such_helpers_module")
+    utils = _stand_in_utils(tmp_path / "wheel", makefile=False)
+    original = utils.compile_helpers
+    assert pretrain.use_prebuilt_dataset_helpers(utils) is False
+    assert utils.compile_helpers is original
+
+
+def test_prebuilt_helpers_premise_and_no_patch_at_import(tmp_path):
+    """The installed wheel: helpers prebuilt, no Makefile. Importing our module patches nothing."""
+    import importlib
+
+    import megatron.core.datasets.utils as real_utils
+
+    from mixln_megatron import pretrain
+
+    assert not getattr(real_utils.compile_helpers, "mixln_prebuilt", False)
+    directory = os.path.dirname(real_utils.__file__)
+    try:
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+        importable = True
+    except ImportError:
+        importable = False
+    expected = importable and not os.path.exists(os.path.join(directory, "Makefile"))
+    stand_in = types.SimpleNamespace(__file__=real_utils.__file__, compile_helpers=real_utils.compile_helpers)
+    assert pretrain.use_prebuilt_dataset_helpers(stand_in) is expected
+    assert expected, "megatron-core's wheel layout changed: the compile_helpers workaround no longer applies"
+
+
+# ------------------------------------------------------------------ the model provider's spec path
+@pytest.mark.parametrize(
+    "flags, post_ln",
+    [
+        (dict(mixln_alpha="0.25"), [True, False, False, False]),
+        (dict(mixln_post_ln_layers=2), [True, True, False, False]),
+        (dict(mixln_alpha="0"), [False, False, False, False]),
+    ],
+)
+def test_model_provider_builds_post_ln_layers_as_configured(mcore_single, monkeypatch, flags, post_ln):
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.training import global_vars
+
+    from mixln_megatron.megatron_args import apply_mixln_args
+    from mixln_megatron.norms import MixLNNorm
+    from mixln_megatron.pretrain import model_provider
+
+    for name in ("MIXLN_ALPHA", "MIXLN_POST_LN_LAYERS", "MIXLN_SCHEME"):
+        monkeypatch.setenv(name, "")  # restored after the test; apply_mixln_args overwrites
+    apply_mixln_args(Namespace(**{"mixln_alpha": None, "mixln_post_ln_layers": None, "mixln_scheme": None, **flags}))
+    args = Namespace(
+        transformer_impl="local", padded_vocab_size=mu.VOCAB, max_position_embeddings=mu.SEQ,
+        fp16_lm_cross_entropy=False, untie_embeddings_and_output_weights=True,
+        position_embedding_type="rope", rotary_percent=1.0, rotary_base=10000, use_rope_scaling=False,
+    )
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    model = model_provider(pre_process=True, post_process=True, config=mu.tiny_config())
+    layers = list(model.decoder.layers)
+    assert [layer.is_post_ln for layer in layers] == post_ln
+    for layer, is_post in zip(layers, post_ln):
+        if is_post:
+            assert isinstance(layer.input_layernorm, IdentityOp)
+            assert isinstance(layer.post_attention_layernorm, MixLNNorm)
+            assert isinstance(layer.post_mlp_layernorm, MixLNNorm)
+        else:
+            assert isinstance(layer.input_layernorm, MixLNNorm)
+    assert isinstance(model.decoder.final_layernorm, MixLNNorm)
+    ids, labels, pos, mask = mu.batch()
+    out = model(ids, pos, mask, labels=labels)
+    assert out.shape == labels.shape and bool(out.isfinite().all())
+
+
+# ------------------------------------------------------------------ model parallel (torchrun, 2 procs)
+@pytest.mark.slow
+@pytest.mark.mp
+def test_pp2_and_tp2_resume_match_single_process(tmp_path):
+    """PP2 (Post-LN layers 1-2 on stage 0) trains like TP1; its torch_dist checkpoint resumes at TP2."""
+    nodrop = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+    mix = ["--cpu", *TINY, *nodrop, "--mixln-post-ln-layers", "2"]
+    ref = start([*mix, "--loss-log", str(tmp_path / "ref.json")])
+    finish(ref)
+    ckpt = tmp_path / "ckpt"
+    out_pp = train([*mix, "--pipeline-model-parallel-size", "2", "--loss-log", str(tmp_path / "pp2.json"),
+                    "--save", str(ckpt), "--save-interval", "3", "--exit-interval", "3"], nproc=2)
+    assert "Post-LN layers: 1, 2" in out_pp
+    train([*mix, "--tensor-model-parallel-size", "2", "--loss-log", str(tmp_path / "tp2.json"),
+           "--load", str(ckpt)], nproc=2)
+    _, ref_losses = losses(tmp_path / "ref.json")
+    _, pp2 = losses(tmp_path / "pp2.json")
+    rec_tp2, tp2 = losses(tmp_path / "tp2.json")
+    assert sorted(pp2) == [1, 2, 3] and sorted(tp2) == [4, 5, 6]
+    for it in range(1, 7):
+        got = pp2[it] if it <= 3 else tp2[it]
+        assert got == pytest.approx(ref_losses[it], rel=1e-4), (it, got, ref_losses[it])
+    assert rec_tp2["mixln"]["post_ln_layers"] == 2
+    assert math.isfinite(rec_tp2["eval"][-1]["loss"])

@@ -1,0 +1,428 @@
+"""torchrun worker for the gradient-spike scaler: tests/test_spike.py and benchmarks/spike.py.
+
+    python -m torch.distributed.run --nproc_per_node=N tests/workers/spike_worker.py \
+        --out DIR --layouts ddp,distopt,...
+
+Each layout re-initialises megatron's parallel state and builds a tiny Mix-LN GPT (4 layers,
+hidden 64, P = 2, so the boundary layers are 2 and 3 and the targets are their four norm weights),
+wrapped in megatron's DistributedDataParallel, with get_megatron_optimizer (Adam) and the schedule
+from get_forward_backward_func. Every layout sees the same global batch per step (DP ranks take
+their rows of it). Spikes are injected (x1000) into the reduced gradient of chosen target elements
+by a finalize function that the scaler's hook wraps, so the scaler sees them exactly as it would
+see a real spike. Results go to DIR/<layout>.rank<r>.pt; the tests compare them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import logging
+import math
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)
+ROOT = os.path.dirname(TESTS)
+for _path in (ROOT, TESTS):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import torch  # noqa: E402
+
+NUM_LAYERS = 4
+POST_LN = 2  # boundary layers 2 (last Post-LN) and 3 (first Pre-LN)
+GLOBAL_BATCH = 4
+MICRO_BATCH = 2
+STEPS = 8
+SETTINGS = dict(threshold=50.0, beta=0.9, warmup_steps=3, log_interval=4)
+# step -> [(target name, element, factor)]; the scaler is warm from step 4 on (3 committed steps).
+INJECT = {
+    5: [("layer2.norm2.weight", 5, 1000.0), ("layer3.norm1.weight", 7, 1000.0)],
+    7: [("layer2.norm1.weight", 11, 1000.0), ("layer3.norm2.weight", 2, -1000.0)],
+}
+# fp16 layout: a non-finite target gradient at step 4 (its state must not move and the optimizer
+# skips the step), a non-finite non-target gradient at step 6 (the optimizer skips: nothing commits).
+INF_INJECT = {4: [("layer3.norm1.weight", 1, math.inf)], 6: [("nontarget", 0, math.inf)]}
+
+LAYOUTS = {
+    # name: tp, pp, sequence parallel, distributed optimizer, how the scaler is installed, inject
+    "ddp_plain": dict(scaler=None, inject=False, save="ddp_plain"),
+    "ddp_quiet": dict(scaler="api", inject=False),
+    "distopt_plain": dict(scaler=None, inject=False, distopt=True),
+    "ddp": dict(scaler="api"),
+    "distopt": dict(scaler="api", distopt=True),
+    "tp2sp": dict(scaler="api", tp=2, sp=True),
+    "pp2": dict(scaler="spec", pp=2),
+    "pp2_resume": dict(scaler="spec", pp=2, resume_at=5),
+    "fresh_load": dict(scaler="spec", load="ddp_plain", steps=2),
+    "fp16": dict(scaler="spec", fp16=True, inf=True),
+    "tp2pp2_distopt": dict(scaler="spec", tp=2, pp=2, sp=True, distopt=True),
+    "dp2tp2_distopt": dict(scaler="api", tp=2, sp=True, distopt=True),
+    # benchmarks/spike.py: default threshold / beta / warm-up, random x1000 spikes after warm-up.
+    "bench": dict(scaler="api", distopt=True, steps=200, bench="record"),
+    "bench_timing": dict(scaler="api", distopt=True, steps=200, bench="time"),
+}
+
+
+class Run:
+    """Everything one layout records."""
+
+    def __init__(self, name):
+        self.name = name
+        self.step = 0
+        self.losses, self.digests, self.successes = [], [], []
+        self.inputs, self.decisions, self.replacements = {}, {}, {}
+        self.warnings = []
+        self.step_times = []
+        self.states = []  # scaler state after each step
+        self.injected = []  # (step, target, element) of the x1000 spikes
+
+
+def _env_for(layout: dict) -> None:
+    """Spec layouts get their settings the Megatron-LM way: MIXLN_SPIKE_* variables."""
+    spec = layout.get("scaler") == "spec"
+    os.environ["MIXLN_SPIKE_SCALER"] = "1" if spec else "0"
+    for name, key in (("MIXLN_SPIKE_THRESHOLD", "threshold"), ("MIXLN_SPIKE_BETA", "beta"),
+                      ("MIXLN_SPIKE_WARMUP_STEPS", "warmup_steps")):
+        if spec:
+            os.environ[name] = str(SETTINGS[key])
+        else:
+            os.environ.pop(name, None)
+    os.environ.pop("MIXLN_SPIKE_TARGETS", None)
+
+
+def _bench_plan(steps: int) -> dict:
+    """x1000 on two random target elements every 4th step after the default warm-up."""
+    import random
+
+    from mixln_megatron.spike import DEFAULT_WARMUP_STEPS
+
+    names = ["layer2.norm1.weight", "layer2.norm2.weight", "layer3.norm1.weight", "layer3.norm2.weight"]
+    rng = random.Random(0)
+    plan = {}
+    for step in range(DEFAULT_WARMUP_STEPS + 2, steps + 1, 4):
+        picks = set()
+        while len(picks) < 2:
+            picks.add((rng.choice(names), rng.randrange(64)))
+        plan[step] = [(name, index, 1000.0) for name, index in sorted(picks)]
+    return plan
+
+
+def _named_targets(model):
+    from mixln_megatron.grads_hook import norm_parameters
+    from mixln_megatron.layer import MixLNTransformerLayer
+
+    out = {}
+    for module in model.modules():
+        if isinstance(module, MixLNTransformerLayer):
+            for role, p in norm_parameters(module):
+                out[f"layer{module.layer_number}.{role}"] = p
+    return out
+
+
+def _injector(run: Run, model, layout: dict):
+    """A finalize_model_grads_func that runs megatron's, then multiplies chosen reduced grads."""
+    from megatron.core.distributed import finalize_model_grads
+
+    targets = _named_targets(model)
+    nontarget = next(p for n, p in model.named_parameters() if "linear_fc2" in n)
+    if layout.get("bench"):
+        plan = _bench_plan(layout["steps"])
+    else:
+        plan = dict(INJECT) if layout.get("inject", True) else {}
+    run.injected = [(step, name, index) for step, items in sorted(plan.items())
+                    for name, index, factor in items if name != "nontarget" and not math.isinf(factor)]
+    if layout.get("inf"):
+        for step, items in INF_INJECT.items():
+            plan[step] = plan.get(step, []) + items
+
+    def finalize(model_chunks, *args, **kwargs):
+        result = finalize_model_grads(model_chunks, *args, **kwargs)
+        for name, index, factor in plan.get(run.step, []):
+            param = nontarget if name == "nontarget" else targets.get(name)
+            if param is None:
+                continue  # on another pipeline stage
+            grad = param.main_grad.view(-1)
+            if math.isinf(factor):
+                grad[index] = factor
+            else:
+                grad[index] *= factor
+        return result
+
+    return finalize
+
+
+def _recorder(run: Run):
+    def record(scaler, full, spike, replacement, scale):
+        g = full.float()
+        r = replacement.float()
+        if scale is not None:
+            g, r = g / scale, r / scale
+        offset = 0
+        for t in scaler.targets:
+            sl = slice(offset, offset + t.numel)
+            run.inputs.setdefault(run.step, {})[t.name] = g[sl].clone()
+            run.decisions.setdefault(run.step, {})[t.name] = spike[sl].nonzero().flatten().tolist()
+            run.replacements.setdefault(run.step, {})[t.name] = r[sl].clone()
+            offset += t.numel
+
+    return record
+
+
+def build(run: Run, layout: dict):
+    """Model (DDP-wrapped), optimizer and scaler for `layout` on the current parallel state."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from mcore_utils import build_gpt, tiny_config
+    from mixln_megatron.grads_hook import get_spike_scaler, install_spike_scaler
+    from mixln_megatron.spec import get_mixln_decoder_block_spec
+
+    _env_for(layout)
+    fp16 = bool(layout.get("fp16"))
+    dtype = torch.float16 if fp16 else torch.float32
+    config = tiny_config(
+        num_layers=NUM_LAYERS, hidden=64, tp=layout.get("tp", 1), pp=layout.get("pp", 1),
+        sequence_parallel=bool(layout.get("sp")), fp16=fp16, params_dtype=dtype, pipeline_dtype=dtype,
+    )
+    spec = get_mixln_decoder_block_spec(config, backend="local", post_ln_layers=POST_LN)
+    model = build_gpt(config, spec)
+    if fp16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=bool(layout.get("distopt")), grad_reduce_in_fp32=not fp16,
+    )
+    model = DistributedDataParallel(config, ddp_config, model)
+    opt_config = OptimizerConfig(
+        # No clipping: megatron's DDP and distributed optimizer then give bit-identical parameters
+        # (their grad-norm reductions round differently), which the tests compare exactly.
+        optimizer="adam", lr=1e-3, clip_grad=0.0, fp16=fp16, bf16=False, params_dtype=dtype,
+        use_distributed_optimizer=bool(layout.get("distopt")),
+        initial_loss_scale=2.0 ** 12 if fp16 else None,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [model])
+    config.grad_scale_func = optimizer.scale_loss  # what Megatron-LM's train() does
+    finalize = _injector(run, model, layout)
+    scaler = None
+    if layout.get("scaler") == "api":
+        config.finalize_model_grads_func = finalize
+        settings = {"log_interval": 50} if layout.get("bench") else SETTINGS
+        scaler = install_spike_scaler([model], config, optimizer=optimizer, settings=settings)
+    elif layout.get("scaler") == "spec":
+        scaler = get_spike_scaler(config)  # installed by the spec; finds the optimizer itself
+        assert scaler is not None, "MIXLN_SPIKE_SCALER=1 did not install the scaler from the spec"
+        config.finalize_model_grads_func.original = finalize
+        scaler._configure(dataclasses.replace(scaler.settings, log_interval=SETTINGS["log_interval"]),
+                          scaler.placement)
+    else:
+        config.finalize_model_grads_func = finalize
+    if scaler is not None:
+        scaler.recorder = None if layout.get("bench") == "time" else _recorder(run)
+    return config, model, optimizer, scaler
+
+
+def _digest(model) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train_step(run: Run, config, model, optimizer, scaler=None) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from mcore_utils import SEQ, batch
+
+    ids, labels, pos, mask = batch(seed=1000 + run.step, b=GLOBAL_BATCH)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rows = GLOBAL_BATCH // dp
+    ids, labels = ids[dp_rank * rows:(dp_rank + 1) * rows], labels[dp_rank * rows:(dp_rank + 1) * rows]
+    micro = [(ids[i:i + MICRO_BATCH], labels[i:i + MICRO_BATCH]) for i in range(0, rows, MICRO_BATCH)]
+    position = pos[:MICRO_BATCH]
+
+    def forward_step(data_iterator, model):
+        mb_ids, mb_labels = next(data_iterator)
+        output = model(mb_ids, position, mask, labels=mb_labels)
+
+        def loss_func(output_tensor):
+            loss = output_tensor.float().mean()
+            return loss, {"lm loss": loss.detach()}
+
+        return output, loss_func
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    started = time.perf_counter()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro), model=model,
+        num_microbatches=len(micro), seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False,
+    )
+    ok, _, _ = optimizer.step()
+    run.step_times.append(time.perf_counter() - started)
+    run.successes.append(bool(ok))
+    run.losses.append(float(sum(float(x["lm loss"]) for x in losses) / len(losses)) if losses else None)
+    run.digests.append(_digest(model))
+    run.states.append(_scaler_state(scaler))
+
+
+def _metadata(loading_from=None):
+    """The sharded_state_dict metadata Megatron-LM passes (its keys, and content metadata at load)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    if loading_from is not None:
+        md = dist_checkpointing.load_content_metadata(loading_from) or {}
+    else:
+        md = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    md["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
+    return md
+
+
+def _unwrap(model):
+    """The GPTModel inside DDP / Float16Module (Megatron-LM checkpoints the unwrapped model)."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    while isinstance(model, (DistributedDataParallel, Float16Module)):
+        model = model.module
+    return model
+
+
+def save_checkpoint(path, model, optimizer=None):
+    from megatron.core import dist_checkpointing
+
+    model = _unwrap(model)
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    torch.distributed.barrier()
+    md = _metadata()
+    state = {"model": model.sharded_state_dict(metadata=md)}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=False, metadata=md)
+    content = {k: v for k, v in md.items() if k != "dp_cp_group"}
+    dist_checkpointing.save(state, path, content_metadata=content)
+    torch.distributed.barrier()
+
+
+def load_checkpoint(path, model, optimizer=None):
+    from megatron.core import dist_checkpointing
+
+    model = _unwrap(model)
+    md = _metadata(loading_from=path)
+    request = {"model": model.sharded_state_dict(metadata=md)}
+    if optimizer is not None:
+        request["optimizer"] = optimizer.sharded_state_dict(request["model"], is_loading=True, metadata=md)
+    state = dist_checkpointing.load(request, path)
+    model.load_state_dict(state["model"], strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+
+
+def _scaler_state(scaler) -> dict:
+    if scaler is None or scaler.state is None:
+        return {}
+    return {t.name: scaler.state.get_target(k) for k, t in enumerate(scaler.targets)}
+
+
+def run_layout(name: str, layout: dict, out_dir: str, steps: int) -> None:
+    from megatron.core import parallel_state as ps
+
+    from mcore_utils import init_distributed
+
+    init_distributed(tp=layout.get("tp", 1), pp=layout.get("pp", 1), seed=1234)
+    run = Run(name)
+    handler = _ListHandler(run.warnings)
+    logging.getLogger("mixln_megatron.grads_hook").addHandler(handler)
+    steps = layout.get("steps", steps)
+    try:
+        config, model, optimizer, scaler = build(run, layout)
+        extra = {}
+        if layout.get("load"):
+            load_checkpoint(os.path.join(out_dir, "ckpt_" + layout["load"]), model)
+            extra["state_after_load"] = {k: (v["momentum"].clone(), v["step"]) for k, v in
+                                         _holder_states(scaler).items()}
+        timing = scaler.enable_timing() if (scaler is not None and layout.get("bench") == "time") else None
+        for step in range(1, steps + 1):
+            run.step = step
+            train_step(run, config, model, optimizer, scaler)
+            if layout.get("resume_at") == step:
+                path = os.path.join(out_dir, "ckpt_" + name)
+                save_checkpoint(path, model, optimizer)
+                extra["state_at_save"] = _scaler_state(scaler)
+                del model, optimizer, scaler
+                config, model, optimizer, scaler = build(run, layout)
+                load_checkpoint(path, model, optimizer)
+                extra["state_after_load"] = {k: (v["momentum"].clone(), v["step"]) for k, v in
+                                             _holder_states(scaler).items()}
+        if layout.get("save"):
+            save_checkpoint(os.path.join(out_dir, "ckpt_" + layout["save"]), model)
+        result = dict(
+            name=name, rank=torch.distributed.get_rank(),
+            tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+            dp_rank=ps.get_data_parallel_rank(), losses=run.losses, digests=run.digests,
+            successes=run.successes, states=run.states, injected=run.injected, inputs=run.inputs, decisions=run.decisions,
+            replacements=run.replacements, warnings=list(run.warnings), step_times=run.step_times,
+            params={n: p.detach().float().clone() for n, p in model.named_parameters()},
+            state=_scaler_state(scaler), totals=scaler.totals() if scaler is not None else None,
+            report=scaler.last_report if scaler is not None else None,
+            targets=scaler.target_names() if scaler is not None else [],
+            timing=dict(timing) if timing is not None else None,
+            loss_scale=float(optimizer.get_loss_scale()) if layout.get("fp16") else None,
+            **extra,
+        )
+        torch.save(result, os.path.join(out_dir, f"{name}.rank{torch.distributed.get_rank()}.pt"))
+    finally:
+        logging.getLogger("mixln_megatron.grads_hook").removeHandler(handler)
+        torch.distributed.barrier()
+
+
+def _holder_states(scaler) -> dict:
+    """The state each local target holds right after a load, before any step (from the holders)."""
+    out = {}
+    for layer_number, holder in scaler._holders.items():
+        data = scaler.layer_state(layer_number, holder.roles)
+        for role, entry in data["targets"].items():
+            out[f"layer{layer_number}.{role}"] = entry
+    return out
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self, sink):
+        super().__init__(level=logging.WARNING)
+        self.sink = sink
+
+    def emit(self, record):
+        self.sink.append(record.getMessage())
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--layouts", required=True)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    os.makedirs(args.out, exist_ok=True)
+    from mcore_utils import init_distributed
+
+    init_distributed()
+    for name in args.layouts.split(","):
+        started = time.perf_counter()
+        run_layout(name, LAYOUTS[name], args.out, args.steps)
+        if torch.distributed.get_rank() == 0:
+            print(f"[spike_worker] {name}: {time.perf_counter() - started:.1f}s", flush=True)
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
