@@ -40,6 +40,7 @@ loop, JSON writing); keep their signatures stable.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import datetime as _dt
 import importlib
@@ -251,12 +252,6 @@ class Runtime:
         return self.torch.cuda.max_memory_allocated()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_watchdog(seconds: float) -> None:
     """A hang (a collective that never returns, a stuck kernel) must not eat the machine's time:
     after `seconds` every thread's stack goes to stderr and the process exits (status 1). The JSON
@@ -307,13 +302,15 @@ def init_runtime(dry_run: bool, seed: int = 1234, backend: Optional[str] = None)
     from megatron.core import tensor_parallel
 
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
+        # A file store: one process needs no TCP port (no race with other jobs for a free one).
+        fd, store_path = tempfile.mkstemp(prefix="mixln_check_store_")
+        os.close(fd)
+        os.unlink(store_path)
+        atexit.register(lambda: os.path.exists(store_path) and os.unlink(store_path))
         os.environ.setdefault("LOCAL_RANK", "0")
         torch.distributed.init_process_group(
-            backend=backend or ("gloo" if dry_run else "nccl"), rank=0, world_size=1
+            backend=backend or ("gloo" if dry_run else "nccl"), rank=0, world_size=1,
+            store=torch.distributed.FileStore(store_path, 1),
         )
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()

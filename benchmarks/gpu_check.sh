@@ -68,6 +68,10 @@ mixln_check_env() {
   if [ -z "$wheel" ]; then
     wheel="$(ls "$MIXLN_BENCH_DIR"/wheels/megatron_core-"$MIXLN_MCORE_SERIES".*.whl 2>/dev/null | sort -V | tail -n 1)"
   fi
+  if [ -n "${MIXLN_MCORE_WHEEL:-}" ] && [ ! -f "$wheel" ]; then
+    echo "error: MIXLN_MCORE_WHEEL=$wheel does not exist" >&2
+    return 3
+  fi
   if [ -z "$wheel" ] || [ ! -f "$wheel" ]; then
     echo "error: megatron-core $MIXLN_MCORE_SERIES.x is not importable (found: $found) and no wheel was found in $MIXLN_BENCH_DIR/wheels/." >&2
     echo "       get it with: pip download megatron-core==0.19.2 --no-deps -d $MIXLN_BENCH_DIR/wheels" >&2
@@ -86,7 +90,9 @@ EOF
   fi
   local t0=$SECONDS
   MIXLN_SITE_DIR="$(mktemp -d "${TMPDIR:-/tmp}/mixln_mcore.XXXXXX")"
-  mixln_log "megatron-core ${version} is not usable here; installing $(basename "$wheel") offline into $MIXLN_SITE_DIR"
+  local why="megatron-core $MIXLN_MCORE_SERIES.x is not importable (found: $version)"
+  if [ "${MIXLN_FORCE_WHEEL:-0}" = "1" ]; then why="MIXLN_FORCE_WHEEL=1"; fi
+  mixln_log "$why: installing $(basename "$wheel") offline into $MIXLN_SITE_DIR"
   if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
         --target "$MIXLN_SITE_DIR" "$wheel" >/dev/null 2>&1; then
     mixln_log "pip unavailable or failed; unpacking the wheel with zipfile instead"

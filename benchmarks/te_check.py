@@ -165,7 +165,7 @@ def _seed_all(seed: int) -> None:
 
 
 def phase_parity(rt, shape, backend: str, seed: int) -> tuple:
-    """Returns (report, {'bf16': te_block_bf16, 'fp32': local_block_fp32}) for the later phases."""
+    """Returns (report, {"bf16": candidate bf16 block, "fp32_local": local fp32 block}, (x, grad_out))."""
     import torch
 
     g = torch.Generator().manual_seed(seed)

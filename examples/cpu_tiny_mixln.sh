@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # A tiny Mix-LN run on CPU (gloo, mock data) through the project's entry point
-# mixln_megatron.pretrain: the same Megatron-LM flags as pretrain_gpt.py plus --mixln-*.
-# A development aid (a laptop, CI, debugging a launcher); it trains nothing useful.
+# mixln_megatron.pretrain: Megatron-LM's training loop with the same flags as pretrain_gpt.py,
+# plus --mixln-* and --cpu. A development aid (a laptop, CI, debugging a launcher); it trains
+# nothing useful.
 #
 #   bash examples/cpu_tiny_mixln.sh                  # 1 process
 #   NPROC=2 TP=2 bash examples/cpu_tiny_mixln.sh     # tensor parallel over 2 gloo processes
 #   NPROC=2 PP=2 bash examples/cpu_tiny_mixln.sh     # pipeline parallel
+# (A single process also runs without torchrun: python -m mixln_megatron.pretrain <same flags>.)
 #
-# Mix-LN here comes from the flag --mixln-alpha (the entry point parses it and exports MIXLN_ALPHA
-# for every rank) instead of an exported variable. Paper settings for real runs: alpha 0.25 up to
-# 1B (24 layers -> 6 Post-LN layers), 0.0625 at 7B (32 layers -> 2) with a 10% warm-up; see
-# examples/pretrain_llama1b_mixln.sh and examples/pretrain_llama7b_mixln.sh.
-# The CPU-only flags below (gloo, fusions off, local modules) are mixln_megatron.cpu.CPU_MEGATRON_FLAGS.
+# --cpu applies mixln_megatron.cpu.enable_training() and adds the flags a CPU run needs
+# (mixln_megatron.cpu.CPU_MEGATRON_FLAGS: --distributed-backend gloo, --transformer-impl local,
+# the CUDA-only fusions off). The entry point builds the Mix-LN model itself (local modules here,
+# TransformerEngine with --transformer-impl transformer_engine), so no --spec is passed.
+# Mix-LN comes from the flag --mixln-alpha: the entry point exports it as MIXLN_ALPHA to every
+# rank. Paper settings for real runs: alpha 0.25 up to 1B (24 layers -> 6 Post-LN layers),
+# 0.0625 at 7B (32 layers -> 2) with a 10% warm-up; see examples/pretrain_llama1b_mixln.sh and
+# examples/pretrain_llama7b_mixln.sh.
 set -euo pipefail
 
 NPROC=${NPROC:-1}
@@ -39,15 +44,8 @@ MEGATRON_ARGS=(
     --untie-embeddings-and-output-weights
     # Mix-LN
     --mixln-alpha 0.25
-    --spec mixln_megatron.spec mixln_local_layer_spec
-    # CPU: gloo, no fused CUDA kernels, megatron's local (non-TE) modules
-    --distributed-backend gloo
-    --no-gradient-accumulation-fusion
-    --no-rope-fusion
-    --no-persist-layer-norm
-    --no-masked-softmax-fusion
-    --no-bias-swiglu-fusion
-    --transformer-impl local
+    # CPU: the shims plus gloo, local modules, no CUDA fusions
+    --cpu
     --use-cpu-initialization
     # Parallelism
     --tensor-model-parallel-size "${TP}"

@@ -20,16 +20,21 @@ Correctness under each kind of parallelism
   * Distributed optimizer: after the reduce-scatter only the rank's own shard of each bucket is
     reduced; the rest of main_grad still holds the local gradient. From DDP's bucket metadata
     (param_to_bucket_group -> bucket.param_to_index, the bucket's size and the rank in the
-    intra-instance DP group) the hook knows which elements of each target this rank owns. It
-    zeroes the others, all-reduces the few target vectors over that group (each element is owned
-    by exactly one rank, so nothing is counted twice) and so gets the fully reduced vectors on
-    every rank: the state stays replicated and identical to the DDP run. It writes back only the
-    owned elements, which are the only ones the optimizer reads.
+    intra-instance DP group) the hook knows which elements of each target this rank owns, and
+    decides for exactly those (the rule is elementwise, spike.py): no communication per step, no
+    double counting, and the owned elements are the only ones the optimizer reads. Each element's
+    state is advanced by its owner only; `SpikeScaler.synchronize()` (a masked all-reduce of the
+    state over the same group: every element comes from its one owner) makes the state replicated
+    again, and runs whenever the state is checkpointed, so what is saved is the full state and
+    does not depend on the layout. (Considered instead: all-reduce the target grads every step
+    with the non-owned parts zeroed, so that every rank holds the whole state all the time. Same
+    decisions, but one more collective per step inside a possibly captured region, for nothing
+    the optimizer reads.)
   * TP / sequence parallelism: norm weights are replicated over TP and their grads are identical
     on every TP rank (SP norm grads are all-reduced over TP by finalize_model_grads), so every TP
     rank takes the same decisions without communication.
-  * PP / VPP: each stage handles the targets it holds; validity and state are per target tensor,
-    so the decisions do not depend on where the stages split the model.
+  * PP / VPP: each stage handles the targets it holds; everything is per element, so the
+    decisions do not depend on where the stages split the model.
   * fp16 loss scaling: main_grad is still multiplied by the loss scale; the hook divides by the
     optimizer's current scale (a device tensor) and multiplies the replacement back.
   * Skipped steps: the hook only *proposes* the next state (SpikeState.propose, into preallocated
@@ -55,8 +60,8 @@ Checkpoints (torch_dist)
   warning. Callers that pass no metadata at all (plain megatron-core) always get the objects.
 
 Reporting: per committed step the number of scaled elements, the largest |g| / momentum and the
-number of target tensors skipped as non-finite, summed (max for the ratio) over pipeline stages,
-go to Megatron's TensorBoard / W&B writers when they exist, else to this module's logger.
+number of non-finite target elements, summed (max for the ratio) over the distributed
+optimizer's shards and the pipeline stages, go to Megatron's TensorBoard / W&B writers when they exist, else to this module's logger.
 """
 
 from __future__ import annotations
@@ -163,7 +168,8 @@ class SpikeScaler:
         self._ring_iterations: List[int] = []
         self._pp_group = None
         self.timing: Optional[dict] = None  # enable_timing()
-        self.recorder: Optional[Callable] = None  # debug: recorder(scaler, full_grad, spike, replacement, scale)
+        # debug: recorder(scaler, grads [K, n], spike, replacement, scale, owned mask or None)
+        self.recorder: Optional[Callable] = None
         self.last_report: Optional[List[dict]] = None
 
     def _configure(self, settings: ResolvedSpikeSettings, placement: Placement) -> None:
@@ -299,11 +305,11 @@ class SpikeScaler:
                     "mixln spike scaler: target norm parameters in different data-parallel groups"
                 )
             group = this_group
-            part = torch.zeros(t.numel, dtype=torch.bool, device=self.state.device)
+            part = torch.zeros(self.state.shape[1], dtype=torch.bool, device=self.state.device)
             part[t.owned[0]:t.owned[1]] = True
             mask_parts.append(part)
         if group.size() > 1:
-            self._distopt = (torch.cat(mask_parts), group)
+            self._distopt = (torch.stack(mask_parts), group)  # owned [K, n], intra-instance DP group
 
     # -- the hook's own work ---------------------------------------------------------------------
     @torch.no_grad()
@@ -319,28 +325,21 @@ class SpikeScaler:
             return
         started = time.perf_counter() if self.timing is not None else 0.0
         grads = [t.param.main_grad.view(-1) for t in self.targets]
-        local = torch.cat(grads) if len(grads) > 1 else grads[0]
-        distopt = self._distopt is not None and not force_all_reduce
-        if distopt:
-            mask, group = self._distopt
-            full = torch.where(mask, local, 0.0)
-            torch.distributed.all_reduce(full, group=group)
-        else:
-            full = local
+        local = self.state.rows(grads)  # [K, n], a copy
+        owned = self._distopt[0] if self._distopt is not None else None
         scale = self.optimizer.get_loss_scale() if self.has_grad_scaler else None
-        spike, replacement = self.state.propose(full, scale)
-        out = torch.where(spike, replacement.to(local.dtype), local)
-        offset = 0
-        for t, g in zip(self.targets, grads):
-            lo, hi = t.owned if distopt else (0, t.numel)
-            if hi > lo:
-                g[lo:hi].copy_(out[offset + lo:offset + hi])
-            offset += t.numel
+        spike, replacement = self.state.propose(local, scale, owned)
+        if replacement.dtype != local.dtype:
+            replacement = replacement.to(local.dtype)
+        for k, (t, g) in enumerate(zip(self.targets, grads)):
+            lo, hi = t.owned
+            if hi > lo:  # only the spiking elements change; the rest are written back as they were
+                torch.where(spike[k, lo:hi], replacement[k, lo:hi], g[lo:hi], out=g[lo:hi])
         if self.timing is not None:
             self.timing["hook_s"] += time.perf_counter() - started
             self.timing["hook_calls"] += 1
         if self.recorder is not None:
-            self.recorder(self, full, spike, replacement, scale)
+            self.recorder(self, local, spike, replacement, scale, owned)
         if self.eager_commit:
             self._after_commit(True)
 
@@ -381,13 +380,17 @@ class SpikeScaler:
         args = _megatron_args()
         return int(getattr(args, "log_interval", None) or DEFAULT_LOG_INTERVAL)
 
+    def _stats_device(self) -> torch.device:
+        if self.state is not None:
+            return self.state.device
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def _record_step(self) -> None:
         size = self.log_interval()
         if self._ring is None or self._ring.shape[0] < size:
-            device = self.state.device if self.state is not None else torch.device("cpu")
-            if self.state is None and torch.cuda.is_available():
-                device = torch.device("cuda", torch.cuda.current_device())
-            self._ring = torch.zeros(size, 3, dtype=torch.float32, device=device)
+            self._ring = torch.zeros(size, 3, dtype=torch.float32, device=self._stats_device())
         index = len(self._ring_iterations)
         if index >= self._ring.shape[0]:
             return
@@ -405,22 +408,7 @@ class SpikeScaler:
         n = len(self._ring_iterations)
         if n == 0 or self._ring is None:
             return []
-        rows = self._ring[:n].clone()
-        group = self._pp_group
-        if group is None and torch.distributed.is_initialized():
-            try:
-                from megatron.core import parallel_state
-
-                if parallel_state.model_parallel_is_initialized():
-                    group = parallel_state.get_pipeline_model_parallel_group()
-            except Exception:  # pragma: no cover - no parallel state
-                group = None
-        if group is not None and torch.distributed.get_world_size(group) > 1:
-            sums = rows[:, [0, 2]].contiguous()
-            torch.distributed.all_reduce(sums, group=group)
-            maxes = rows[:, 1].contiguous()
-            torch.distributed.all_reduce(maxes, op=torch.distributed.ReduceOp.MAX, group=group)
-            rows[:, 0], rows[:, 2], rows[:, 1] = sums[:, 0], sums[:, 1], maxes
+        rows = self._reduce_stats(self._ring[:n].clone())
         values = rows.tolist()
         report = [
             {"iteration": it, "scaled": int(v[0]), "max_ratio": float(v[1]), "nonfinite": int(v[2])}
@@ -431,13 +419,53 @@ class SpikeScaler:
         _write_report(report)
         return report
 
+    def _stat_groups(self) -> list:
+        groups = []
+        if self._distopt is not None:
+            groups.append(self._distopt[1])  # each rank counted the shard it owns
+        group = self._pp_group
+        if group is None and torch.distributed.is_initialized():
+            try:
+                from megatron.core import parallel_state
+
+                if parallel_state.model_parallel_is_initialized():
+                    group = parallel_state.get_pipeline_model_parallel_group()
+            except Exception:  # pragma: no cover - no parallel state
+                group = None
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            groups.append(group)
+        return groups
+
+    def _reduce_stats(self, rows: torch.Tensor) -> torch.Tensor:
+        """Sum (count columns) / max (ratio column) of [.., 3] statistics over shards and stages."""
+        for group in self._stat_groups():
+            sums = rows[..., [0, 2]].contiguous()
+            torch.distributed.all_reduce(sums, group=group)
+            maxes = rows[..., 1].contiguous()
+            torch.distributed.all_reduce(maxes, op=torch.distributed.ReduceOp.MAX, group=group)
+            rows[..., 0], rows[..., 2], rows[..., 1] = sums[..., 0], sums[..., 1], maxes
+        return rows
+
     def totals(self) -> dict:
-        """Totals over committed steps on this rank (host sync; for tests and benchmarks)."""
-        if self._totals is None:
-            return {"scaled": 0, "max_ratio": 0.0, "nonfinite": 0, "committed_steps": self.committed_steps}
-        v = self._totals.tolist()
+        """Totals over committed steps, over shards and pipeline stages. Host sync and collectives
+        (distributed-optimizer DP group, PP group): call it on every rank."""
+        values = self._totals.clone() if self._totals is not None else torch.zeros(
+            3, dtype=torch.float32, device=self._stats_device())
+        v = self._reduce_stats(values).tolist()
         return {"scaled": int(v[0]), "max_ratio": float(v[1]), "nonfinite": int(v[2]),
                 "committed_steps": self.committed_steps}
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Make the state replicated over the distributed optimizer's DP group (each element from
+        its owner). Collective over that group; a no-op without the distributed optimizer."""
+        if self._distopt is None or self.state is None:
+            return
+        owned, group = self._distopt
+        for tensor in (self.state.momentum, self.state.step):
+            mine = torch.where(owned, tensor, torch.zeros((), dtype=tensor.dtype, device=tensor.device))
+            torch.distributed.all_reduce(mine, group=group)
+            tensor.copy_(mine)
 
     def target_names(self) -> List[str]:
         return [t.name for t in self.targets]
@@ -464,6 +492,9 @@ class SpikeScaler:
         return layers
 
     def layer_state(self, layer_number: int, roles: Sequence[Tuple[str, int]]) -> dict:
+        """The full state of one layer's targets (synchronizes first: collective over the
+        distributed optimizer's DP group, which every DP peer reaches in its sharded_state_dict)."""
+        self.synchronize()
         out = {}
         index = {(t.layer_number, t.role): k for k, t in enumerate(self.targets)}
         for role, numel in roles:
@@ -472,9 +503,10 @@ class SpikeScaler:
                 out[role] = self.state.get_target(k)
             elif (layer_number, role) in self._pending_load:
                 data = self._pending_load[(layer_number, role)]
-                out[role] = {"momentum": data["momentum"].clone(), "step": int(data["step"])}
+                out[role] = {"momentum": data["momentum"].clone(), "step": data["step"].clone()}
             else:
-                out[role] = {"momentum": torch.zeros(numel, dtype=torch.float32), "step": 0}
+                out[role] = {"momentum": torch.zeros(numel, dtype=torch.float32),
+                             "step": torch.zeros(numel, dtype=torch.int64)}
         return {"format": STATE_FORMAT, "layer": layer_number, "targets": out,
                 "settings": {"threshold": self.settings.threshold, "beta": self.settings.beta,
                              "warmup_steps": self.settings.warmup_steps}}
@@ -492,7 +524,8 @@ class SpikeScaler:
             if entry is None:
                 self._warn_missing(layer_number, role)
                 continue
-            momentum = torch.as_tensor(entry["momentum"], dtype=torch.float32).reshape(-1)
+            momentum = torch.as_tensor(entry["momentum"], dtype=torch.float32).reshape(-1).cpu()
+            step = torch.as_tensor(entry["step"], dtype=torch.int64).reshape(-1).cpu().expand(numel).clone()
             if momentum.numel() != numel:
                 raise RuntimeError(
                     f"mixln spike scaler: the checkpoint's state for layer {layer_number} {role} has "
@@ -500,9 +533,9 @@ class SpikeScaler:
                 )
             k = index.get((layer_number, role))
             if k is not None and self.state is not None:
-                self.state.set_target(k, momentum, int(entry["step"]))
+                self.state.set_target(k, momentum, step)
             else:
-                self._pending_load[(layer_number, role)] = {"momentum": momentum.clone(), "step": int(entry["step"])}
+                self._pending_load[(layer_number, role)] = {"momentum": momentum.clone(), "step": step}
         self.state_from_checkpoint = True
 
     def _warn_missing(self, layer_number: int, role: Optional[str] = None) -> None:

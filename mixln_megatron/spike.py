@@ -5,30 +5,30 @@ the two norms of the last Post-LN layer and the two of the first Pre-LN layer), 
 reduced gradient of each step. The adapter that finds those gradients inside Megatron's
 `finalize_model_grads` lives in grads_hook.py; this module only sees flat fp32 vectors.
 
-The rule, per element i of a target tensor, at committed step t (t = steps seen so far):
+The rule, per element i of a target tensor (t_i = the steps element i has seen so far):
 
     m_i        running momentum of |g_i|: an EMA with coefficient `beta`, started at 0
-    mhat_i     = m_i / (1 - beta**t)              (bias-corrected, so early steps are meaningful)
-    spike_i    = t >= warmup_steps and mhat_i > 0 and |g_i| > threshold * mhat_i
+    mhat_i     = m_i / (1 - beta**t_i)            (bias-corrected, so early steps are meaningful)
+    spike_i    = t_i >= warmup_steps and mhat_i > 0 and |g_i| > threshold * mhat_i
     g_i       <- sign(g_i) * mhat_i               where spike_i; every other element is untouched
     m_i       <- beta * m_i + (1 - beta) * |g_i|  with the *scaled* g_i, so a spike never
                                                   inflates the momentum that judges the next one
-    t         <- t + 1
+    t_i       <- t_i + 1
 
 Details that follow from it:
   * Nothing is scaled during the first `warmup_steps` steps (the momentum still learns), and an
     element whose momentum is exactly 0 (it never had a gradient) is never scaled: there is no
-    scale to compare it with.
-  * A target tensor with any non-finite element leaves its state (momentum and step) untouched and
-    its gradient unchanged on that step (the optimizer then skips the step under fp16 loss scaling,
-    or the run has a real problem under bf16). Validity is judged per target tensor, never per
-    step across tensors, so the decisions do not depend on how pipeline stages split the targets.
+    scale to compare it with (scaling it would also freeze it at 0 for good).
+  * An element whose gradient is inf or nan keeps its momentum and step and its gradient is left
+    as it is (the optimizer then skips the step under fp16 loss scaling; under bf16 Megatron's
+    NaN check stops the run). Being elementwise, every decision needs only that element's reduced
+    gradient and state, so a distributed-optimizer rank can decide for the shard it owns without
+    any communication, and the decisions do not depend on TP/PP/DP layouts.
   * Gradients may still carry the fp16 loss scale: `scale` divides them before the comparison and
     multiplies the replacement, so the state is always in unscaled units.
   * Known property of this rule: a *lasting* 50x jump of an element's gradient is held at the old
     momentum for as long as it lasts (the momentum is only fed scaled values). That is the intent
-    for the boundary norms, where such jumps are instabilities; it is why the default threshold is
-    large.
+    for the boundary norms, where such jumps are instabilities; it is why the threshold is large.
 
 The alternative considered (SPAM, "spike-aware" Adam clipping): keep the optimizer's second moment
 v (EMA of g^2, before its update); an element is a spike when g^2 > theta * v with theta = 5000, and
@@ -243,7 +243,16 @@ def target_layers(targets: Union[str, Tuple[int, ...]], placement) -> Tuple[int,
 
 # --------------------------------------------------------------------------------------- the rule
 class SpikeState:
-    """Flat state of the rule for K target tensors laid end to end (sizes[k] elements each).
+    """State of the rule for K target tensors, as rows of [K, n] matrices (n = the largest size).
+
+    A target smaller than n occupies the start of its row; the rest of the row is padding that the
+    caller fills with zeros (a zero gradient never spikes and keeps a zero momentum). The norm
+    weights the scaler watches all have the hidden size, so in practice there is no padding.
+
+    Everything is per element: the momentum, the step count and the validity (an element whose
+    gradient is inf/nan keeps its momentum and step). So a caller may decide for any subset of the
+    elements (`owned`, e.g. the shard a distributed-optimizer rank owns): the elements outside it
+    are left untouched, and the decisions do not depend on how the elements are split.
 
     Two-phase, so that a step the optimizer then skips never changes the state, and so that the
     proposal can run inside a captured CUDA graph: `propose` computes the decisions and writes the
@@ -252,9 +261,9 @@ class SpikeState:
     it. Calling `propose` twice before a commit (Megatron's rerun of a step) gives the same result,
     since it always starts from the committed state.
 
-    Statistics of the proposal (`pending_stats`): [number of scaled elements, largest
-    |g| / momentum over finite elements with a momentum, number of target tensors skipped as
-    non-finite]. After a commit they are in `last_stats`.
+    Statistics of the proposal (`pending_stats`, over the decided elements): [number of scaled
+    elements, largest |g| / momentum over finite elements that have a momentum, number of
+    non-finite elements]. After a commit they are in `last_stats`.
     """
 
     STATS = ("scaled", "max_ratio", "nonfinite")
@@ -270,75 +279,79 @@ class SpikeState:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"SpikeState needs at least one non-empty target, got sizes {list(sizes)}")
         self.sizes = tuple(int(s) for s in sizes)
-        self.offsets = tuple(int(o) for o in torch.tensor((0,) + self.sizes).cumsum(0).tolist())
-        self.numel = self.offsets[-1]
+        self.shape = (len(self.sizes), max(self.sizes))
         self.threshold = float(threshold)
         self.beta = float(beta)
-        self.warmup_steps = int(warmup_steps)
+        # At step 0 there is no momentum to compare with, whatever warmup_steps says.
+        self.warmup_steps = max(int(warmup_steps), 1)
         device = torch.device("cpu") if device is None else torch.device(device)
-        n, k = self.numel, len(self.sizes)
-        self.segment_ids = torch.repeat_interleave(
-            torch.arange(k, device=device), torch.tensor(self.sizes, device=device)
-        )
-        self._equal_sizes = len(set(self.sizes)) == 1
-        self.momentum = torch.zeros(n, dtype=torch.float32, device=device)
-        self.step = torch.zeros(n, dtype=torch.int64, device=device)  # per element; equal within a target
+        self.momentum = torch.zeros(self.shape, dtype=torch.float32, device=device)
+        # float32 holds step counts exactly up to 2**24 (16.7M steps) and saves conversions
+        self.step = torch.zeros(self.shape, dtype=torch.float32, device=device)
         self.pending_momentum = torch.zeros_like(self.momentum)
         self.pending_step = torch.zeros_like(self.step)
         self.pending_valid = torch.zeros(1, dtype=torch.bool, device=device)
         self.pending_stats = torch.zeros(3, dtype=torch.float32, device=device)
         self.last_stats = torch.zeros(3, dtype=torch.float32, device=device)
-        self._zero_k = torch.zeros(k, dtype=torch.float32, device=device)
         self._zero_stats = torch.zeros(3, dtype=torch.float32, device=device)
 
     @property
     def device(self) -> torch.device:
         return self.momentum.device
 
+    def rows(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The [K, n] matrix of K flat tensors of this state's sizes (zero padding if needed)."""
+        if len(set(self.sizes)) == 1:
+            return torch.stack([t.reshape(-1) for t in tensors])
+        out = torch.zeros(self.shape, dtype=tensors[0].dtype, device=tensors[0].device)
+        for row, t in zip(out, tensors):
+            row[: t.numel()].copy_(t.reshape(-1))
+        return out
+
     # -- the rule -----------------------------------------------------------------------------
     @torch.no_grad()
-    def propose(self, grad: torch.Tensor, scale: Optional[torch.Tensor] = None):
-        """Decide for one step. `grad`: the reduced gradient of all targets, flat, [numel].
+    def propose(
+        self,
+        grad: torch.Tensor,
+        scale: Optional[torch.Tensor] = None,
+        owned: Optional[torch.Tensor] = None,
+    ):
+        """Decide for one step. `grad`: [K, n], the reduced gradients of the targets (see rows()).
 
-        Returns (spike, replacement): a bool mask and the value (in `grad`'s units, i.e. loss-scaled
-        when `scale` is given) that the spiking elements take. Elements outside the mask must be
-        left exactly as they are. Writes the candidate state into pending_*; no host sync.
+        `scale`: the loss scale `grad` carries (fp16), or None. `owned`: a [K, n] bool mask of the
+        elements to decide for (None: all); `grad` outside it is ignored.
+        Returns (spike, replacement): a bool mask and the values, in `grad`'s units, that the
+        spiking elements take; all other elements must be left exactly as they are. Writes the
+        candidate state into pending_*; no host sync.
         """
         g = grad.float()
         if scale is not None:
             g = g / scale
         mag = g.abs()
-        # Validity per target tensor: any inf/nan makes g * 0 contain a nan.
-        poison = g * 0.0
-        if self._equal_sizes:
-            per_target = poison.view(len(self.sizes), -1).sum(1)
-        else:
-            per_target = self._zero_k.index_add(0, self.segment_ids, poison)
-        valid_t = per_target == 0
-        valid = valid_t[self.segment_ids] if len(self.sizes) > 1 else valid_t.expand(self.numel)
-
-        correction = (1.0 - torch.pow(self.beta, self.step)).clamp_min(1e-30)
-        mhat = self.momentum / correction
-        compared = (mhat > 0) & valid
-        spike = (mag > mhat * self.threshold) & compared & (self.step >= self.warmup_steps)
-        replacement = torch.sign(g) * mhat
+        finite = torch.isfinite(g)
+        valid = finite & owned if owned is not None else finite
+        mhat = self.momentum / (1.0 - torch.pow(self.beta, self.step)).clamp_min_(1e-30)
+        known = mhat > 0
+        live = valid & (self.step >= self.warmup_steps)
+        spike = (mag > mhat * self.threshold) & known & live
+        replacement = torch.sign(g).mul_(mhat)
         if scale is not None:
-            replacement = replacement * scale
-
+            replacement.mul_(scale)
         kept = torch.where(spike, mhat, mag)
-        new_momentum = torch.add(self.momentum * self.beta, kept, alpha=1.0 - self.beta)
+        new_momentum = torch.lerp(self.momentum, kept, 1.0 - self.beta)  # beta*m + (1-beta)*kept
         torch.where(valid, new_momentum, self.momentum, out=self.pending_momentum)
         torch.add(self.step, valid, out=self.pending_step)
-
-        ratio = torch.where(compared, mag / mhat.clamp_min(1e-30), 0.0).max()
-        stats = torch.stack((spike.sum().float(), ratio, (~valid_t).sum().float()))
-        self.pending_stats.copy_(stats)
+        stats = self.pending_stats
+        torch.sum(spike, dim=(0, 1), dtype=torch.float32, out=stats[0])
+        torch.amax(torch.where(known & valid, mag / mhat, 0.0), dim=(0, 1), out=stats[1])
+        bad = ~finite if owned is None else owned & ~finite
+        torch.sum(bad, dim=(0, 1), dtype=torch.float32, out=stats[2])
         self.pending_valid.fill_(True)
         return spike, replacement
 
     @torch.no_grad()
     def apply(self, grad: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """propose + where + commit in one call: the scaled gradient (a new tensor)."""
+        """propose + commit in one call: the scaled gradient (a new [K, n] tensor)."""
         spike, replacement = self.propose(grad, scale)
         out = torch.where(spike, replacement.to(grad.dtype), grad)
         self.commit()
@@ -347,33 +360,32 @@ class SpikeState:
     @torch.no_grad()
     def commit(self) -> None:
         """Make the pending proposal the state (no-op when none is pending). No host sync."""
-        torch.where(self.pending_valid, self.pending_momentum, self.momentum, out=self.momentum)
-        torch.where(self.pending_valid, self.pending_step, self.step, out=self.step)
-        torch.where(self.pending_valid, self.pending_stats, self._zero_stats, out=self.last_stats)
-        self.pending_valid.fill_(False)
+        ok = self.pending_valid
+        torch.where(ok, self.pending_momentum, self.momentum, out=self.momentum)
+        torch.where(ok, self.pending_step, self.step, out=self.step)
+        torch.where(ok, self.pending_stats, self._zero_stats, out=self.last_stats)
+        ok.fill_(False)
 
     @torch.no_grad()
     def discard(self) -> None:
         self.pending_valid.fill_(False)
 
     # -- per target access (checkpoints) -------------------------------------------------------
-    def segment(self, k: int) -> slice:
-        return slice(self.offsets[k], self.offsets[k + 1])
-
     def get_target(self, k: int) -> dict:
-        """{'momentum': fp32 cpu tensor, 'step': int} of target k (host sync: for checkpoints)."""
-        sl = self.segment(k)
-        return {"momentum": self.momentum[sl].detach().cpu().clone(), "step": int(self.step[sl][0].item())}
+        """{'momentum': fp32, 'step': int64} cpu tensors of target k (host sync: for checkpoints)."""
+        n = self.sizes[k]
+        return {
+            "momentum": self.momentum[k, :n].detach().cpu().clone(),
+            "step": self.step[k, :n].detach().cpu().to(torch.int64),
+        }
 
     @torch.no_grad()
-    def set_target(self, k: int, momentum: torch.Tensor, step: int) -> None:
-        sl = self.segment(k)
-        if momentum.numel() != self.sizes[k]:
-            raise ValueError(
-                f"spike-scaler state for target {k} has {momentum.numel()} elements, expected {self.sizes[k]}"
-            )
-        self.momentum[sl].copy_(momentum.reshape(-1).to(torch.float32))
-        self.step[sl].fill_(int(step))
+    def set_target(self, k: int, momentum: torch.Tensor, step) -> None:
+        n = self.sizes[k]
+        if momentum.numel() != n:
+            raise ValueError(f"spike-scaler state for target {k} has {momentum.numel()} elements, expected {n}")
+        self.momentum[k, :n].copy_(momentum.reshape(-1).to(torch.float32))
+        self.step[k, :n].copy_(torch.as_tensor(step).reshape(-1).to(torch.float32).expand(n))
         self.pending_valid.fill_(False)
 
 
@@ -388,20 +400,21 @@ class ReferenceSpikeRule:
     def __init__(self, numel: int, threshold=DEFAULT_THRESHOLD, beta=DEFAULT_BETA, warmup_steps=DEFAULT_WARMUP_STEPS):
         self.threshold, self.beta, self.warmup_steps = float(threshold), float(beta), int(warmup_steps)
         self.momentum = [0.0] * numel
-        self.t = 0
+        self.steps = [0] * numel
 
     def step(self, grad: Sequence[float]):
-        grad = [float(x) for x in grad]
-        if not all(math.isfinite(x) for x in grad):
-            return list(grad), [False] * len(grad)  # state untouched, gradient untouched
-        correction = 1.0 - self.beta ** self.t
         out, flags = [], []
-        for i, x in enumerate(grad):
-            mhat = self.momentum[i] / correction if self.t > 0 else 0.0
-            is_spike = self.t >= self.warmup_steps and mhat > 0 and abs(x) > self.threshold * mhat
+        for i, x in enumerate(float(v) for v in grad):
+            t = self.steps[i]
+            if not math.isfinite(x):  # this element's state is untouched, its gradient too
+                out.append(x)
+                flags.append(False)
+                continue
+            mhat = self.momentum[i] / (1.0 - self.beta ** t) if t > 0 else 0.0
+            is_spike = t >= self.warmup_steps and mhat > 0 and abs(x) > self.threshold * mhat
             y = math.copysign(mhat, x) if is_spike else x
             self.momentum[i] = self.beta * self.momentum[i] + (1.0 - self.beta) * abs(y)
+            self.steps[i] = t + 1
             out.append(y)
             flags.append(is_spike)
-        self.t += 1
         return out, flags

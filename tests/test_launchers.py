@@ -3,12 +3,14 @@
 Each launcher is run for real by bash, with `torchrun`, `srun` and `scontrol` replaced by stubs on
 PATH: the torchrun stub records the arguments and the environment it was started with (what every
 rank would inherit). The Megatron arguments after the script / `-m module` are then parsed in a
-fresh subprocess by megatron.training.arguments.parse_args (ignore_unknown_args=False, with
-mixln_megatron's add_mixln_args as extra_args_provider when the launcher passes --mixln-* flags)
-and checked by validate_args with WORLD_SIZE = nodes x processes per node of the launch line.
-Then the --spec is imported, the model config is built (gpt_config_from_args, as pretrain_gpt.py
-does), Mix-LN's support check runs on it and the number of Post-LN layers is resolved from the
-environment the launcher exported.
+fresh subprocess by megatron.training.arguments.parse_args (ignore_unknown_args=False; the
+extra_args_provider is mixln_megatron's add_mixln_args for a pretrain_gpt.py launcher that passes
+--mixln-* flags, i.e. one relying on patches/0001, and the entry point's own add_pretrain_args
+for `-m mixln_megatron.pretrain`) and checked by validate_args with WORLD_SIZE = nodes x processes
+per node of the launch line. Then the --spec is imported and the model config is built
+(gpt_config_from_args, as pretrain_gpt.py does; the entry point's transformer config otherwise),
+Mix-LN's support check runs on it and the number of Post-LN layers is resolved from the
+environment the launcher exported (plus what the --mixln-* flags export).
 
 Differences from a real run, all on CPU (megatron-core 0.19.2, no TransformerEngine, no GPU):
   * mixln_megatron.cpu.enable_training() answers validate_args' GPU-architecture query (asked
@@ -57,6 +59,7 @@ LAUNCHERS = {
     ),
     "cpu_tiny_mixln.sh": dict(
         env={}, world_size=1, target="-m mixln_megatron.pretrain", post_ln_layers=2, num_layers=8,
+        backend="local",
         parallel=dict(tp=1, pp=1, vpp=None, dp=1, sequence_parallel=False),
     ),
 }
@@ -115,11 +118,22 @@ from mixln_megatron.layer import check_supported
 from mixln_megatron.placement import resolve_placement
 
 argv = job["argv"]
-uses_flags = any(a.startswith("--mixln-") for a in argv)
+entry_point = job["target"] == "-m mixln_megatron.pretrain"
+if entry_point:
+    # the project's entry point: its own extra_args_provider (--mixln-*, --cpu, --loss-log), the
+    # CPU flags it adds for --cpu, and its checks, as its main() does
+    from mixln_megatron import pretrain as ep
+    if ep.cpu_requested(argv):
+        argv = ep.with_cpu_flags(argv)
+    provider = ep.add_pretrain_args
+else:
+    # stock pretrain_gpt.py; add_mixln_args only when the launcher relies on patch 0001's flags
+    provider = add_mixln_args if any(a.startswith("--mixln-") for a in argv) else None
 sys.argv = [job["prog"]] + argv
-args = margs.parse_args(extra_args_provider=add_mixln_args if uses_flags else None,
-                        ignore_unknown_args=False)
-if uses_flags:
+args = margs.parse_args(extra_args_provider=provider, ignore_unknown_args=False)
+if entry_point:
+    ep.check_supported_args(args)
+if provider is not None:
     apply_mixln_args(args)
 margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})  # pretrain_gpt.py's defaults
 
@@ -140,12 +154,23 @@ if importlib.util.find_spec("transformer_engine") is None and args.apply_rope_fu
 if args.padded_vocab_size is None and args.vocab_size is None:
     args.padded_vocab_size = 32128  # the tokenizer is not built here
     substituted["padded_vocab_size"] = 32128
-model_config = gpt_config_from_args(args)
-check_supported(model_config.transformer)
-out["config_spec_is_mixln"] = model_config.transformer_layer_spec is spec and spec is not None
+if entry_point:  # its model provider builds the Mix-LN block spec from the transformer config
+    from megatron.training.argument_utils import core_transformer_config_from_args
+    transformer_config = core_transformer_config_from_args(args)
+    out["backend"] = ep.backend_from_args(args)
+else:  # pretrain_gpt.py: the --spec object goes into the model config
+    model_config = gpt_config_from_args(args)
+    transformer_config = model_config.transformer
+    out["config_spec_is_mixln"] = model_config.transformer_layer_spec is spec and spec is not None
+check_supported(transformer_config)
 placement = resolve_placement(args.num_layers, environ=os.environ)
 out["post_ln_layers"] = placement.post_ln_layers
 out["placement"] = placement.describe()
+# mixln_megatron's launch-time advice (printed at model build) must have nothing to say
+from mixln_megatron.advice import findings
+warmup = (int(args.lr_warmup_fraction * args.train_iters) if args.lr_warmup_fraction is not None
+          else args.lr_warmup_iters)
+out["advice"] = findings(placement, args.train_iters, warmup)
 out["substituted"] = substituted
 with open(out_path, "w") as f:
     json.dump(out, f)
@@ -290,7 +315,7 @@ def test_launcher_arguments_parse_and_validate(name, tmp_path, stub_bin):
     result = tmp_path / "result.json"
     job.write_text(json.dumps(dict(
         argv=megatron_argv, env=passed_env, world_size=world_size,
-        prog=Path(target.split()[-1]).name,
+        prog=Path(target.split()[-1]).name, target=target,
     )))
     worker = subprocess.run([sys.executable, "-c", _WORKER, str(job), str(result)],
                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -303,12 +328,17 @@ def test_launcher_arguments_parse_and_validate(name, tmp_path, stub_bin):
         assert out[key] == value, (key, out)
     assert out["num_layers"] == want["num_layers"]
     assert out["post_ln_layers"] == want["post_ln_layers"], out["placement"]
-    assert out["config_spec_is_mixln"], out
-    if out["transformer_impl"] == "transformer_engine":
-        assert out["spec"] == TE_SPEC
+    if want["target"] == "pretrain_gpt.py":
+        # the model pretrain_gpt.py builds is Mix-LN: --spec resolved to the plugin's spec
+        assert out["config_spec_is_mixln"], out
+        assert out["spec"] == (TE_SPEC if out["transformer_impl"] == "transformer_engine"
+                               else LOCAL_SPEC)
     else:
-        assert out["spec"] == LOCAL_SPEC
+        # the entry point ignores --spec (its model provider builds Mix-LN); none is passed
+        assert out["spec"] is None
+        assert out["backend"] == want["backend"]
     assert set(out["substituted"]) <= {"apply_rope_fusion", "padded_vocab_size"}
+    assert out["advice"] == [], out["advice"]  # the settings the paper / its authors report stable
 
 
 def test_preflight_import_works():
@@ -359,24 +389,15 @@ def test_launcher_stops_when_plugin_is_missing(name, tmp_path, stub_bin):
     assert not (capture / "torchrun.calls").exists(), "torchrun started without the plugin"
 
 
-def test_cpu_launcher_has_the_cpu_flags(tmp_path, stub_bin):
-    from mixln_megatron.cpu import CPU_MEGATRON_FLAGS
-
+def test_cpu_launcher_uses_the_entry_points_cpu_mode(tmp_path, stub_bin):
+    """--cpu makes mixln_megatron.pretrain apply the CPU shims and CPU_MEGATRON_FLAGS."""
     proc, capture, _ = _run_launcher("cpu_tiny_mixln.sh", tmp_path, stub_bin)
     assert proc.returncode == 0, proc.stderr
     _, target, argv = _split_torchrun(_read_nul(capture / "torchrun.args"))
     assert target == "-m mixln_megatron.pretrain"
-    flags = list(CPU_MEGATRON_FLAGS)
-    i = 0
-    while i < len(flags):  # each flag, with its value when the next item is not a flag
-        flag = flags[i]
-        value = flags[i + 1] if i + 1 < len(flags) and not flags[i + 1].startswith("--") else None
-        assert flag in argv, flag
-        if value is not None:
-            assert argv[argv.index(flag) + 1] == value, (flag, value)
-        i += 2 if value is not None else 1
-    assert "--mock-data" in argv
+    assert "--cpu" in argv and "--mock-data" in argv
     assert argv[argv.index("--mixln-alpha") + 1] == "0.25"
+    assert "--spec" not in argv  # ignored by the entry point, so not passed
 
 
 def test_gpu_only_checks():

@@ -70,8 +70,9 @@ LAYOUTS = {
 class Run:
     """Everything one layout records."""
 
-    def __init__(self, name):
+    def __init__(self, name, bench=False):
         self.name = name
+        self.bench = bench
         self.step = 0
         self.losses, self.digests, self.successes = [], [], []
         self.inputs, self.decisions, self.replacements = {}, {}, {}
@@ -156,18 +157,23 @@ def _injector(run: Run, model, layout: dict):
 
 
 def _recorder(run: Run):
-    def record(scaler, full, spike, replacement, scale):
-        g = full.float()
-        r = replacement.float()
+    def record(scaler, grads, spike, replacement, scale, owned):
+        g, r = grads.float(), replacement.float()
+        if owned is not None:  # distributed optimizer: put the owners' pieces together (debug only)
+            group = scaler._distopt[1]
+            g = torch.where(owned, g, 0.0)
+            r = torch.where(spike, r, 0.0)
+            flags = spike.to(torch.int32)
+            for t in (g, r, flags):
+                torch.distributed.all_reduce(t, group=group)
+            spike = flags > 0
         if scale is not None:
             g, r = g / scale, r / scale
-        offset = 0
-        for t in scaler.targets:
-            sl = slice(offset, offset + t.numel)
-            run.inputs.setdefault(run.step, {})[t.name] = g[sl].clone()
-            run.decisions.setdefault(run.step, {})[t.name] = spike[sl].nonzero().flatten().tolist()
-            run.replacements.setdefault(run.step, {})[t.name] = r[sl].clone()
-            offset += t.numel
+        for k, t in enumerate(scaler.targets):
+            n = t.numel
+            run.inputs.setdefault(run.step, {})[t.name] = g[k, :n].clone()
+            run.decisions.setdefault(run.step, {})[t.name] = spike[k, :n].nonzero().flatten().tolist()
+            run.replacements.setdefault(run.step, {})[t.name] = r[k, :n].clone()
 
     return record
 
@@ -268,7 +274,8 @@ def train_step(run: Run, config, model, optimizer, scaler=None) -> None:
     run.successes.append(bool(ok))
     run.losses.append(float(sum(float(x["lm loss"]) for x in losses) / len(losses)) if losses else None)
     run.digests.append(_digest(model))
-    run.states.append(_scaler_state(scaler))
+    if not run.bench:
+        run.states.append(_scaler_state(scaler))
 
 
 def _metadata(loading_from=None):
@@ -325,7 +332,11 @@ def load_checkpoint(path, model, optimizer=None):
 
 
 def _scaler_state(scaler) -> dict:
-    if scaler is None or scaler.state is None:
+    """Full (synchronized) state of the local targets. Collective under the distributed optimizer."""
+    if scaler is None:
+        return {}
+    scaler.synchronize()
+    if scaler.state is None:
         return {}
     return {t.name: scaler.state.get_target(k) for k, t in enumerate(scaler.targets)}
 
@@ -336,7 +347,7 @@ def run_layout(name: str, layout: dict, out_dir: str, steps: int) -> None:
     from mcore_utils import init_distributed
 
     init_distributed(tp=layout.get("tp", 1), pp=layout.get("pp", 1), seed=1234)
-    run = Run(name)
+    run = Run(name, bench=bool(layout.get("bench")))
     handler = _ListHandler(run.warnings)
     logging.getLogger("mixln_megatron.grads_hook").addHandler(handler)
     steps = layout.get("steps", steps)
@@ -345,8 +356,7 @@ def run_layout(name: str, layout: dict, out_dir: str, steps: int) -> None:
         extra = {}
         if layout.get("load"):
             load_checkpoint(os.path.join(out_dir, "ckpt_" + layout["load"]), model)
-            extra["state_after_load"] = {k: (v["momentum"].clone(), v["step"]) for k, v in
-                                         _holder_states(scaler).items()}
+            extra["state_after_load"] = _holder_states(scaler)
         timing = scaler.enable_timing() if (scaler is not None and layout.get("bench") == "time") else None
         for step in range(1, steps + 1):
             run.step = step
@@ -358,8 +368,7 @@ def run_layout(name: str, layout: dict, out_dir: str, steps: int) -> None:
                 del model, optimizer, scaler
                 config, model, optimizer, scaler = build(run, layout)
                 load_checkpoint(path, model, optimizer)
-                extra["state_after_load"] = {k: (v["momentum"].clone(), v["step"]) for k, v in
-                                             _holder_states(scaler).items()}
+                extra["state_after_load"] = _holder_states(scaler)
         if layout.get("save"):
             save_checkpoint(os.path.join(out_dir, "ckpt_" + layout["save"]), model)
         result = dict(

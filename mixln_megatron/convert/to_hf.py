@@ -1,0 +1,388 @@
+"""Megatron-LM checkpoint -> Hugging Face folder, streamed tensor by tensor.
+
+What is written (into a temporary directory renamed to --save at the end):
+  config.json                LlamaConfig (P = 0, scheme mixln: a stock `LlamaForCausalLM`) or
+                             MixLNLlamaConfig with auto_map (loads with trust_remote_code=True);
+                             rope keys in both the transformers 5 (rope_parameters) and 4
+                             (rope_theta / rope_scaling) spellings.
+  configuration_mixln_llama.py, modeling_mixln_llama.py   the model code (Mix-LN / LNS only).
+  model-0000k-of-0000N.safetensors + model.safetensors.index.json
+  generation_config.json
+  tokenizer files            with --tokenizer DIR.
+
+The model shape and the Mix-LN settings come from the checkpoint (args, settings record, content
+metadata); nothing about the model is taken from the command line except the true vocabulary
+size when the args do not record it.
+
+Memory: every tensor is read (as a sub-box of the checkpoint), converted and appended to its
+safetensors shard before the next is read. The shard headers are written first from the known
+shapes, so no shard is ever held in memory; the embedding and output layer go in row blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from . import ConversionError, UnsupportedModelError, staged_output_dir
+from . import mapping as M
+from .megatron_reader import open_checkpoint
+
+TRANSFORMERS_RANGE = ("4.56", "6")  # >= 4.56, < 6 (tested with 5.24)
+_ST_DTYPES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "spiece.model",
+                   "chat_template.jinja", "chat_template.json")
+VOCAB_BLOCK_BYTES = 32 << 20
+
+
+def check_transformers_version() -> str:
+    import transformers
+    from packaging.version import Version
+
+    version = Version(transformers.__version__)
+    low, high = TRANSFORMERS_RANGE
+    if not (Version(low) <= version < Version(high)):
+        raise ConversionError(
+            f"transformers {transformers.__version__} is outside the supported range >={low},<{high} "
+            "(the exported config and model code are written for it)"
+        )
+    return transformers.__version__
+
+
+def parse_size(text) -> int:
+    if isinstance(text, int):
+        return text
+    t = str(text).strip().upper()
+    for suffix, mult in (("GIB", 1 << 30), ("MIB", 1 << 20), ("KIB", 1 << 10), ("GB", 10**9), ("MB", 10**6),
+                         ("KB", 10**3), ("B", 1)):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(t)
+
+
+# --------------------------------------------------------------------------- safetensors writer
+class StreamingSafetensorsWriter:
+    """Writes safetensors shards whose tensors arrive one after another, in plan order.
+
+    The full plan (name, shape, dtype) is known up front, so each shard's header is written
+    first and tensor bytes are appended as they arrive (in pieces of rows if need be): no shard
+    is ever assembled in memory. The files follow the safetensors format (8-byte little-endian
+    header length, JSON header padded with spaces to 8 bytes, contiguous data).
+    """
+
+    def __init__(self, out_dir: str, plan: List[Tuple[str, Tuple[int, ...], torch.dtype]], max_shard_bytes: int):
+        self.out_dir = out_dir
+        shards: List[list] = [[]]
+        size = 0
+        for name, shape, dtype in plan:
+            nbytes = _numel(shape) * dtype.itemsize
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append((name, tuple(shape), dtype, nbytes))
+            size += nbytes
+        n = len(shards)
+        self.files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.shards = shards
+        self.weight_map = {name: self.files[i] for i, shard in enumerate(shards) for name, *_ in shard}
+        self.total_bytes = sum(nb for shard in shards for *_, nb in shard)
+        self._shard = -1
+        self._pos = 0  # index in the current shard
+        self._done = 0  # bytes of the current tensor written
+        self._f = None
+        self._next_shard()
+
+    def _next_shard(self):
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        self._shard += 1
+        self._pos = 0
+        self._done = 0
+        if self._shard >= len(self.shards):
+            return
+        header = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, shape, dtype, nbytes in self.shards[self._shard]:
+            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._f = open(os.path.join(self.out_dir, self.files[self._shard]), "wb")
+        self._f.write(len(raw).to_bytes(8, "little"))
+        self._f.write(raw)
+
+    @property
+    def expected(self):
+        if self._shard >= len(self.shards):
+            return None
+        return self.shards[self._shard][self._pos]
+
+    def write(self, name: str, tensor: torch.Tensor) -> int:
+        """Append `tensor` (the whole tensor, or its next block of rows) to the tensor `name`."""
+        exp = self.expected
+        if exp is None or exp[0] != name:
+            raise RuntimeError(f"safetensors writer expected {exp[0] if exp else 'nothing'}, got {name}")
+        _, shape, dtype, nbytes = exp
+        if tensor.dtype != dtype:
+            raise RuntimeError(f"{name}: dtype {tensor.dtype}, planned {dtype}")
+        if tuple(tensor.shape[1:]) != tuple(shape[1:]) and tuple(tensor.shape) != tuple(shape):
+            raise RuntimeError(f"{name}: shape {tuple(tensor.shape)} does not fit planned {shape}")
+        data = tensor.detach().contiguous()
+        piece = data.numel() * data.element_size()
+        if self._done + piece > nbytes:
+            raise RuntimeError(f"{name}: more data than planned ({self._done + piece} > {nbytes})")
+        if piece:
+            self._f.write(memoryview(data.view(-1).view(torch.uint8).numpy()))
+        self._done += piece
+        if self._done == nbytes:
+            self._pos += 1
+            self._done = 0
+            if self._pos == len(self.shards[self._shard]):
+                self._next_shard()
+        return piece
+
+    def close(self) -> None:
+        if self.expected is not None:
+            raise RuntimeError(f"safetensors writer closed before {self.expected[0]} was written")
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": self.weight_map}
+        with open(os.path.join(self.out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+            f.write("\n")
+
+    def abort(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+# --------------------------------------------------------------------------- role -> HF tensors
+def hf_tensors_for_role(role: str, t: torch.Tensor, shape: M.ModelShape, is_post_ln: bool) -> List[Tuple[str, torch.Tensor]]:
+    """One Megatron role tensor (global layout) -> its HF tensors (layer-local names), in plan order."""
+    names = [n for n, _ in shape.hf_role_tensors(role, is_post_ln)]
+    if role.startswith("qkv."):
+        q, k, v = M.split_qkv(t, shape)
+        if shape.rotary_interleaved:
+            q = M.deinterleave_rope_rows(q, shape.num_attention_heads, shape.kv_channels)
+            k = M.deinterleave_rope_rows(k, shape.num_query_groups, shape.kv_channels)
+        return list(zip(names, (q, k, v)))
+    if role.startswith("fc1."):
+        return list(zip(names, M.split_glu(t, shape.ffn_hidden_size)))
+    if role in ("norm_a", "norm_b") and shape.layernorm_1p:
+        return [(names[0], t.float() + 1)]
+    return [(names[0], t)]
+
+
+# --------------------------------------------------------------------------- vocabulary
+def resolve_true_vocab(reader, vocab_size: Optional[int], tokenizer_dir: Optional[str]) -> Tuple[int, str]:
+    """The true (unpadded) vocabulary size and where it came from."""
+    if vocab_size is not None:
+        return int(vocab_size), "--vocab-size"
+    args_vocab = getattr(reader.args, "vocab_size", None)
+    if args_vocab:
+        return int(args_vocab), "the checkpoint's args (vocab_size)"
+    for source, path in (("--tokenizer", tokenizer_dir), ("the checkpoint's args (tokenizer_model)",
+                                                           getattr(reader.args, "tokenizer_model", None))):
+        if path and os.path.isdir(str(path)):
+            return len(_load_tokenizer(str(path))), f"the tokenizer in {path} ({source})"
+    raise ConversionError(
+        "cannot tell the true vocabulary size: the checkpoint's args record none and no local tokenizer "
+        f"is known; pass --vocab-size N or --tokenizer DIR (the padded size is {reader.padded_vocab_size})"
+    )
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - any tokenizer loading problem is a user input problem
+        raise ConversionError(f"cannot load a tokenizer from {path}: {e}") from None
+
+
+# --------------------------------------------------------------------------- conversion
+def convert_to_hf(
+    load: str,
+    save: str,
+    *,
+    iteration=None,
+    dtype: str = "auto",
+    tokenizer: Optional[str] = None,
+    vocab_size: Optional[int] = None,
+    overwrite: bool = False,
+    max_shard_size="5GB",
+    progress: bool = True,
+    fast_reads: bool = True,
+) -> dict:
+    """Convert the Megatron-LM checkpoint in `load` to a Hugging Face folder `save`.
+
+    Returns a summary dict (format, iteration, P, scheme, dtype, files, bytes, seconds).
+    """
+    t0 = time.time()
+    tf_version = check_transformers_version()
+    reader = open_checkpoint(load, iteration)
+    if hasattr(reader, "fast_reads"):
+        reader.fast_reads = fast_reads
+    reader._require_args()
+    true_vocab, vocab_source = resolve_true_vocab(reader, vocab_size, tokenizer)
+    shape = M.shape_from_megatron_args(reader.args, true_vocab)
+    if true_vocab > reader.padded_vocab_size:
+        raise ConversionError(
+            f"true vocabulary {true_vocab} ({vocab_source}) exceeds the checkpoint's embedding rows "
+            f"{reader.padded_vocab_size}"
+        )
+    reader.check_shapes(shape)
+    record, record_source = reader.mixln_record(shape.num_layers)
+    post_ln, scheme, alpha = int(record["post_ln_layers"]), record["scheme"], record.get("alpha")
+    reader.check_layer_kinds(post_ln)
+    if not shape.tie_embeddings and not reader.has_output_layer:
+        raise ConversionError("the args say the output layer is untied, but the checkpoint has no output_layer.weight")
+    if dtype in (None, "auto"):
+        out_dtype = reader.dtype
+        if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise UnsupportedModelError(f"the checkpoint's weights are {out_dtype}; pass --dtype bfloat16/float32")
+    else:
+        if dtype not in DTYPES:
+            raise ConversionError(f"--dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
+        out_dtype = DTYPES[dtype]
+
+    tok = None
+    if tokenizer:
+        tok = _load_tokenizer(tokenizer)
+    else:
+        recorded = getattr(reader.args, "tokenizer_model", None)
+        if recorded and os.path.isdir(str(recorded)) and any(
+                os.path.isfile(os.path.join(str(recorded), n)) for n in TOKENIZER_FILES[:4]):
+            try:
+                tok = _load_tokenizer(str(recorded))  # only for the special token ids
+            except ConversionError:
+                tok = None
+    from ..hf.export_code import config_for_export, is_stock_llama, write_model_code
+
+    kwargs = M.hf_config_kwargs(shape)
+    # Special token ids only come from a tokenizer; without one they stay unset (not Llama's 1 / 2).
+    kwargs.update(bos_token_id=getattr(tok, "bos_token_id", None), eos_token_id=getattr(tok, "eos_token_id", None),
+                  pad_token_id=getattr(tok, "pad_token_id", None))
+    config = config_for_export(post_ln, scheme, alpha, **kwargs)
+    stock = is_stock_llama(post_ln, scheme)
+    dtype_name = str(out_dtype).replace("torch.", "")
+
+    plan = [(name, shp, out_dtype) for name, shp in shape.hf_plan(post_ln)]
+    with staged_output_dir(save, overwrite) as tmp:
+        config.save_pretrained(tmp)
+        _patch_config_json(os.path.join(tmp, "config.json"), shape, dtype_name)
+        if not stock:
+            write_model_code(tmp)
+        from transformers import GenerationConfig
+
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        writer = StreamingSafetensorsWriter(tmp, plan, parse_size(max_shard_size))
+        bar = _progress(progress, writer.total_bytes, f"to-hf {os.path.basename(os.path.abspath(save))}")
+        try:
+            _stream_tensors(reader, shape, post_ln, out_dtype, writer, bar)
+            writer.close()
+        finally:
+            writer.abort()
+            bar.close()
+        if tokenizer:
+            _copy_tokenizer(tokenizer, tmp)
+        files = sorted(os.listdir(tmp))
+    summary = {
+        "format": reader.format, "checkpoint": reader.path, "iteration": reader.iteration,
+        "post_ln_layers": post_ln, "scheme": scheme, "alpha": alpha, "settings_source": record_source,
+        "architecture": "LlamaForCausalLM" if stock else "MixLNLlamaForCausalLM",
+        "vocab_size": true_vocab, "vocab_source": vocab_source, "padded_vocab_size": reader.padded_vocab_size,
+        "dtype": dtype_name, "bytes": writer.total_bytes, "files": files, "save": os.path.abspath(save),
+        "transformers": tf_version, "seconds": round(time.time() - t0, 2),
+    }
+    return summary
+
+
+def _stream_tensors(reader, shape: M.ModelShape, post_ln: int, out_dtype, writer, bar) -> None:
+    h = shape.hidden_size
+    itemsize = max(reader.dtype.itemsize, out_dtype.itemsize)
+    block = shape.vocab_size if reader.format != "torch_dist" else max(1, VOCAB_BLOCK_BYTES // (h * itemsize))
+
+    def vocab(which, name):
+        for start in range(0, shape.vocab_size, block):
+            stop = min(shape.vocab_size, start + block)
+            rows = reader.read_vocab_rows(which, start, stop)
+            bar.update(writer.write(name, rows.to(out_dtype)))
+            del rows
+
+    vocab("embedding", M.HF_EMBEDDING)
+    roles = shape.roles()
+    for layer in range(shape.num_layers):
+        is_post = layer < post_ln
+        prefix = M.hf_layer_prefix(layer)
+        for group in reader.layer_read_groups(roles):
+            tensors = reader.read_layer(layer, group)
+            for role in group:
+                for name, t in hf_tensors_for_role(role, tensors.pop(role), shape, is_post):
+                    bar.update(writer.write(prefix + name, t.to(out_dtype)))
+            del tensors
+    norm = reader.read_final_norm()
+    if shape.layernorm_1p:
+        norm = norm.float() + 1
+    bar.update(writer.write(M.HF_FINAL_NORM, norm.to(out_dtype)))
+    if not shape.tie_embeddings:
+        vocab("output", M.HF_OUTPUT)
+
+
+def _patch_config_json(path: str, shape: M.ModelShape, dtype_name: str) -> None:
+    """Readable by transformers 4.x too: v4 rope keys and torch_dtype next to v5's fields."""
+    with open(path) as f:
+        cfg = json.load(f)
+    for key, value in M.v4_rope_keys(shape).items():
+        cfg.setdefault(key, value)
+    cfg["dtype"] = dtype_name
+    cfg["torch_dtype"] = dtype_name
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _copy_tokenizer(src: str, dst: str) -> None:
+    copied = 0
+    for name in TOKENIZER_FILES:
+        path = os.path.join(src, name)
+        if os.path.isfile(path):
+            shutil.copyfile(path, os.path.join(dst, name))
+            copied += 1
+    if not copied:
+        raise ConversionError(f"--tokenizer {src}: no tokenizer files found ({', '.join(TOKENIZER_FILES[:4])}, ...)")
+
+
+class _NoBar:
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(enabled: bool, total: int, desc: str):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, dynamic_ncols=True)
