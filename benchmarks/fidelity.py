@@ -85,7 +85,7 @@ class Setup:
 
 
 FULL = Setup("full", depths=(12, 24), seeds=(1, 2), hidden=64, heads=4,
-             recipe=Recipe(steps=300, batch_size=16, seq_length=64, profile_step=40))
+             recipe=Recipe(steps=200, batch_size=16, seq_length=64, profile_step=40))
 QUICK = Setup("quick", depths=(12, 24), seeds=(1,), hidden=32, heads=2,
               recipe=Recipe(steps=40, batch_size=8, seq_length=64, profile_step=20, valid_windows=128))
 
@@ -121,7 +121,8 @@ def train_one(shape: ModelShape, variant: str, seed: int, alpha: float, recipe: 
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=recipe.lr, betas=recipe.betas, eps=1e-8,
                             weight_decay=recipe.weight_decay)
-    profiles: Dict[str, List[float]] = {}
+    profiles: Dict[str, List[float]] = {}  # every parameter of the layer
+    matrix_profiles: Dict[str, List[float]] = {}  # weight matrices only (norm scales left out)
     losses: List[float] = []
     diverged_at = None
     t0 = time.time()
@@ -132,13 +133,14 @@ def train_one(shape: ModelShape, variant: str, seed: int, alpha: float, recipe: 
         opt.zero_grad(set_to_none=True)
         loss = lm.token_losses(ids, labels).mean()
         loss.backward()
-        value = float(loss)
+        value = float(loss.detach())
         losses.append(value)
         if not math.isfinite(value):
             diverged_at = step
             break
         if step in (0, recipe.profile_step):
             profiles[str(step)] = grad_norms.layer_grad_norms(lm)
+            matrix_profiles[str(step)] = grad_norms.layer_grad_norms(lm, exclude_norms=True)
         if recipe.clip_grad:
             torch.nn.utils.clip_grad_norm_(params, recipe.clip_grad)
         opt.step()
@@ -151,6 +153,7 @@ def train_one(shape: ModelShape, variant: str, seed: int, alpha: float, recipe: 
         "final_train_loss": statistics.fmean(losses[-10:]) if losses else float("nan"),
         "train_losses": losses, "grad_norm_profiles": profiles,
         "profile_summaries": {k: grad_norms.profile_summary(v) for k, v in profiles.items()},
+        "grad_norm_profiles_matrices_only": matrix_profiles,
         "seconds": round(train_seconds, 1), "s_per_step": round(train_seconds / max(1, len(losses)), 3),
     }
 

@@ -1,28 +1,32 @@
 """`make demo` / `python -m mixln_megatron.demo`: Mix-LN vs Pre-LN on CPU, through Megatron-LM's loop.
 
-Two pretraining runs of one tiny LLaMA-shaped model (RMSNorm, SwiGLU, RoPE, no biases, untied
-embeddings) on the shipped Jane Austen corpus, tokenized with the shipped byte-level BPE:
-  mixln  --mixln-alpha 0.25  (the first floor(0.25 * L) layers Post-LN, the rest Pre-LN)
+Two pretraining runs of one tiny LLaMA-shaped model (4 layers, hidden 128, RMSNorm, SwiGLU,
+RoPE, no biases, untied embeddings, sequence 128) on the shipped Jane Austen corpus, tokenized
+with the shipped byte-level BPE (4096 tokens):
+  mixln  --mixln-alpha 0.25  (P = floor(0.25 * 4) = 1: layer 1 Post-LN, layers 2-4 Pre-LN)
   preln  --mixln-alpha 0     (every layer Pre-LN: megatron's stock GPT layer)
 Same seed, data order and hyper-parameters otherwise. Each run is `python -m
-mixln_megatron.pretrain --cpu ...` in a subprocess (a single gloo process, no torchrun):
-megatron.training.pretrain, our model / data / loss providers, validation on a held-out split
-of the corpus. Losses come from the entry point's --loss-log record (per iteration, not parsed
-from Megatron's log).
+mixln_megatron.pretrain --cpu ...` in a subprocess (one gloo process, no torchrun; the two run
+side by side with one thread each, or one after the other with --sequential): Megatron-LM's
+training loop with our model / data / loss providers, 300 iterations of 16 x 128 tokens, and
+validation every 50 iterations on the held-out last 5% of the corpus. Losses come from the entry
+point's --loss-log record (per iteration, recorded in our loss function, not parsed from
+Megatron's log).
 
 Outputs under --out (default runs/demo):
   data/                  the indexed dataset, prepared on first use (cached by content)
   <run>/train.log        Megatron's full log of each run;  <run>/losses.json its loss record
-  losses.json            both records, the configuration, timings and the final perplexities
+  losses.json            both records, the commands, timings and the final perplexities
   loss_curves.png        training loss and validation perplexity of both runs
-The last line printed is `RESULT demo_ppl_mixln=<x> demo_ppl_preln=<y>` (final validation
-perplexity over the whole held-out split).
+The last line printed is `RESULT demo_ppl_mixln=<x> demo_ppl_preln=<y>`: the perplexity of
+Megatron's final validation pass (about one pass over the held-out split) of each run.
 
-Budget: both runs finish in about 4-6 minutes on 2 CPU cores (the target is under 10).
-The tokenizer is passed to Megatron as `--tokenizer-type HuggingFaceTokenizer --tokenizer-model
-<shipped tokenizer dir>`: the same vocab.json / merges.txt, but Megatron's GPT2BPETokenizer type
-asks the Hugging Face Hub for the "gpt2" tokenizer configuration even when --vocab-file and
---merge-file are given, so it cannot run offline.
+Time: under 10 minutes on 2 CPU cores for both runs, data preparation included (see the
+project README for measured numbers). The tokenizer is given to Megatron as `--tokenizer-type
+HuggingFaceTokenizer --tokenizer-model <shipped tokenizer dir>` (the same vocab.json /
+merges.txt): Megatron's GPT2BPETokenizer type asks the Hugging Face Hub for the "gpt2"
+tokenizer configuration even when --vocab-file / --merge-file are given, so it cannot run
+offline.
 """
 
 from __future__ import annotations
@@ -76,9 +80,10 @@ def training_flags(iters: int, eval_interval: int) -> List[str]:
         "--clip-grad", "1.0",
         "--seed", "1234",
         "--eval-interval", str(eval_interval),
-        # 16 x 16 sequences of 128 tokens, about one pass over the held-out 5% of the corpus.
-        # (--full-validation would be exact, but it fails in megatron-core 0.19.2's evaluate.)
-        "--eval-iters", "16",
+        # 25 x 16 sequences of 128 tokens: about one pass over the held-out 5% of the corpus
+        # (515 paragraphs, ~51K tokens, ~400 sequences). --full-validation would be exact, but it
+        # fails in megatron-core 0.19.2's evaluate ('int' object is not subscriptable).
+        "--eval-iters", "25",
         "--log-interval", "10",
         "--num-workers", "0",
         "--use-cpu-initialization",
@@ -120,24 +125,30 @@ class _Run:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
+        in_advice = False  # inside the launch-time advice block after "[mixln_megatron] WARNING"
         for line in self.proc.stdout:
             self.log.write(line)
-            m = _PROGRESS.search(line)
-            if m:
-                self._say(f"iteration {int(m.group(1)):4d}/{m.group(2)}  train loss {float(m.group(3)):.4f}  "
-                          f"({time.time() - self.t0:5.1f} s)")
-            elif _VALID.search(line):
-                m = _VALID.search(line)
-                loss = float(m.group(2))
-                self._say(f"validation at {m.group(1).strip()}: loss {loss:.4f}  ppl {math.exp(loss):.2f}")
+            progress, valid = _PROGRESS.search(line), _VALID.search(line)
+            if in_advice and line.startswith("  - "):
+                self._say(line.rstrip())
+                continue
+            in_advice = False
+            if progress:
+                self._say(f"iteration {int(progress.group(1)):4d}/{progress.group(2)}  train loss "
+                          f"{float(progress.group(3)):.4f}  ({time.time() - self.t0:5.1f} s)")
+            elif valid:
+                loss = float(valid.group(2))
+                self._say(f"validation at {valid.group(1).strip()}: loss {loss:.4f}  ppl {math.exp(loss):.2f}")
             elif "[mixln_megatron]" in line:
                 self._say(line.strip())
+                in_advice = "WARNING" in line
+        self.t_end = time.time()  # stdout closes when the process ends
 
     def wait(self) -> float:
         rc = self.proc.wait()
         self.reader.join()
         self.log.close()
-        seconds = time.time() - self.t0
+        seconds = getattr(self, "t_end", time.time()) - self.t0
         if rc != 0:
             with open(self.log_path) as f:
                 sys.stderr.write("".join(f.readlines()[-40:]))

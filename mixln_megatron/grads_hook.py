@@ -158,7 +158,6 @@ class SpikeScaler:
         self._distopt = None  # (owned mask, group, write ranges) when the distributed optimizer is used
         self._holders: Dict[int, "SpikeStateHolder"] = {}
         self._pending_load: Dict[Tuple[int, str], dict] = {}
-        self._missing_warned = set()
         self._own_markers: List[dict] = []
         self.state_from_checkpoint = False
         self.committed_steps = 0
@@ -539,10 +538,7 @@ class SpikeScaler:
         self.state_from_checkpoint = True
 
     def _warn_missing(self, layer_number: int, role: Optional[str] = None) -> None:
-        key = (layer_number, role)
-        if key in self._missing_warned:
-            return
-        self._missing_warned.add(key)
+        """Once per holder and load (a load calls each holder's _load_from_state_dict once)."""
         what = f"layer {layer_number}" + (f" {role}" if role else "")
         logger.warning(
             f"mixln spike scaler: the checkpoint has no spike-scaler state for {what} (saved without "

@@ -154,6 +154,13 @@ def check_supported_args(args) -> None:
         )
     if getattr(args, "num_experts", None):
         raise MixLNPretrainUnsupported("MoE (--num-experts) is not supported with Mix-LN yet")
+    if getattr(args, "spec", None):
+        raise MixLNPretrainUnsupported(
+            f"--spec {' '.join(args.spec)}: this entry point always builds the Mix-LN spec (configure it "
+            "with --mixln-alpha / --mixln-post-ln-layers / --mixln-scheme and --transformer-impl); "
+            "--spec is for Megatron-LM's own pretrain_gpt.py (--spec mixln_megatron.spec "
+            "mixln_layer_spec)"
+        )
 
 
 def backend_from_args(args) -> str:

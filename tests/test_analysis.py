@@ -175,23 +175,31 @@ def test_layer_grad_norm_is_l2_over_the_layers_parameters(mcore_single, text_tok
         assert got > 0
 
 
-def test_grad_norm_profile_at_init_12_layers(mcore_single, text_tokens):
-    """The measured claim that holds with margin at init on a 12-layer shape: Pre-LN's per-layer
-    gradient norm falls from the first to the last layer. (Post-LN rising and Mix-LN being
-    flatter than both did not hold under megatron's init at this scale; see the report.)"""
-    shape = tiny_shape(12, hidden_size=64, num_attention_heads=4)
-    batch_list = textdata.batches(text_tokens, 32, 4, num_batches=1, seed=0)
-    res = grad_norms.measure_at_init(shape, batch_list, ("pre_ln", "post_ln", "mix_ln"), seeds=(1, 2))
-    v = res["variants"]
+@pytest.fixture(scope="module")
+def austen_tokens():
+    """The first 300k characters of the shipped corpus (a cached indexed dataset, built once)."""
+    return textdata.corpus_tokens(max_chars=300_000)
+
+
+def test_grad_norm_profile_at_init_12_layers(mcore_single, austen_tokens):
+    """What holds with margin at init on a 12-layer shape (h 128, 512 tokens of real text): Pre-LN's
+    per-layer gradient norm falls from the first to the last layer (measured last/first 0.59-0.82
+    over 6 seeds, mean profile monotone). Post-LN rising and Mix-LN being flatter than both did
+    not hold under megatron's init at this scale (Post-LN is flat, ~1.0; Mix-LN's max/min is the
+    largest because of a step at the Post/Pre boundary), so they are reported, not pinned."""
+    shape = ModelShape(num_layers=12, hidden_size=128, num_attention_heads=4, vocab_size=4096, seq_length=64)
+    batch_list = textdata.batches(austen_tokens, 64, 8, num_batches=1, seed=0)
+    v = grad_norms.measure_at_init(shape, batch_list, ("pre_ln",), seeds=(1, 2, 3))["variants"]
+    v.update(grad_norms.measure_at_init(shape, batch_list, ("post_ln", "mix_ln"), seeds=(1,))["variants"])
     assert [len(x["mean"]) for x in v.values()] == [12, 12, 12]
     assert v["mix_ln"]["post_ln_layers"] == 3
     for s in v["pre_ln"]["summary_per_seed"]:
-        assert s["last_over_first"] < PRE_LN_LAST_OVER_FIRST_BOUND
-    # Mix-LN's Post-LN layers 1..3 are built and initialised like Post-LN's
+        assert s["last_over_first"] < 0.9
+    assert v["pre_ln"]["summary"]["last_over_first"] < 0.8
+    mean = v["pre_ln"]["mean"]
+    assert sum(mean[-4:]) < 0.85 * sum(mean[:4])
+    # Mix-LN's Post-LN layers 1..3 are built and initialised like Post-LN's first three
     assert v["mix_ln"]["per_seed"][0][:3] == pytest.approx(v["post_ln"]["per_seed"][0][:3], rel=0.05)
-
-
-PRE_LN_LAST_OVER_FIRST_BOUND = 0.9
 
 
 # ------------------------------------------------------------------------------------- Megatron checkpoints

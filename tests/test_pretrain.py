@@ -270,3 +270,24 @@ def test_pp2_and_tp2_resume_match_single_process(tmp_path):
         assert got == pytest.approx(ref_losses[it], rel=1e-3), (it, got, ref_losses[it])
     assert rec_tp2["mixln"]["post_ln_layers"] == 2
     assert math.isfinite(rec_tp2["eval"][-1]["loss"])
+
+
+# ------------------------------------------------------------------ the demo, end to end (short)
+@pytest.mark.slow
+def test_demo_smoke(tmp_path):
+    """`python -m mixln_megatron.demo` with a few iterations: both runs, PNG, JSON, RESULT line."""
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mixln_megatron.demo", "--out", str(out), "--iters", "4", "--eval-interval", "2"],
+        capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"RESULT demo_ppl_mixln=([0-9.]+) demo_ppl_preln=([0-9.]+)", last)
+    assert m, last
+    summary = json.loads((out / "losses.json").read_text())
+    assert summary["final_valid_ppl"]["mixln"] == pytest.approx(float(m.group(1)), rel=1e-3)
+    assert summary["runs"]["mixln"]["mixln"]["post_ln_layers"] == 1
+    assert summary["runs"]["preln"]["mixln"]["post_ln_layers"] == 0
+    assert [t["iteration"] for t in summary["runs"]["preln"]["train"]] == [1, 2, 3, 4]
+    assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

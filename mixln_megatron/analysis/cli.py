@@ -103,6 +103,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     g.add_argument("--seeds", type=_seeds, default=[1234, 1235, 1236], help="model init seeds (default 3)")
     g.add_argument("--data-seed", type=int, default=0, help="which windows of the text are used")
     g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--exclude-norms", action="store_true",
+                   help="norm over the weight matrices only (default: every parameter of the layer, "
+                   "the norms' scale vectors included)")
     g.add_argument("--embedding-std", type=_embedding_std, default=None,
                    help="embedding init std: a number, 'megatron' (= init-method-std, default) or "
                    "'reference' (sqrt(2/5), the Mix-LN reference code)")
@@ -160,7 +163,7 @@ def _run_grad_norms(a) -> int:
     )
     batch_list = textdata.batches(tokens, a.seq_length, a.batch_size, a.num_batches, seed=a.data_seed)
     t0 = time.time()
-    result = grad_norms.measure_at_init(shape, batch_list, a.variants, a.alpha, a.seeds)
+    result = grad_norms.measure_at_init(shape, batch_list, a.variants, a.alpha, a.seeds, a.exclude_norms)
     result.update(
         when="at initialization", text=a.text or "shipped Austen corpus",
         tokens_per_gradient=a.batch_size * a.num_batches * a.seq_length, seconds=round(time.time() - t0, 1),

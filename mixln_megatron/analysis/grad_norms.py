@@ -48,14 +48,21 @@ def variant_placement(name: str, num_layers: int, alpha: float = 0.25) -> Tuple[
     raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
 
 
-def layer_grad_norms(lm: LanguageModel) -> List[float]:
-    """L2 norm of the current .grad over all parameters of each decoder layer."""
+def is_norm_parameter(name: str) -> bool:
+    """Parameters of the layer's norms (megatron local *layernorm*, TE fused *layer_norm_*, HF *_layernorm)."""
+    return "layernorm" in name or "layer_norm" in name or name.endswith("norm.weight")
+
+
+def layer_grad_norms(lm: LanguageModel, exclude_norms: bool = False) -> List[float]:
+    """L2 norm of the current .grad over all parameters of each decoder layer (optionally over the
+    weight matrices only, leaving out the norms' scale vectors)."""
     out = []
     for layer in lm.layers:
         sq = 0.0
-        for p in layer.parameters():
-            if p.grad is not None:
-                sq += float(p.grad.detach().double().pow(2).sum())
+        for name, p in layer.named_parameters():
+            if p.grad is None or (exclude_norms and is_norm_parameter(name)):
+                continue
+            sq += float(p.grad.detach().double().pow(2).sum())
         out.append(math.sqrt(sq))
     return out
 
@@ -68,13 +75,13 @@ def accumulate_gradient(lm: LanguageModel, batch_list: Sequence[Tuple[torch.Tens
     for ids, labels in batch_list:
         loss = lm.token_losses(ids, labels).mean() / len(batch_list)
         loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
     return total
 
 
-def grad_norm_profile(lm: LanguageModel, batch_list) -> Tuple[List[float], float]:
+def grad_norm_profile(lm: LanguageModel, batch_list, exclude_norms: bool = False) -> Tuple[List[float], float]:
     loss = accumulate_gradient(lm, batch_list)
-    norms = layer_grad_norms(lm)
+    norms = layer_grad_norms(lm, exclude_norms)
     lm.module.zero_grad(set_to_none=True)
     return norms, loss
 
@@ -97,15 +104,17 @@ def measure_at_init(
     variants: Iterable[str] = DEFAULT_VARIANTS,
     alpha: float = 0.25,
     seeds: Sequence[int] = (1234,),
+    exclude_norms: bool = False,
 ) -> dict:
     """Per-layer gradient norms at initialization of each variant, for each seed, and their mean."""
-    result = {"shape": shape.describe(), "alpha": alpha, "seeds": list(seeds), "variants": {}}
+    result = {"shape": shape.describe(), "alpha": alpha, "seeds": list(seeds), "variants": {},
+              "parameters": "weight matrices only" if exclude_norms else "all parameters of the layer"}
     for name in variants:
         p, scheme = variant_placement(name, shape.num_layers, alpha)
         per_seed, losses = [], []
         for seed in seeds:
             lm = build_megatron_gpt(shape, post_ln_layers=p, scheme=scheme, seed=seed)
-            norms, loss = grad_norm_profile(lm, batch_list)
+            norms, loss = grad_norm_profile(lm, batch_list, exclude_norms)
             per_seed.append(norms)
             losses.append(loss)
             del lm

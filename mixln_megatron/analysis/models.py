@@ -1,7 +1,8 @@
 """Models the analyses run on: fresh megatron-core GPTs, Megatron torch_dist checkpoints, HF folders.
 
-Everything here runs on CPU in one process (mixln_megatron.cpu.enable() + a single-rank gloo
-group), which is enough for the model sizes the diagnostics are meant for and needs no GPU.
+Everything here runs in one process: on CPU through mixln_megatron.cpu.enable() + a single-rank
+gloo group, which is enough for the model sizes the diagnostics are meant for. On a machine with
+CUDA the megatron models are moved to the current GPU instead (that path is untested here).
 
 Three ways in, one interface out (`LanguageModel`):
   build_megatron_gpt(shape, post_ln_layers=, scheme=, seed=)   a fresh GPTModel from our spec
@@ -133,6 +134,13 @@ def _quiet_gpt_deprecation():
         logger.setLevel(level)
 
 
+def _to_device(model):
+    """On a machine with CUDA (no CPU shim there) the model runs on the current GPU; else CPU."""
+    if torch.cuda.is_available():
+        return model.cuda(torch.cuda.current_device())
+    return model
+
+
 def build_megatron_gpt(
     shape: ModelShape,
     post_ln_layers: int = 0,
@@ -155,7 +163,7 @@ def build_megatron_gpt(
             max_sequence_length=shape.seq_length, position_embedding_type="rope",
             share_embeddings_and_output_weights=not shape.untie_embeddings,
         )
-    return MegatronLM(model)
+    return MegatronLM(_to_device(model))
 
 
 # ----------------------------------------------------------------------------------- interface
@@ -227,16 +235,22 @@ class MegatronLM(LanguageModel):
     def vocab_size(self) -> int:
         return int(self.module.vocab_size)
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
     def _inputs(self, ids):
         b, s = ids.shape
-        pos = torch.arange(s).unsqueeze(0).expand(b, s)
-        return pos, _causal_mask(s)
+        dev = self.device
+        pos = torch.arange(s, device=dev).unsqueeze(0).expand(b, s)
+        return ids.to(dev), pos, _causal_mask(s).to(dev)
 
     def token_losses(self, ids, labels):
         """Per-token cross-entropy from the logits with torch's fused kernel (same value as
         megatron's vocab-parallel cross-entropy at TP = 1, a few times cheaper on CPU)."""
-        pos, mask = self._inputs(ids)
+        ids, pos, mask = self._inputs(ids)
         logits = self.module(ids, pos, mask).float()  # [b, s, V]
+        labels = labels.to(logits.device)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                reduction="none").view_as(labels)
 
@@ -246,18 +260,18 @@ class MegatronLM(LanguageModel):
 
         def pre_hook(module, args, kwargs):
             x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            states.append(x.detach().transpose(0, 1).float())  # [s, b, h] -> [b, s, h]
+            states.append(x.detach().transpose(0, 1).float().cpu())  # [s, b, h] -> [b, s, h]
 
         def last_hook(module, args, kwargs, output):
             out = output[0] if isinstance(output, tuple) else output
-            states.append(out.detach().transpose(0, 1).float())
+            states.append(out.detach().transpose(0, 1).float().cpu())
 
         layers = self.layers
         for layer in layers:
             handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
         handles.append(layers[-1].register_forward_hook(last_hook, with_kwargs=True))
         try:
-            pos, mask = self._inputs(ids)
+            ids, pos, mask = self._inputs(ids)
             with torch.no_grad():
                 self.module(ids, pos, mask)
         finally:
@@ -488,8 +502,11 @@ def load_megatron_checkpoint(
             position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
             rotary_percent=getattr(args, "rotary_percent", 1.0),
             rotary_base=getattr(args, "rotary_base", 10000),
+            rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
+            rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0) or 8.0,
             share_embeddings_and_output_weights=not shape.untie_embeddings,
         )
+    model = _to_device(model)
     metadata = None
     try:
         metadata = dist_checkpointing.load_content_metadata(ckpt_dir)

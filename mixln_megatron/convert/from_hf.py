@@ -40,6 +40,7 @@ import io
 import json
 import os
 import time
+import warnings
 from collections import OrderedDict
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -366,7 +367,9 @@ def write_torch_dist(out_dir: str, src: _Source, shape: M.ModelShape, padded_voc
     planner = _lazy_planner_class()(items, producers, on_write)
     writer = FileSystemWriter(out_dir, single_file_per_rank=True, thread_count=1, sync_files=False)
     try:
-        dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
     except CheckpointException as e:
         raise ConversionError(f"writing the torch_dist checkpoint failed: {e}") from None
     with open(os.path.join(out_dir, "metadata.json"), "w") as f:

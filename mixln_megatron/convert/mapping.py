@@ -552,6 +552,38 @@ def split_tp_shard(role: str, tensor, tp: int, rank: int):
     return tensor.narrow(dim, rank * size, size).contiguous()
 
 
+def hf_row_pieces(role: str, index: int, shape: ModelShape, row_bytes: int, piece_bytes: int):
+    """Row ranges of a layer's Megatron `role` tensor that make up its `index`-th HF tensor, in order.
+
+    Each range is at most `piece_bytes` (but at least one row, or one head for q / k / v), so an
+    export can read, convert and write any tensor in bounded pieces: q is gathered group by group
+    from the grouped QKV rows, k and v take one head per group, gate / up are the two halves of
+    fc1, everything else is split into plain row blocks.
+    """
+    per = max(1, piece_bytes // max(1, row_bytes))
+    d = shape.kv_channels
+
+    def split(a, b, step):
+        return [(i, min(b, i + step)) for i in range(a, b, step)]
+
+    if role.startswith("qkv."):
+        group = (shape.q_per_group + 2) * d
+        out = []
+        for g in range(shape.num_query_groups):
+            base = g * group
+            if index == 0:
+                out += split(base, base + shape.q_per_group * d, max(d, per // d * d))
+            else:
+                start = base + (shape.q_per_group + index - 1) * d
+                out.append((start, start + d))
+        return out
+    if role.startswith("fc1."):
+        f = shape.ffn_hidden_size
+        return split(index * f, (index + 1) * f, per)
+    rows = shape.megatron_layer_shapes()[role][0]
+    return split(0, rows, per)
+
+
 def check_tp_divisibility(shape: ModelShape, tp: int) -> None:
     """Megatron's own requirements for tensor parallelism, checked before anything is written."""
     problems = []

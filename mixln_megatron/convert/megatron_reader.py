@@ -49,6 +49,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 COMMON_PT = "common.pt"
 COMMON_STATE_KEY = "common_state/shard_0_1"
 LEGACY_FILE = "model_optim_rng.pt"
+PIECE_BYTES = 8 << 20  # largest piece read / converted / written at once (torch_dist)
 _LEGACY_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
@@ -283,10 +284,6 @@ class _Base:
         record = placement.record()
         return record, f"from {name0}"
 
-    # layer reading: implemented by subclasses
-    def layer_read_groups(self, roles: Sequence[str]) -> List[List[str]]:
-        return [list(roles)]
-
     def check_layer_kinds(self, post_ln_layers: int) -> None:
         """Formats that name the layer kind (legacy) compare it with the settings; torch_dist cannot."""
 
@@ -416,22 +413,120 @@ class _BoxPlanner:
         pass
 
 
+class _Rec:
+    """Stand-in for a torch.distributed.checkpoint dataclass in a .metadata pickle."""
+
+    def __setstate__(self, state):
+        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
+            self.__dict__.update(state[0] or {})
+            self.__dict__.update(state[1] or {})
+        elif isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self._state = state
+
+
+class _RecIndex(_Rec):
+    """Stand-in for MetadataIndex: equal / hashed by (fqn, offset), like the real one."""
+
+    def _key(self):
+        offset = self.__dict__.get("offset")
+        return (self.__dict__.get("fqn"), tuple(offset) if offset is not None else None)
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __eq__(self, other):
+        return isinstance(other, _RecIndex) and self._key() == other._key()
+
+
+class _RecEnum:
+    def __init__(self, *args):
+        self.args = args
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Reads a DCP .metadata without importing torch.distributed.checkpoint (stand-in classes only)."""
+
+    _classes: Dict[str, type] = {}
+
+    def find_class(self, module, name):
+        if module.startswith("torch.distributed.checkpoint"):
+            if name in ("_MEM_FORMAT_ENCODING", "WriteItemType", "LoadItemType"):
+                return _RecEnum
+            key = f"{module}.{name}"
+            if key not in self._classes:
+                base = _RecIndex if name == "MetadataIndex" else _Rec
+                self._classes[key] = type(name, (base,), {"__module__": __name__})
+            return self._classes[key]
+        if module == "torch" and name == "Size":
+            return torch.Size
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) == ("torch.serialization", "_get_layout"):
+            return lambda text: text
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        raise pickle.UnpicklingError(f"unexpected class {module}.{name} in .metadata")
+
+
+class _TensorMeta:
+    __slots__ = ("size", "dtype", "chunks")
+
+    def __init__(self, size, dtype, chunks):
+        self.size, self.dtype, self.chunks = tuple(int(x) for x in size), dtype, chunks
+
+
+class _StorageEntry:
+    __slots__ = ("relative_path", "offset", "length", "transformed")
+
+    def __init__(self, relative_path, offset, length, transformed):
+        self.relative_path, self.offset, self.length, self.transformed = relative_path, int(offset), int(length), transformed
+
+
+def _light_metadata(md) -> Tuple[Dict[str, object], Dict[tuple, _StorageEntry]]:
+    """(fqn -> _TensorMeta or "bytes", (fqn, offsets|None) -> _StorageEntry) from real or stand-in metadata."""
+    tensors: Dict[str, object] = {}
+    for fqn, entry in md.state_dict_metadata.items():
+        chunks = getattr(entry, "chunks", None)
+        if chunks is None:
+            tensors[fqn] = "bytes"
+            continue
+        props = entry.properties
+        dtype = getattr(props, "dtype", None)
+        if dtype is None and isinstance(getattr(props, "_state", None), tuple):
+            dtype = props._state[0]  # TensorProperties pickles (dtype, layout, ...) as its state
+        if not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError(f"no dtype for {fqn}")
+        tensors[fqn] = _TensorMeta(entry.size, dtype, [
+            (tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)) for c in chunks])
+    storage: Dict[tuple, _StorageEntry] = {}
+    for index, info in md.storage_data.items():
+        offset = getattr(index, "offset", None)
+        key = (index.fqn, tuple(int(x) for x in offset) if offset is not None else None)
+        storage[key] = _StorageEntry(info.relative_path, info.offset, info.length,
+                                     bool(getattr(info, "transform_descriptors", None)))
+    return tensors, storage
+
+
 class TorchDistCheckpoint(_Base):
     format = "torch_dist"
 
     def __init__(self, path: str, fast_reads: bool = True):
-        from torch.distributed.checkpoint import FileSystemReader
-
         self.path = path
         self.fast_reads = fast_reads
-        self._reader = FileSystemReader(path)
+        self._dcp_state = None
+        meta_path = os.path.join(path, ".metadata")
         try:
-            self._metadata = self._reader.read_metadata()
-        except Exception as e:  # noqa: BLE001 - pickle / OS errors of a damaged .metadata
-            raise ConversionError(f"{path}/.metadata is unreadable (truncated or corrupt?): {e}") from None
-        self._reader.set_up_storage_reader(self._metadata, True)
-        self._sd_md = self._metadata.state_dict_metadata
-        self._storage = self._metadata.storage_data
+            with open(meta_path, "rb") as f:
+                md = _MetadataUnpickler(f).load()
+            self._sd_md, self._storage = _light_metadata(md)
+        except (pickle.UnpicklingError, AttributeError, EOFError, TypeError, ValueError, KeyError, ImportError):
+            # Anything unexpected: torch's own reader (imports torch.distributed.checkpoint).
+            reader, md = self._dcp()
+            self._sd_md, self._storage = _light_metadata(md)
+        except OSError as e:
+            raise ConversionError(f"{meta_path} is unreadable: {e}") from None
         self._layouts: Dict[Tuple[str, int], Optional[_ChunkLayout]] = {}
         self._check_files()
         common = self._read_common()
@@ -445,17 +540,30 @@ class TorchDistCheckpoint(_Base):
             self.settings_record = loaded[0] if isinstance(loaded, list) else loaded
         self._check_keys()
         emb = self._sd_md[M.TD_EMBEDDING]
-        self.padded_vocab_size = int(emb.size[0])
-        self.dtype = emb.properties.dtype
+        self.padded_vocab_size = emb.size[0]
+        self.dtype = emb.dtype
         self.has_output_layer = M.TD_OUTPUT in self._sd_md
+
+    def _dcp(self):
+        """torch.distributed.checkpoint's FileSystemReader and the real metadata (lazily)."""
+        if self._dcp_state is None:
+            from torch.distributed.checkpoint import FileSystemReader
+
+            reader = FileSystemReader(self.path)
+            try:
+                md = reader.read_metadata()
+            except Exception as e:  # noqa: BLE001 - pickle / OS errors of a damaged .metadata
+                raise ConversionError(f"{self.path}/.metadata is unreadable (truncated or corrupt?): {e}") from None
+            reader.set_up_storage_reader(md, True)
+            self._dcp_state = (reader, md)
+        return self._dcp_state
 
     # ---------------------------------------------------------------- validation
     def _check_files(self) -> None:
         """Every file the metadata points to exists and is long enough (missing / truncated shards)."""
         needed: Dict[str, int] = {}
         for info in self._storage.values():
-            end = int(info.offset) + int(info.length)
-            needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
         for rel, end in sorted(needed.items()):
             full = os.path.join(self.path, rel)
             if not os.path.isfile(full):
@@ -481,12 +589,25 @@ class TorchDistCheckpoint(_Base):
 
     # ---------------------------------------------------------------- raw access
     def _read_bytes(self, key: str) -> bytes:
+        info = self._storage.get((key, None))
+        if info is not None and not info.transformed:
+            path = os.path.join(self.path, info.relative_path)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(info.offset)
+                    data = f.read(info.length)
+            except OSError as e:
+                raise ConversionError(f"cannot read {key} from {path}: {e}") from None
+            if len(data) != info.length:
+                raise ConversionError(f"checkpoint shard {path} is truncated (reading {key})")
+            return data
         from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 
-        plan = create_default_local_load_plan({key: io.BytesIO()}, self._metadata, True)
+        reader, md = self._dcp()
+        plan = create_default_local_load_plan({key: io.BytesIO()}, md, True)
         planner = _BoxPlanner({})
         try:
-            self._reader.read_data(plan, planner).wait()
+            reader.read_data(plan, planner).wait()
         except (OSError, ValueError, RuntimeError) as e:
             raise ConversionError(f"cannot read {key} from {self.path}: {e}") from None
         return planner.bytes[key]
@@ -511,64 +632,63 @@ class TorchDistCheckpoint(_Base):
         return key in self._sd_md
 
     def global_shape(self, key: str) -> Tuple[int, ...]:
-        return tuple(self._sd_md[key].size)
+        return self._sd_md[key].size
 
     def read(self, key: str, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
         """The sub-box [offsets, offsets + sizes) of the global tensor `key`, in its saved dtype."""
         md = self._sd_md.get(key)
-        if md is None or not hasattr(md, "chunks"):
+        if not isinstance(md, _TensorMeta):
             raise ConversionError(f"{self.path} has no tensor {key}")
         offsets, sizes = tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
         if len(offsets) != len(md.size) or any(o + s > g for o, s, g in zip(offsets, sizes, md.size)):
-            raise ConversionError(f"{key}: box {offsets}+{sizes} outside the saved shape {tuple(md.size)}")
-        dest = torch.empty(sizes, dtype=md.properties.dtype)
+            raise ConversionError(f"{key}: box {offsets}+{sizes} outside the saved shape {md.size}")
+        dest = torch.empty(sizes, dtype=md.dtype)
         covered = 0
-        slow = []
-        for chunk in md.chunks:
-            lo = [max(o, c) for o, c in zip(offsets, chunk.offsets)]
-            hi = [min(o + s, c + cs) for o, s, c, cs in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
+        slow = False
+        for c_off, c_size in md.chunks:
+            lo = [max(o, c) for o, c in zip(offsets, c_off)]
+            hi = [min(o + s, c + cs) for o, s, c, cs in zip(offsets, sizes, c_off, c_size)]
             if any(h <= l for l, h in zip(lo, hi)):
                 continue
             n = 1
             for l, h in zip(lo, hi):
                 n *= h - l
             covered += n
-            if not (self.fast_reads and self._read_chunk_fast(key, chunk, lo, hi, offsets, dest)):
-                slow.append(chunk)
+            if not (self.fast_reads and self._read_chunk_fast(key, c_off, c_size, lo, hi, offsets, dest)):
+                slow = True
         if covered != dest.numel():
             raise ConversionError(f"{key}: the saved chunks do not cover box {offsets}+{sizes} (incomplete checkpoint)")
         if slow:
-            self._read_slow(key, md, offsets, sizes, dest)
+            self._read_slow(key, offsets, sizes, dest)
         return dest
 
-    def _read_slow(self, key, md, offsets, sizes, dest):
+    def _read_slow(self, key, offsets, sizes, dest):
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         from torch.distributed.checkpoint.planner import LoadPlan
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+        reader, md = self._dcp()
         items = create_read_items_for_chunk_list(
-            key, md, [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))]
+            key, md.state_dict_metadata[key], [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))]
         )
         try:
-            self._reader.read_data(LoadPlan(items), _BoxPlanner({key: dest})).wait()
+            reader.read_data(LoadPlan(items), _BoxPlanner({key: dest})).wait()
         except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
             raise ConversionError(f"cannot read {key} from {self.path} (truncated or corrupt shard?): {e}") from None
 
-    def _chunk_layout(self, key, chunk) -> Optional[_ChunkLayout]:
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
-        info = self._storage.get(MetadataIndex(key, chunk.offsets))
+    def _chunk_layout(self, key, c_off, c_size) -> Optional[_ChunkLayout]:
+        info = self._storage.get((key, tuple(c_off)))
         if info is None:
-            raise ConversionError(f"{key}: chunk at {tuple(chunk.offsets)} has no storage entry in .metadata")
-        cache_key = (info.relative_path, int(info.offset))
+            raise ConversionError(f"{key}: chunk at {tuple(c_off)} has no storage entry in .metadata")
+        cache_key = (info.relative_path, info.offset)
         if cache_key in self._layouts:
             return self._layouts[cache_key]
         layout = None
-        if not getattr(info, "transform_descriptors", None):
+        if not info.transformed:
             path = os.path.join(self.path, info.relative_path)
             try:
                 with open(path, "rb") as f:
-                    view = _SliceFile(f, int(info.offset), int(info.length))
+                    view = _SliceFile(f, info.offset, info.length)
                     zf = zipfile.ZipFile(view)
                     names = zf.namelist()
                     pkl = next(n for n in names if n.endswith("data.pkl"))
@@ -578,15 +698,14 @@ class TorchDistCheckpoint(_Base):
                     rec = _LayoutUnpickler(io.BytesIO(zf.read(pkl))).load()
                     zinfo = zf.getinfo(f"{prefix}data/{rec.key}")
                     if (little and isinstance(rec, _TensorRecord) and zinfo.compress_type == zipfile.ZIP_STORED
-                            and rec.size == tuple(chunk.sizes)
-                            and rec.stride == _contiguous_strides(rec.size)):
+                            and rec.size == tuple(c_size) and rec.stride == _contiguous_strides(rec.size)):
                         view.seek(zinfo.header_offset)
                         header = view.read(30)
                         if header[:4] == b"PK\x03\x04":
                             name_len, extra_len = struct.unpack("<HH", header[26:30])
                             layout = _ChunkLayout()
                             layout.path = path
-                            layout.data_offset = (int(info.offset) + zinfo.header_offset + 30 + name_len + extra_len
+                            layout.data_offset = (info.offset + zinfo.header_offset + 30 + name_len + extra_len
                                                   + rec.storage_offset * rec.dtype.itemsize)
                             layout.dtype, layout.shape = rec.dtype, rec.size
             except (StopIteration, zipfile.BadZipFile, pickle.UnpicklingError, KeyError, EOFError,
@@ -597,28 +716,26 @@ class TorchDistCheckpoint(_Base):
         self._layouts[cache_key] = layout
         return layout
 
-    def _read_chunk_fast(self, key, chunk, lo, hi, offsets, dest) -> bool:
-        layout = self._chunk_layout(key, chunk)
-        if layout is None or layout.dtype != dest.dtype:
+    def _read_chunk_fast(self, key, c_off, c_size, lo, hi, offsets, dest) -> bool:
+        layout = self._chunk_layout(key, c_off, c_size)
+        if layout is None or layout.dtype != dest.dtype or not layout.shape:
             return False
         shape = layout.shape
-        c_lo = [l - c for l, c in zip(lo, chunk.offsets)]
-        c_hi = [h - c for h, c in zip(hi, chunk.offsets)]
+        c_lo = [l - c for l, c in zip(lo, c_off)]
+        c_hi = [h - c for h, c in zip(hi, c_off)]
         ndim = len(shape)
-        # First dim k after which the region spans whole dims: each index of dims < k then maps to
-        # one contiguous byte range of the chunk (rows c_lo[k]:c_hi[k] of full trailing dims).
+        # The first dim k after which the region spans whole dims: each index of the dims before k
+        # then maps to one contiguous byte range of the chunk (rows c_lo[k]:c_hi[k], full trailing dims).
         k = ndim - 1
         while k > 0 and c_lo[k] == 0 and c_hi[k] == shape[k]:
             k -= 1
-        if ndim == 0:
-            return False
         strides = _contiguous_strides(shape)
         itemsize = layout.dtype.itemsize
         outer = [range(c_lo[j], c_hi[j]) for j in range(k)]
         d_lo = [l - o for l, o in zip(lo, offsets)]
         with open(layout.path, "rb") as f:
             for idx in _product(outer):
-                start = sum(i * s for i, s in zip(idx, strides)) + c_lo[k] * strides[k]
+                start = sum(i * st for i, st in zip(idx, strides)) + c_lo[k] * strides[k]
                 count = (c_hi[k] - c_lo[k]) * strides[k]
                 target = dest
                 for j, i in enumerate(idx):
@@ -627,17 +744,12 @@ class TorchDistCheckpoint(_Base):
                 for j in range(k + 1, ndim):
                     target = target.narrow(j - k, d_lo[j], shape[j])
                 f.seek(layout.data_offset + start * itemsize)
-                if target.is_contiguous():
-                    buf = target.view(-1).view(torch.uint8).numpy() if itemsize > 0 else None
-                    got = f.readinto(memoryview(buf))
-                    if got != count * itemsize:
-                        raise ConversionError(f"checkpoint shard {layout.path} is truncated (reading {key})")
-                else:
-                    tmp = torch.empty(count, dtype=layout.dtype)
-                    got = f.readinto(memoryview(tmp.view(torch.uint8).numpy()))
-                    if got != count * itemsize:
-                        raise ConversionError(f"checkpoint shard {layout.path} is truncated (reading {key})")
-                    target.copy_(tmp.view(target.shape))
+                buf = target if target.is_contiguous() else torch.empty(count, dtype=layout.dtype)
+                got = f.readinto(memoryview(buf.reshape(-1).view(torch.uint8).numpy()))
+                if got != count * itemsize:
+                    raise ConversionError(f"checkpoint shard {layout.path} is truncated (reading {key})")
+                if buf is not target:
+                    target.copy_(buf.view(target.shape))
         return True
 
     # ---------------------------------------------------------------- model tensors
@@ -649,22 +761,27 @@ class TorchDistCheckpoint(_Base):
         if single in self._sd_md:
             return single, False
         raise ConversionError(
-            f"{self.path} has no {stacked} (nor per-layer {single}): the model lacks "
-            f"'{role}' (a Llama model needs it; was it saved with add_bias_linear={role.endswith('bias')}?)"
+            f"{self.path} has no {stacked} (nor per-layer {single}): the model lacks '{role}'"
         )
 
-    def layer_read_groups(self, roles):
-        return [[r] for r in roles]
+    def read_role_rows(self, layer: int, role: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of one layer's tensor of `role` (global layout)."""
+        key, stacked = self._layer_key(layer, role)
+        shape = self.global_shape(key)
+        if stacked:
+            rest = shape[1:]
+            return self.read(key, (layer, start) + (0,) * (len(rest) - 1), (1, stop - start) + rest[1:])[0]
+        return self.read(key, (start,) + (0,) * (len(shape) - 1), (stop - start,) + shape[1:])
+
+    def layer_source(self, layer: int, roles: Sequence[str]):
+        return _RowSource(lambda role, a, b: self.read_role_rows(layer, role, a, b))
 
     def read_layer(self, layer: int, roles: Iterable[str]) -> Dict[str, torch.Tensor]:
         out = {}
         for role in roles:
             key, stacked = self._layer_key(layer, role)
-            shape = self.global_shape(key)
-            if stacked:
-                out[role] = self.read(key, (layer,) + (0,) * (len(shape) - 1), (1,) + shape[1:])[0]
-            else:
-                out[role] = self.read(key, (0,) * len(shape), shape)
+            rows = (self.global_shape(key)[1] if stacked else self.global_shape(key)[0])
+            out[role] = self.read_role_rows(layer, role, 0, rows)
         return out
 
     def num_stacked_layers(self) -> Optional[int]:
@@ -676,6 +793,9 @@ class TorchDistCheckpoint(_Base):
         h = self.global_shape(key)[1]
         return self.read(key, (start, 0), (stop - start, h))
 
+    def vocab_block_rows(self, row_bytes: int) -> Optional[int]:
+        return max(1, PIECE_BYTES // max(1, row_bytes))
+
     def read_final_norm(self) -> torch.Tensor:
         if M.TD_FINAL_NORM not in self._sd_md:
             raise ConversionError(f"{self.path} has no {M.TD_FINAL_NORM}")
@@ -684,12 +804,12 @@ class TorchDistCheckpoint(_Base):
     def model_tensor_bytes(self) -> int:
         total = 0
         for key, md in self._sd_md.items():
-            if hasattr(md, "chunks") and (key.startswith("decoder.") or key.startswith("embedding.")
-                                          or key.startswith("output_layer.")):
+            if isinstance(md, _TensorMeta) and (key.startswith("decoder.") or key.startswith("embedding.")
+                                                or key.startswith("output_layer.")):
                 n = 1
                 for s in md.size:
                     n *= s
-                total += n * md.properties.dtype.itemsize
+                total += n * md.dtype.itemsize
         return total
 
     def check_shapes(self, shape: M.ModelShape) -> None:
@@ -706,6 +826,19 @@ class TorchDistCheckpoint(_Base):
             extra = [r for r in ("qkv.bias", "fc1.bias") if (M.TD_LAYER_PREFIX + M.LAYER_ROLE_NAMES[r]) in self._sd_md]
             if extra:
                 raise ConversionError(f"the checkpoint has biases ({extra}) but its args say add_bias_linear=False")
+        emb = self._sd_md[M.TD_EMBEDDING].size
+        if emb[1] != shape.hidden_size:
+            raise ConversionError(f"{M.TD_EMBEDDING} has shape {emb}, the args imply hidden size {shape.hidden_size}")
+
+
+class _RowSource:
+    """Rows of a layer's role tensors: read on demand (torch_dist) or sliced from a loaded layer (legacy)."""
+
+    def __init__(self, rows_fn):
+        self._rows = rows_fn
+
+    def rows(self, role: str, start: int, stop: int) -> torch.Tensor:
+        return self._rows(role, start, stop)
 
 
 def _product(ranges):
@@ -791,8 +924,12 @@ class LegacyCheckpoint(_Base):
     def _model(self, sd: dict, key: str) -> dict:
         return sd[key]
 
-    def layer_read_groups(self, roles):
-        return [list(roles)]
+    def layer_source(self, layer: int, roles: Sequence[str]):
+        tensors = self.read_layer(layer, roles)
+        return _RowSource(lambda role, a, b: tensors[role][a:b])
+
+    def vocab_block_rows(self, row_bytes: int) -> Optional[int]:
+        return None  # the TP shards are concatenated once, then written whole
 
     def check_layer_kinds(self, post_ln_layers: int) -> None:
         for t in range(1):

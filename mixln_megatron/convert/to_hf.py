@@ -44,21 +44,29 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "spiece.model",
                    "chat_template.jinja", "chat_template.json")
-VOCAB_BLOCK_BYTES = 32 << 20
+
+
+def transformers_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        raise ConversionError("transformers is not installed (pip install 'mixln-megatron[hf]')") from None
 
 
 def check_transformers_version() -> str:
-    import transformers
+    """The installed transformers must be in TRANSFORMERS_RANGE (checked without importing it)."""
     from packaging.version import Version
 
-    version = Version(transformers.__version__)
+    text = transformers_version()
     low, high = TRANSFORMERS_RANGE
-    if not (Version(low) <= version < Version(high)):
+    if not (Version(low) <= Version(text) < Version(high)):
         raise ConversionError(
-            f"transformers {transformers.__version__} is outside the supported range >={low},<{high} "
+            f"transformers {text} is outside the supported range >={low},<{high} "
             "(the exported config and model code are written for it)"
         )
-    return transformers.__version__
+    return text
 
 
 def parse_size(text) -> int:
@@ -175,21 +183,66 @@ def _numel(shape) -> int:
     return n
 
 
-# --------------------------------------------------------------------------- role -> HF tensors
-def hf_tensors_for_role(role: str, t: torch.Tensor, shape: M.ModelShape, is_post_ln: bool) -> List[Tuple[str, torch.Tensor]]:
-    """One Megatron role tensor (global layout) -> its HF tensors (layer-local names), in plan order."""
-    names = [n for n, _ in shape.hf_role_tensors(role, is_post_ln)]
-    if role.startswith("qkv."):
-        q, k, v = M.split_qkv(t, shape)
-        if shape.rotary_interleaved:
-            q = M.deinterleave_rope_rows(q, shape.num_attention_heads, shape.kv_channels)
-            k = M.deinterleave_rope_rows(k, shape.num_query_groups, shape.kv_channels)
-        return list(zip(names, (q, k, v)))
-    if role.startswith("fc1."):
-        return list(zip(names, M.split_glu(t, shape.ffn_hidden_size)))
-    if role in ("norm_a", "norm_b") and shape.layernorm_1p:
-        return [(names[0], t.float() + 1)]
-    return [(names[0], t)]
+# --------------------------------------------------------------------------- config files
+def hf_config_dict(shape: M.ModelShape, post_ln: int, scheme: str, alpha, dtype_name: str, token_ids: dict) -> dict:
+    """config.json of the export, written without importing transformers (kept light for the export).
+
+    Holds the LlamaConfig fields of the model, the architecture fields of mixln_megatron.hf
+    (model_type llama + LlamaForCausalLM when stock, else mixln_llama + auto_map + the Mix-LN
+    fields), and the rope settings in both transformers 5 (rope_parameters) and 4 spellings.
+    """
+    from ..hf.export_code import AUTO_MAP, LLAMA_ARCHITECTURES, MIXLN_ARCHITECTURES, is_stock_llama
+
+    cfg = {
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.ffn_hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_query_groups,
+        "head_dim": shape.kv_channels,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": shape.norm_epsilon,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "attention_bias": shape.add_bias_linear,
+        "attention_dropout": 0.0,
+        "mlp_bias": shape.add_bias_linear,
+        "tie_word_embeddings": shape.tie_embeddings,
+        "bos_token_id": token_ids.get("bos_token_id"),
+        "eos_token_id": token_ids.get("eos_token_id"),
+        "pad_token_id": token_ids.get("pad_token_id"),
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,
+        "transformers_version": transformers_version(),
+    }
+    rope = {"rope_type": "default", "rope_theta": shape.rotary_base}
+    if shape.rope_scaling is not None:
+        rope.update(shape.rope_scaling)
+    cfg["rope_parameters"] = rope
+    cfg.update(M.v4_rope_keys(shape))
+    if is_stock_llama(post_ln, scheme):
+        cfg.update(model_type="llama", architectures=list(LLAMA_ARCHITECTURES))
+    else:
+        cfg.update(model_type="mixln_llama", architectures=list(MIXLN_ARCHITECTURES), auto_map=dict(AUTO_MAP),
+                   post_ln_layers=int(post_ln), mixln_scheme=scheme, mixln_alpha=alpha)
+    return cfg
+
+
+def generation_config_dict(token_ids: dict) -> dict:
+    out = {"_from_model_config": True, "transformers_version": transformers_version()}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if token_ids.get(key) is not None:
+            out[key] = token_ids[key]
+    return out
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 # --------------------------------------------------------------------------- vocabulary
@@ -276,25 +329,20 @@ def convert_to_hf(
                 tok = _load_tokenizer(str(recorded))  # only for the special token ids
             except ConversionError:
                 tok = None
-    from ..hf.export_code import config_for_export, is_stock_llama, write_model_code
-
-    kwargs = M.hf_config_kwargs(shape)
     # Special token ids only come from a tokenizer; without one they stay unset (not Llama's 1 / 2).
-    kwargs.update(bos_token_id=getattr(tok, "bos_token_id", None), eos_token_id=getattr(tok, "eos_token_id", None),
-                  pad_token_id=getattr(tok, "pad_token_id", None))
-    config = config_for_export(post_ln, scheme, alpha, **kwargs)
+    token_ids = {k: getattr(tok, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    from ..hf.export_code import is_stock_llama, write_model_code
+
     stock = is_stock_llama(post_ln, scheme)
     dtype_name = str(out_dtype).replace("torch.", "")
+    config = hf_config_dict(shape, post_ln, scheme, alpha, dtype_name, token_ids)
 
     plan = [(name, shp, out_dtype) for name, shp in shape.hf_plan(post_ln)]
     with staged_output_dir(save, overwrite) as tmp:
-        config.save_pretrained(tmp)
-        _patch_config_json(os.path.join(tmp, "config.json"), shape, dtype_name)
+        _write_json(os.path.join(tmp, "config.json"), config)
+        _write_json(os.path.join(tmp, "generation_config.json"), generation_config_dict(token_ids))
         if not stock:
             write_model_code(tmp)
-        from transformers import GenerationConfig
-
-        GenerationConfig.from_model_config(config).save_pretrained(tmp)
         writer = StreamingSafetensorsWriter(tmp, plan, parse_size(max_shard_size))
         bar = _progress(progress, writer.total_bytes, f"to-hf {os.path.basename(os.path.abspath(save))}")
         try:
@@ -306,7 +354,7 @@ def convert_to_hf(
         if tokenizer:
             _copy_tokenizer(tokenizer, tmp)
         files = sorted(os.listdir(tmp))
-    summary = {
+    return {
         "format": reader.format, "checkpoint": reader.path, "iteration": reader.iteration,
         "post_ln_layers": post_ln, "scheme": scheme, "alpha": alpha, "settings_source": record_source,
         "architecture": "LlamaForCausalLM" if stock else "MixLNLlamaForCausalLM",
@@ -314,13 +362,24 @@ def convert_to_hf(
         "dtype": dtype_name, "bytes": writer.total_bytes, "files": files, "save": os.path.abspath(save),
         "transformers": tf_version, "seconds": round(time.time() - t0, 2),
     }
-    return summary
+
+
+def _postprocess(role: str, index: int, t: torch.Tensor, shape: M.ModelShape) -> torch.Tensor:
+    """Per-piece fix-ups: q / k rows for interleaved RoPE, gamma + 1 for --apply-layernorm-1p."""
+    if role.startswith("qkv.") and index < 2 and shape.rotary_interleaved:
+        d = shape.kv_channels
+        return M.deinterleave_rope_rows(t, t.shape[0] // d, d)
+    if role in ("norm_a", "norm_b") and shape.layernorm_1p:
+        return t.float() + 1
+    return t
 
 
 def _stream_tensors(reader, shape: M.ModelShape, post_ln: int, out_dtype, writer, bar) -> None:
-    h = shape.hidden_size
-    itemsize = max(reader.dtype.itemsize, out_dtype.itemsize)
-    block = shape.vocab_size if reader.format != "torch_dist" else max(1, VOCAB_BLOCK_BYTES // (h * itemsize))
+    """Read, convert and write every tensor in plan order, in pieces of at most PIECE_BYTES (torch_dist)."""
+    from .megatron_reader import PIECE_BYTES
+
+    h, itemsize = shape.hidden_size, reader.dtype.itemsize
+    block = reader.vocab_block_rows(h * itemsize) or shape.vocab_size
 
     def vocab(which, name):
         for start in range(0, shape.vocab_size, block):
@@ -331,34 +390,24 @@ def _stream_tensors(reader, shape: M.ModelShape, post_ln: int, out_dtype, writer
 
     vocab("embedding", M.HF_EMBEDDING)
     roles = shape.roles()
+    role_shapes = shape.megatron_layer_shapes()
     for layer in range(shape.num_layers):
-        is_post = layer < post_ln
         prefix = M.hf_layer_prefix(layer)
-        for group in reader.layer_read_groups(roles):
-            tensors = reader.read_layer(layer, group)
-            for role in group:
-                for name, t in hf_tensors_for_role(role, tensors.pop(role), shape, is_post):
-                    bar.update(writer.write(prefix + name, t.to(out_dtype)))
-            del tensors
+        source = reader.layer_source(layer, roles)
+        for role in roles:
+            row_bytes = _numel(role_shapes[role][1:]) * itemsize
+            for index, (name, _) in enumerate(shape.hf_role_tensors(role, layer < post_ln)):
+                for a, b in M.hf_row_pieces(role, index, shape, row_bytes, PIECE_BYTES):
+                    piece = _postprocess(role, index, source.rows(role, a, b), shape)
+                    bar.update(writer.write(prefix + name, piece.to(out_dtype)))
+                    del piece
+        del source
     norm = reader.read_final_norm()
     if shape.layernorm_1p:
         norm = norm.float() + 1
     bar.update(writer.write(M.HF_FINAL_NORM, norm.to(out_dtype)))
     if not shape.tie_embeddings:
         vocab("output", M.HF_OUTPUT)
-
-
-def _patch_config_json(path: str, shape: M.ModelShape, dtype_name: str) -> None:
-    """Readable by transformers 4.x too: v4 rope keys and torch_dtype next to v5's fields."""
-    with open(path) as f:
-        cfg = json.load(f)
-    for key, value in M.v4_rope_keys(shape).items():
-        cfg.setdefault(key, value)
-    cfg["dtype"] = dtype_name
-    cfg["torch_dtype"] = dtype_name
-    with open(path, "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-        f.write("\n")
 
 
 def _copy_tokenizer(src: str, dst: str) -> None:

@@ -49,7 +49,9 @@ INF_INJECT = {4: [("layer3.norm1.weight", 1, math.inf)], 6: [("nontarget", 0, ma
 
 LAYOUTS = {
     # name: tp, pp, sequence parallel, distributed optimizer, how the scaler is installed, inject
-    "ddp_plain": dict(scaler=None, inject=False, save="ddp_plain"),
+    # ddp_plain also saves the initial weights, which every later layout of the launch loads: a
+    # pipeline stage initialises its layers from another random stream than a whole model does.
+    "ddp_plain": dict(scaler=None, inject=False, save="ddp_plain", save_init=True),
     "ddp_quiet": dict(scaler="api", inject=False),
     "distopt_plain": dict(scaler=None, inject=False, distopt=True),
     "ddp": dict(scaler="api"),
@@ -62,8 +64,8 @@ LAYOUTS = {
     "tp2pp2_distopt": dict(scaler="spec", tp=2, pp=2, sp=True, distopt=True),
     "dp2tp2_distopt": dict(scaler="api", tp=2, sp=True, distopt=True),
     # benchmarks/spike.py: default threshold / beta / warm-up, random x1000 spikes after warm-up.
-    "bench": dict(scaler="api", distopt=True, steps=200, bench="record"),
-    "bench_timing": dict(scaler="api", distopt=True, steps=200, bench="time"),
+    "bench": dict(scaler="api", distopt=True, bench="record"),
+    "bench_timing": dict(scaler="api", distopt=True, bench="time"),
 }
 
 
@@ -79,7 +81,8 @@ class Run:
         self.warnings = []
         self.step_times = []
         self.states = []  # scaler state after each step
-        self.injected = []  # (step, target, element) of the x1000 spikes
+        self.injected = []  # (step, target, element) of the injected spikes
+        self.inject_s = 0.0
 
 
 def _env_for(layout: dict) -> None:
@@ -96,7 +99,7 @@ def _env_for(layout: dict) -> None:
 
 
 def _bench_plan(steps: int) -> dict:
-    """x1000 on two random target elements every 4th step after the default warm-up."""
+    """Two random target elements every 4th step after the default warm-up."""
     import random
 
     from mixln_megatron.spike import DEFAULT_WARMUP_STEPS
@@ -125,23 +128,35 @@ def _named_targets(model):
 
 
 def _injector(run: Run, model, layout: dict):
-    """A finalize_model_grads_func that runs megatron's, then multiplies chosen reduced grads."""
+    """A finalize_model_grads_func that runs megatron's, then injects spikes into reduced grads.
+
+    Test layouts multiply fixed elements by 1000 (INJECT). Benchmark layouts set two random
+    elements to 1000x their typical magnitude (the mean |g| of that element over the previous
+    steps, kept here independently of the scaler): a literal x1000 of an element whose gradient is
+    momentarily near zero would not be a spike at all. Under the distributed optimizer only the
+    owner's value of an element counts, and the owner sees the reduced gradient, so no
+    communication is needed. Time spent here is kept apart (run.inject_s).
+    """
     from megatron.core.distributed import finalize_model_grads
 
     targets = _named_targets(model)
     nontarget = next(p for n, p in model.named_parameters() if "linear_fc2" in n)
-    if layout.get("bench"):
+    bench = bool(layout.get("bench"))
+    if bench:
         plan = _bench_plan(layout["steps"])
     else:
         plan = dict(INJECT) if layout.get("inject", True) else {}
-    run.injected = [(step, name, index) for step, items in sorted(plan.items())
-                    for name, index, factor in items if name != "nontarget" and not math.isinf(factor)]
     if layout.get("inf"):
         for step, items in INF_INJECT.items():
             plan[step] = plan.get(step, []) + items
+    run.injected = [(step, name, index) for step, items in sorted(plan.items())
+                    for name, index, factor in items if name != "nontarget" and not math.isinf(factor)]
+    sums = {name: torch.zeros(p.numel(), dtype=torch.float32) for name, p in targets.items()} if bench else {}
+    seen = [0]
 
     def finalize(model_chunks, *args, **kwargs):
         result = finalize_model_grads(model_chunks, *args, **kwargs)
+        started = time.perf_counter()
         for name, index, factor in plan.get(run.step, []):
             param = nontarget if name == "nontarget" else targets.get(name)
             if param is None:
@@ -149,8 +164,16 @@ def _injector(run: Run, model, layout: dict):
             grad = param.main_grad.view(-1)
             if math.isinf(factor):
                 grad[index] = factor
+            elif bench:
+                typical = float(sums[name][index]) / max(seen[0], 1)
+                grad[index] = (1.0 if grad[index] >= 0 else -1.0) * factor * typical
             else:
                 grad[index] *= factor
+        if bench:
+            for name, param in targets.items():
+                sums[name].add_(param.main_grad.view(-1).abs().float())
+            seen[0] += 1
+        run.inject_s += time.perf_counter() - started
         return result
 
     return finalize
@@ -192,7 +215,7 @@ def build(run: Run, layout: dict):
     fp16 = bool(layout.get("fp16"))
     dtype = torch.float16 if fp16 else torch.float32
     config = tiny_config(
-        num_layers=NUM_LAYERS, hidden=64, tp=layout.get("tp", 1), pp=layout.get("pp", 1),
+        num_layers=NUM_LAYERS, hidden=_size(layout)["hidden"], tp=layout.get("tp", 1), pp=layout.get("pp", 1),
         sequence_parallel=bool(layout.get("sp")), fp16=fp16, params_dtype=dtype, pipeline_dtype=dtype,
     )
     spec = get_mixln_decoder_block_spec(config, backend="local", post_ln_layers=POST_LN)
@@ -231,6 +254,17 @@ def build(run: Run, layout: dict):
     return config, model, optimizer, scaler
 
 
+def _size(layout: dict) -> dict:
+    """Model / batch size; benchmarks/spike.py sets SPIKE_BENCH_* for its layouts."""
+    size = {"hidden": 64, "seq": 16, "global_batch": GLOBAL_BATCH}
+    if layout.get("bench"):
+        for key in size:
+            value = os.environ.get(f"SPIKE_BENCH_{key.upper()}")
+            if value:
+                size[key] = int(value)
+    return size
+
+
 def _digest(model) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
@@ -239,15 +273,16 @@ def _digest(model) -> str:
     return h.hexdigest()
 
 
-def train_step(run: Run, config, model, optimizer, scaler=None) -> None:
+def train_step(run: Run, config, model, optimizer, scaler=None, size=None) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from mcore_utils import SEQ, batch
+    from mcore_utils import batch
 
-    ids, labels, pos, mask = batch(seed=1000 + run.step, b=GLOBAL_BATCH)
+    size = size or _size({})
+    ids, labels, pos, mask = batch(seed=1000 + run.step, b=size["global_batch"], s=size["seq"])
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    rows = GLOBAL_BATCH // dp
+    rows = size["global_batch"] // dp
     ids, labels = ids[dp_rank * rows:(dp_rank + 1) * rows], labels[dp_rank * rows:(dp_rank + 1) * rows]
     micro = [(ids[i:i + MICRO_BATCH], labels[i:i + MICRO_BATCH]) for i in range(0, rows, MICRO_BATCH)]
     position = pos[:MICRO_BATCH]
@@ -267,7 +302,7 @@ def train_step(run: Run, config, model, optimizer, scaler=None) -> None:
     started = time.perf_counter()
     losses = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(micro), model=model,
-        num_microbatches=len(micro), seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False,
+        num_microbatches=len(micro), seq_length=size["seq"], micro_batch_size=MICRO_BATCH, forward_only=False,
     )
     ok, _, _ = optimizer.step()
     run.step_times.append(time.perf_counter() - started)
@@ -351,16 +386,25 @@ def run_layout(name: str, layout: dict, out_dir: str, steps: int) -> None:
     handler = _ListHandler(run.warnings)
     logging.getLogger("mixln_megatron.grads_hook").addHandler(handler)
     steps = layout.get("steps", steps)
+    layout = dict(layout, steps=steps)
     try:
         config, model, optimizer, scaler = build(run, layout)
         extra = {}
+        init = os.path.join(out_dir, "ckpt_init")
+        if layout.get("save_init"):
+            save_checkpoint(init, model)
+        elif os.path.isdir(init) and not layout.get("bench"):
+            load_checkpoint(init, model)
+            optimizer.reload_model_params()  # fp32 main copies (fp16, distributed optimizer)
+            del run.warnings[:]  # the initial weights carry no scaler state: not what is tested
         if layout.get("load"):
             load_checkpoint(os.path.join(out_dir, "ckpt_" + layout["load"]), model)
+            optimizer.reload_model_params()
             extra["state_after_load"] = _holder_states(scaler)
         timing = scaler.enable_timing() if (scaler is not None and layout.get("bench") == "time") else None
         for step in range(1, steps + 1):
             run.step = step
-            train_step(run, config, model, optimizer, scaler)
+            train_step(run, config, model, optimizer, scaler, _size(layout))
             if layout.get("resume_at") == step:
                 path = os.path.join(out_dir, "ckpt_" + name)
                 save_checkpoint(path, model, optimizer)
@@ -381,7 +425,7 @@ def run_layout(name: str, layout: dict, out_dir: str, steps: int) -> None:
             state=_scaler_state(scaler), totals=scaler.totals() if scaler is not None else None,
             report=scaler.last_report if scaler is not None else None,
             targets=scaler.target_names() if scaler is not None else [],
-            timing=dict(timing) if timing is not None else None,
+            timing=dict(timing) if timing is not None else None, inject_s=run.inject_s,
             loss_scale=float(optimizer.get_loss_scale()) if layout.get("fp16") else None,
             **extra,
         )

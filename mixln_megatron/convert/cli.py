@@ -1,0 +1,144 @@
+"""`mixln-megatron convert to-hf | from-hf`: the command line of mixln_megatron.convert.
+
+    mixln-megatron convert to-hf --load CKPT_DIR [--iteration N] --save HF_DIR
+        [--dtype auto|bfloat16|float16|float32] [--tokenizer DIR] [--vocab-size N]
+        [--max-shard-size 5GB] [--overwrite] [--no-progress]
+
+    mixln-megatron convert from-hf --load HF_DIR --save CKPT_DIR [--tp N] [--pp M]
+        [--ckpt-format torch_dist|torch] [--transformer-impl transformer_engine|local]
+        [--dtype auto|...] [--make-vocab-size-divisible-by 128]
+        [--post-ln-layers P | --mixln-alpha A] [--mixln-scheme S] [--tokenizer-model PATH]
+        [--overwrite] [--no-progress]
+
+Exit status: 0 on success, 2 when the conversion is refused or fails (the message says why; no
+output is left behind), 1 on an unexpected error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+from . import ConversionError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mixln-megatron convert",
+        description="Convert checkpoints between Megatron-LM (torch_dist or legacy torch) and Hugging Face.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{to-hf,from-hf}")
+    sub.required = True
+
+    to = sub.add_parser(
+        "to-hf", help="Megatron-LM checkpoint -> Hugging Face folder",
+        description="Export a Megatron-LM checkpoint (any TP/PP/VPP, torch_dist or legacy torch format) as a "
+        "Hugging Face folder: config.json (auto_map + model code when Post-LN layers or LNS are used; a stock "
+        "LlamaForCausalLM otherwise), safetensors shards + index, generation_config.json. The model shape and "
+        "the Mix-LN settings are read from the checkpoint.",
+    )
+    to.add_argument("--load", required=True, help="Megatron-LM --save directory (or one iter_*/release dir in it)")
+    to.add_argument("--iteration", default=None,
+                    help="iteration to export (default: latest_checkpointed_iteration.txt); 'release' allowed")
+    to.add_argument("--save", required=True, help="output Hugging Face folder (must not exist or be empty)")
+    to.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                    help="dtype of the exported weights (auto: the checkpoint's)")
+    to.add_argument("--tokenizer", default=None,
+                    help="tokenizer directory to copy into the output (also gives the true vocabulary size and "
+                    "the special token ids)")
+    to.add_argument("--vocab-size", type=int, default=None,
+                    help="true (unpadded) vocabulary size, when the checkpoint's args do not record it")
+    to.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    to.add_argument("--overwrite", action="store_true", help="replace a non-empty --save directory")
+    to.add_argument("--no-progress", action="store_true", help="no progress bar")
+    to.add_argument("--slow-reads", action="store_true",
+                    help=argparse.SUPPRESS)  # read torch_dist chunks through torch's reader only (debugging)
+
+    fr = sub.add_parser(
+        "from-hf", help="Hugging Face folder -> Megatron-LM checkpoint",
+        description="Write a Megatron-LM checkpoint (iteration 'release': loaded as iteration 0, no optimizer "
+        "state) from a Mix-LN or stock Llama Hugging Face folder. torch_dist (default) is layout-free: it loads "
+        "at any TP/PP/VPP whose padded vocabulary matches; --tp sets that padding (make-vocab-size-divisible-by "
+        "x TP) and is recorded in the args. The legacy torch format is written for exactly --tp x --pp ranks.",
+    )
+    fr.add_argument("--load", required=True, help="Hugging Face folder (config.json + safetensors or .bin)")
+    fr.add_argument("--save", required=True, help="output Megatron-LM checkpoint directory (for --load)")
+    fr.add_argument("--tp", type=int, default=1, help="tensor-parallel size the checkpoint is written for")
+    fr.add_argument("--pp", type=int, default=1, help="pipeline-parallel size the checkpoint is written for")
+    fr.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist", "torch"],
+                    help="torch_dist (default, layout-free) or torch (legacy per-rank files)")
+    fr.add_argument("--transformer-impl", default="transformer_engine", choices=["transformer_engine", "local"],
+                    help="module names of legacy files and the --spec recorded in the args (torch_dist keys are "
+                    "the same for both)")
+    fr.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                    help="dtype of the written weights (auto: the folder's)")
+    fr.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                    help="Megatron's vocabulary padding unit (default 128; padded to a multiple of it x TP)")
+    group = fr.add_mutually_exclusive_group()
+    group.add_argument("--post-ln-layers", type=int, default=None,
+                       help="stock Llama folders only: convert as Mix-LN with P Post-LN layers (default: Pre-LN, "
+                       "P = 0). A Mix-LN folder's own settings are always kept.")
+    group.add_argument("--mixln-alpha", default=None, help="like --post-ln-layers, as P = floor(alpha * L)")
+    fr.add_argument("--mixln-scheme", default=None, choices=["mixln", "lns", "mixln+lns"],
+                    help="stock Llama folders only: the scheme to convert as")
+    fr.add_argument("--tokenizer-model", default=None,
+                    help="tokenizer path recorded in the args (default: the HF folder when it has tokenizer files)")
+    fr.add_argument("--overwrite", action="store_true", help="replace a non-empty --save directory")
+    fr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        if args.command == "to-hf":
+            from .to_hf import convert_to_hf
+
+            summary = convert_to_hf(
+                args.load, args.save, iteration=args.iteration, dtype=args.dtype, tokenizer=args.tokenizer,
+                vocab_size=args.vocab_size, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
+                progress=not args.no_progress, fast_reads=not args.slow_reads,
+            )
+            print(
+                f"[mixln-megatron convert] {summary['format']} checkpoint {summary['checkpoint']} "
+                f"(iteration {summary['iteration']}) -> {summary['save']}: {summary['architecture']}, "
+                f"scheme={summary['scheme']} P={summary['post_ln_layers']} ({summary['settings_source']}), "
+                f"vocab {summary['vocab_size']} of {summary['padded_vocab_size']} rows ({summary['vocab_source']}), "
+                f"{summary['dtype']}, {summary['bytes'] / 2**20:.1f} MiB in {summary['seconds']} s"
+            )
+            if summary["architecture"] != "LlamaForCausalLM":
+                print("[mixln-megatron convert] load with AutoModelForCausalLM.from_pretrained(dir, "
+                      "trust_remote_code=True); serving engines that refuse remote code (vLLM, SGLang) cannot run "
+                      "it as is")
+        else:
+            from .from_hf import convert_from_hf
+
+            summary = convert_from_hf(
+                args.load, args.save, tp=args.tp, pp=args.pp, ckpt_format=args.ckpt_format, dtype=args.dtype,
+                transformer_impl=args.transformer_impl,
+                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                post_ln_layers=args.post_ln_layers, alpha=args.mixln_alpha, scheme=args.mixln_scheme,
+                tokenizer_model=args.tokenizer_model, overwrite=args.overwrite, progress=not args.no_progress,
+            )
+            print(f"[mixln-megatron convert] {json.dumps(summary)}")
+            print(
+                f"[mixln-megatron convert] load with --load {summary['save']} (iteration 'release': no optimizer "
+                f"state, training restarts at iteration 0); use --make-vocab-size-divisible-by "
+                f"{args.make_vocab_size_divisible_by} and a TP that pads the vocabulary to "
+                f"{summary['padded_vocab_size']}"
+                + (f"; the legacy format needs exactly --tensor-model-parallel-size {args.tp} "
+                   f"--pipeline-model-parallel-size {args.pp}" if args.ckpt_format == "torch" else "")
+                + (f"; Mix-LN: --mixln-post-ln-layers {summary['post_ln_layers']}"
+                   + (f" --mixln-scheme {summary['scheme']}" if summary["scheme"] != "mixln" else "")
+                   if summary["post_ln_layers"] or summary["scheme"] != "mixln" else "")
+            )
+    except ConversionError as e:
+        print(f"mixln-megatron convert {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
