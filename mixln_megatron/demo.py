@@ -46,6 +46,7 @@ import warnings
 from typing import List, Optional, Sequence
 
 RUNS = (("mixln", "0.25"), ("preln", "0"))
+TELEMETRY_INTERVAL = 10  # per-layer gradient norms every 10 steps (mixln_megatron.telemetry)
 
 # A tiny LLaMA-shaped model (about 0.8M non-embedding parameters) and its schedule.
 MODEL_FLAGS = (
@@ -207,25 +208,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         env.pop(var)  # the flags below are the whole Mix-LN configuration
 
     common = [*MODEL_FLAGS, *training_flags(args.iters, args.eval_interval)]
-    commands, loss_logs = {}, {}
+    commands, loss_logs, telemetry = {}, {}, {}
     for name, alpha in RUNS:
         loss_logs[name] = os.path.join(out, name, "losses.json")
         if os.path.exists(loss_logs[name]):
             os.remove(loss_logs[name])
         data = data_flags(prefix, tokenizer_dir(), os.path.join(out, name, "cache"))
         commands[name] = [sys.executable, "-m", "mixln_megatron.pretrain", "--cpu", *common, *data,
-                          "--mixln-alpha", alpha, "--loss-log", loss_logs[name]]
+                          "--mixln-alpha", alpha, "--loss-log", loss_logs[name],
+                          "--mixln-telemetry-interval", str(TELEMETRY_INTERVAL)]
+        telemetry[name] = os.path.join(out, name, "mixln_telemetry.jsonl")
+        if os.path.exists(telemetry[name]):
+            os.remove(telemetry[name])  # records are appended
     timings = {}
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     if args.sequential:
         for name, alpha in RUNS:
             print(f"demo: training {name} (--mixln-alpha {alpha}), {args.iters} iterations ...", flush=True)
-            timings[name] = _Run(name, commands[name], os.path.join(out, name, "train.log"), env).wait()
+            timings[name] = _Run(name, commands[name], os.path.join(out, name, "train.log"),
+                                 {**env, "MIXLN_TELEMETRY_PATH": telemetry[name]}).wait()
     else:
         # Both runs at once, one core each: on a small CPU this beats two threads per run in turn.
         print(f"demo: training {' and '.join(f'{n} (--mixln-alpha {a})' for n, a in RUNS)} side by side, "
               f"{args.iters} iterations each ...", flush=True)
-        runs = [_Run(name, commands[name], os.path.join(out, name, "train.log"), env) for name, _ in RUNS]
+        runs = [_Run(name, commands[name], os.path.join(out, name, "train.log"),
+                     {**env, "MIXLN_TELEMETRY_PATH": telemetry[name]}) for name, _ in RUNS]
         for run in runs:
             timings[run.name] = run.wait()
     cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -244,6 +251,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         records, os.path.join(out, "loss_curves.png"),
         title=f"Mix-LN (alpha 0.25) vs Pre-LN: 4-layer LLaMA-shaped GPT, Austen corpus, {args.iters} iterations (CPU)",
     )
+    from argparse import Namespace
+
+    from .analysis.train_health import run as train_health
+
+    health = train_health(Namespace(run_dir=telemetry["mixln"], out=os.path.join(out, "mixln")))
     ppl = {name: final_valid(rec)["ppl"] for name, rec in records.items()}
     summary = {
         "runs": {name: {"alpha": alpha, **records[name]} for name, alpha in RUNS},
@@ -252,6 +264,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "training_cpu": round(cpu_seconds, 1)},
         "dataset": {"prefix": prefix, **{k: meta.get(k) for k in ("tokens", "documents", "vocab_size")}},
         "commands": commands,
+        "train_health_figures": health["figures"],
     }
     with open(os.path.join(out, "losses.json"), "w") as f:
         json.dump(summary, f, indent=1)

@@ -28,6 +28,7 @@ ENV_SPIKE_THRESHOLD = "MIXLN_SPIKE_THRESHOLD"
 ENV_SPIKE_BETA = "MIXLN_SPIKE_BETA"
 ENV_SPIKE_WARMUP = "MIXLN_SPIKE_WARMUP_STEPS"
 ENV_SPIKE_TARGETS = "MIXLN_SPIKE_TARGETS"
+ENV_TELEMETRY_INTERVAL = "MIXLN_TELEMETRY_INTERVAL"
 
 
 def add_mixln_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -62,6 +63,12 @@ def add_mixln_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="boundary (default: last Post-LN and first Pre-LN layer's norms), all, or a comma "
         "list of global layer numbers.",
     )
+    group.add_argument(
+        "--mixln-telemetry-interval", type=int, default=None,
+        help="Log per-layer gradient norms every N steps (0 = off, the default; see "
+        "mixln_megatron.telemetry). Written to TensorBoard/W&B when configured and to "
+        "<save>/mixln_telemetry.jsonl.",
+    )
     return parser
 
 
@@ -94,6 +101,7 @@ def apply_mixln_args(args, environ: Optional[MutableMapping[str, str]] = None) -
         ENV_SPIKE_BETA: getattr(args, "mixln_spike_beta", None),
         ENV_SPIKE_WARMUP: getattr(args, "mixln_spike_warmup_steps", None),
         ENV_SPIKE_TARGETS: getattr(args, "mixln_spike_targets", None),
+        ENV_TELEMETRY_INTERVAL: getattr(args, "mixln_telemetry_interval", None),
     }
     for name, value in spike_flags.items():
         if value is not None:

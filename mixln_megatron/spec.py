@@ -81,6 +81,9 @@ def get_mixln_decoder_block_spec(
     )
     from .grads_hook import install_from_spec  # gradient-spike scaler, only with MIXLN_SPIKE_SCALER=1
     layer = install_from_spec(config, layer)
+    from .telemetry import install_from_env  # per-layer grad norms, only with MIXLN_TELEMETRY_INTERVAL=N
+
+    install_from_env(config)  # after the spike scaler, so that it sees the scaled gradients
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(
         layer_specs=[layer] * num_layers, layer_norm=backends.norm_class(backend)

@@ -1,0 +1,295 @@
+"""Training-health telemetry: per-layer gradient norms during training, every N steps.
+
+It wraps `config.finalize_model_grads_func` around everything already there (megatron's
+finalize_model_grads and, when installed, the gradient-spike scaler), so it sees the reduced
+gradients the optimizer receives, after the scaler. Off by default (N = 0): zero cost.
+
+For each transformer layer (global number) it logs the gradient norm of all its parameters and,
+separately, of its two norm weights (first and second in forward order: Pre-LN N_in / N_mlp,
+Post-LN N1 / N2), plus the Post-LN-group and Pre-LN-group aggregates. Squared sums are formed
+like megatron's grad norm: TP-duplicated parameters count once (TP rank 0), TP-sharded ones are
+summed over TP, stages are summed over PP (each holds its own layers), and under the
+distributed optimizer each rank adds only the shard of main_grad it owns (the rest is not
+reduced) and the shards are summed over the data-parallel group. One all-reduce of an
+[L, 3] vector per logged step.
+
+Where it goes: Megatron's TensorBoard / W&B writers when they exist (one scalar per layer and
+the group aggregates), and always a JSONL file (`mixln_telemetry.jsonl` next to the checkpoints,
+or MIXLN_TELEMETRY_PATH), which `mixln-megatron analyze train-health RUN_DIR` reads. The spike
+scaler's counts join the same records.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from typing import List, Optional
+
+import torch
+
+from .layer import MixLNTransformerLayer
+
+logger = logging.getLogger(__name__)
+
+ENV_INTERVAL = "MIXLN_TELEMETRY_INTERVAL"
+ENV_PATH = "MIXLN_TELEMETRY_PATH"
+JSONL_NAME = "mixln_telemetry.jsonl"
+
+
+def interval_from_env(environ=None) -> int:
+    env = os.environ if environ is None else environ
+    text = env.get(ENV_INTERVAL, "").strip()
+    if not text:
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{ENV_INTERVAL} must be a non-negative integer (steps), got {text!r}") from None
+    if value < 0:
+        raise ValueError(f"{ENV_INTERVAL} must be >= 0, got {value}")
+    return value
+
+
+def norm_roles(layer) -> List[tuple]:
+    """[(column, parameter)] for the layer's two norm weights: column 1 first, 2 second."""
+    if layer.is_post_ln:
+        modules = [layer.post_attention_layernorm, layer.post_mlp_layernorm]
+        return [(i + 1, m.weight) for i, m in enumerate(modules)]
+    out = []
+    for column, norm, fused in (
+        (1, layer.input_layernorm, layer.self_attention.linear_qkv),
+        (2, layer.pre_mlp_layernorm, getattr(layer.mlp, "linear_fc1", None)),
+    ):
+        weight = getattr(norm, "weight", None)
+        if weight is None and fused is not None:
+            weight = getattr(fused, "layer_norm_weight", None)  # TE fused norm+linear
+        if weight is not None:
+            out.append((column, weight))
+    return out
+
+
+def owned_range(chunk, param) -> tuple:
+    """(lo, hi) of param's elements whose main_grad is fully reduced on this rank.
+
+    All of them under DDP all-reduce; under the distributed optimizer, this rank's shard of the
+    bucket (megatron's DDP bucket metadata), possibly empty.
+    """
+    ddp_config = getattr(chunk, "ddp_config", None)
+    if ddp_config is None or not ddp_config.use_distributed_optimizer:
+        return 0, param.numel()
+    bucket_group = chunk.param_to_bucket_group[param]
+    bucket = bucket_group.param_to_bucket[param]
+    start, end = bucket.param_to_index[param]
+    size = bucket_group.intra_distributed_optimizer_instance_size
+    rank = bucket_group.intra_distributed_optimizer_instance_rank
+    shard = bucket.grad_data.numel() // size
+    lo = min(max(rank * shard, start), end) - start
+    hi = max(min((rank + 1) * shard, end), start) - start
+    return lo, max(lo, hi)
+
+
+class GradTelemetry:
+    """Computes and logs per-layer gradient norms every `interval` finalize calls."""
+
+    def __init__(self, interval: int, path: Optional[str] = None):
+        if interval < 1:
+            raise ValueError("GradTelemetry needs interval >= 1 (0 means: do not install it)")
+        self.interval = interval
+        self.path = path
+        self.calls = 0
+        self.records: List[dict] = []  # the logged records of this process (also in the JSONL)
+        self.seconds = 0.0  # own time, for the overhead report
+        self._plan = None
+
+    # -- setup -----------------------------------------------------------------------------
+    def _build_plan(self, model_chunks) -> None:
+        from megatron.core import parallel_state as ps
+
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        items, num_layers, placement, distopt = [], None, None, False
+        for chunk in model_chunks:
+            ddp_config = getattr(chunk, "ddp_config", None)
+            distopt |= bool(ddp_config is not None and ddp_config.use_distributed_optimizer)
+            for layer in chunk.modules():
+                if not isinstance(layer, MixLNTransformerLayer) or getattr(layer, "is_mtp_layer", False):
+                    continue
+                placement = layer.placement
+                num_layers = placement.num_layers
+                norms = {id(p): c for c, p in norm_roles(layer)}
+                for param in layer.parameters():
+                    if not param.requires_grad:
+                        continue
+                    duplicate = not getattr(param, "tensor_model_parallel", False) and tp_rank != 0
+                    lo, hi = owned_range(chunk, param)
+                    items.append((layer.layer_number - 1, norms.get(id(param)), param, lo, hi, duplicate))
+        if placement is None:
+            raise ValueError("mixln telemetry: the model has no Mix-LN layers")
+        self._plan = dict(items=items, num_layers=num_layers, placement=placement, distopt=distopt)
+
+    # -- per call --------------------------------------------------------------------------
+    @torch.no_grad()
+    def after_finalize(self, model_chunks) -> Optional[dict]:
+        self.calls += 1
+        if self.calls % self.interval:
+            return None
+        started = time.perf_counter()
+        if self._plan is None:
+            self._build_plan(model_chunks)
+        plan = self._plan
+        device = plan["items"][0][2].main_grad.device if plan["items"] else torch.device("cpu")
+        sq = torch.zeros(plan["num_layers"], 3, dtype=torch.float64, device=device)
+        for row, column, param, lo, hi, duplicate in plan["items"]:
+            if duplicate or hi <= lo:
+                continue
+            value = param.main_grad.view(-1)[lo:hi].double().pow(2).sum()
+            sq[row, 0] += value
+            if column is not None:
+                sq[row, column] += value
+        self._reduce(sq, plan["distopt"])
+        record = self._record(sq.sqrt().tolist())
+        self.seconds += time.perf_counter() - started
+        return record
+
+    @staticmethod
+    def _reduce(sq: torch.Tensor, distopt: bool) -> None:
+        from megatron.core import parallel_state as ps
+
+        if not torch.distributed.is_initialized():
+            return
+        torch.distributed.all_reduce(sq, group=ps.get_model_parallel_group())  # TP shards, PP stages
+        if distopt:  # owned shards of every DP rank
+            torch.distributed.all_reduce(sq, group=ps.get_data_parallel_group(with_context_parallel=True))
+
+    def _record(self, norms: list) -> dict:
+        placement = self._plan["placement"]
+        P = placement.post_ln_layers
+
+        def group(rows):
+            return math.sqrt(sum(norms[r][0] ** 2 for r in rows)) if rows else None
+
+        record = {
+            "step": _megatron_iteration(self.calls),
+            "num_layers": placement.num_layers,
+            "post_ln_layers": P,
+            "scheme": placement.scheme,
+            "layer_grad_norm": [r[0] for r in norms],
+            "norm1_grad_norm": [r[1] for r in norms],
+            "norm2_grad_norm": [r[2] for r in norms],
+            "post_ln_group_grad_norm": group(range(P)),
+            "pre_ln_group_grad_norm": group(range(P, placement.num_layers)),
+        }
+        self.records.append(record)
+        return record
+
+
+class TelemetryHook:
+    """The finalize_model_grads_func wrapper; keeps the call signature of what it wraps."""
+
+    def __init__(self, telemetry: GradTelemetry, original):
+        self.telemetry = telemetry
+        self.original = original
+
+    @property
+    def mixln_spike_scaler(self):  # so that grads_hook.get_spike_scaler(config) still finds it
+        return getattr(self.original, "mixln_spike_scaler", None)
+
+    def __call__(self, model, *args, **kwargs):
+        result = self.original(model, *args, **kwargs)
+        record = self.telemetry.after_finalize(model)
+        if record is not None:
+            scaler = self.mixln_spike_scaler
+            if scaler is not None and hasattr(scaler, "totals"):
+                record["spike"] = scaler.totals()
+            write_record(record, self.telemetry.path)
+        return result
+
+
+def _megatron_iteration(fallback: int) -> int:
+    try:
+        from megatron.training.global_vars import get_args
+
+        iteration = getattr(get_args(), "curr_iteration", None)
+        if iteration is not None:
+            return int(iteration) + 1
+    except Exception:  # noqa: BLE001 - not inside Megatron-LM's training loop
+        pass
+    return fallback
+
+
+def _writers():
+    try:
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+        return get_tensorboard_writer(), get_wandb_writer()
+    except Exception:  # noqa: BLE001 - no Megatron-LM run
+        return None, None
+
+
+def default_path() -> str:
+    if os.environ.get(ENV_PATH):
+        return os.environ[ENV_PATH]
+    try:
+        from megatron.training.global_vars import get_args
+
+        save = getattr(get_args(), "save", None)
+        if save:
+            return os.path.join(save, JSONL_NAME)
+    except Exception:  # noqa: BLE001
+        pass
+    return os.path.join("runs", JSONL_NAME)
+
+
+def write_record(record: dict, path: Optional[str] = None) -> None:
+    """On the last rank (where Megatron keeps its writers): TensorBoard / W&B, and the JSONL."""
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != torch.distributed.get_world_size() - 1:
+        return
+    tensorboard, wandb = _writers()
+    step = record["step"]
+    scalars = {}
+    for i, value in enumerate(record["layer_grad_norm"]):
+        scalars[f"mixln/layer_grad_norm/layer{i + 1:03d}"] = value
+    for key in ("post_ln_group_grad_norm", "pre_ln_group_grad_norm"):
+        if record.get(key) is not None:
+            scalars[f"mixln/{key}"] = record[key]
+    for key, value in (record.get("spike") or {}).items():
+        scalars[f"mixln/spike/{key}"] = value
+    if tensorboard is not None:
+        for name, value in scalars.items():
+            tensorboard.add_scalar(name, value, step)
+    if wandb is not None:
+        wandb.log(scalars, step)
+    path = path or default_path()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:  # one line per record: a crash leaves at most a partial last line
+        f.write(json.dumps(record) + "\n")
+
+
+def get_telemetry(config) -> Optional[GradTelemetry]:
+    config = getattr(config, "transformer", config)
+    hook = getattr(config, "finalize_model_grads_func", None)
+    return hook.telemetry if isinstance(hook, TelemetryHook) else None
+
+
+def install_telemetry(config, interval: int, path: Optional[str] = None) -> Optional[GradTelemetry]:
+    """Wrap config.finalize_model_grads_func (install the spike scaler first, so that the
+    telemetry sees its output). interval 0 installs nothing. Idempotent."""
+    from megatron.core.distributed import finalize_model_grads
+
+    if interval <= 0:
+        return None
+    config = getattr(config, "transformer", config)
+    existing = get_telemetry(config)
+    if existing is not None:
+        return existing
+    telemetry = GradTelemetry(interval, path)
+    original = getattr(config, "finalize_model_grads_func", None) or finalize_model_grads
+    config.finalize_model_grads_func = TelemetryHook(telemetry, original)
+    return telemetry
+
+
+def install_from_env(config) -> Optional[GradTelemetry]:
+    """Called from the spec after the spike scaler: MIXLN_TELEMETRY_INTERVAL=N enables it."""
+    return install_telemetry(config, interval_from_env())

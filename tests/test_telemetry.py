@@ -1,0 +1,69 @@
+"""Per-layer gradient-norm telemetry equals norms computed directly from the same gradients."""
+
+import json
+import os
+
+import pytest
+
+from torchrun import torchrun
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "telemetry_worker.py")
+pytestmark = pytest.mark.mp
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("telemetry")
+    torchrun(WORKER, 1, "--phase", "reference", "--workdir", d)
+    return d
+
+
+def load(workdir, phase):
+    with open(os.path.join(workdir, f"telemetry_{phase}.json")) as f:
+        return json.load(f)
+
+
+def assert_rows_close(logged, direct, what, rel=1e-5):
+    assert len(logged) == len(direct) == 4
+    for layer, (a_row, b_row) in enumerate(zip(logged, direct), start=1):
+        for name, a, b in zip(("layer", "norm1", "norm2"), a_row, b_row):
+            assert abs(a - b) <= rel * abs(b), f"{what} layer {layer} {name}: {a} vs direct {b}"
+
+
+def test_tp1pp1_logged_equals_direct(workdir):
+    got = load(workdir, "reference")["tp1pp1"]
+    assert_rows_close(got["logged"], got["direct"], "tp1pp1", rel=1e-12)
+    post = sum(r[0] ** 2 for r in got["direct"][:2]) ** 0.5
+    pre = sum(r[0] ** 2 for r in got["direct"][2:]) ** 0.5
+    assert abs(got["post_group"] - post) <= 1e-12 * post and abs(got["pre_group"] - pre) <= 1e-12 * pre
+
+
+def test_interval_and_spike_counts_join_the_stream(workdir):
+    got = load(workdir, "reference")
+    assert got["interval_steps"] == [2, 4]
+    assert got["interval_has_spike"] is True
+
+
+def test_dp2_with_and_without_distributed_optimizer(workdir):
+    torchrun(WORKER, 2, "--phase", "world2", "--workdir", workdir)
+    direct = load(workdir, "reference")["tp1pp1"]["direct"]
+    got = load(workdir, "world2")
+    assert_rows_close(got["dp2"]["logged"], direct, "dp2")
+    assert_rows_close(got["dp2_distopt"]["logged"], direct, "dp2 distributed optimizer")
+
+
+def test_tp2pp2_with_and_without_distributed_optimizer(workdir):
+    torchrun(WORKER, 4, "--phase", "world4", "--workdir", workdir)
+    direct = load(workdir, "reference")["tp1pp1"]["direct"]
+    got = load(workdir, "world4")
+    assert_rows_close(got["tp2pp2"]["logged"], direct, "tp2pp2")
+    assert_rows_close(got["tp2pp2_distopt"]["logged"], direct, "tp2pp2 distributed optimizer")
+
+
+def test_interval_from_env():
+    from mixln_megatron.telemetry import interval_from_env
+
+    assert interval_from_env({}) == 0
+    assert interval_from_env({"MIXLN_TELEMETRY_INTERVAL": "10"}) == 10
+    with pytest.raises(ValueError, match="MIXLN_TELEMETRY_INTERVAL"):
+        interval_from_env({"MIXLN_TELEMETRY_INTERVAL": "often"})
