@@ -127,7 +127,17 @@ class GradTelemetry:
                     items.append((layer.layer_number - 1, norms.get(id(param)), param, lo, hi, duplicate))
         if placement is None:
             raise ValueError("mixln telemetry: the model has no Mix-LN layers")
-        self._plan = dict(items=items, num_layers=num_layers, placement=placement, distopt=distopt)
+        kept = [it for it in items if not it[5] and it[4] > it[3]]  # skip TP duplicates, empty shards
+        device = kept[0][2].main_grad.device if kept else (items[0][2].device if items else torch.device("cpu"))
+        rows = torch.tensor([row * 3 for row, *_ in kept], dtype=torch.long, device=device)
+        with_norm = [i for i, it in enumerate(kept) if it[1] is not None]
+        self._plan = dict(
+            slices=[(param, lo, hi) for _, _, param, lo, hi, _ in kept],
+            rows=rows,
+            norm_select=torch.tensor(with_norm, dtype=torch.long, device=device),
+            norm_rows=torch.tensor([kept[i][0] * 3 + kept[i][1] for i in with_norm], dtype=torch.long, device=device),
+            num_layers=num_layers, placement=placement, distopt=distopt, device=device,
+        )
 
     # -- per call --------------------------------------------------------------------------
     @torch.no_grad()
@@ -139,15 +149,15 @@ class GradTelemetry:
         if self._plan is None:
             self._build_plan(model_chunks)
         plan = self._plan
-        device = plan["items"][0][2].main_grad.device if plan["items"] else torch.device("cpu")
-        sq = torch.zeros(plan["num_layers"], 3, dtype=torch.float64, device=device)
-        for row, column, param, lo, hi, duplicate in plan["items"]:
-            if duplicate or hi <= lo:
-                continue
-            value = param.main_grad.view(-1)[lo:hi].double().pow(2).sum()
-            sq[row, 0] += value
-            if column is not None:
-                sq[row, column] += value
+        device = plan["device"]
+        sq = torch.zeros(plan["num_layers"] * 3, dtype=torch.float64, device=device)
+        if plan["slices"]:
+            # Two kernels for the whole model (foreach norm, then one scatter-add), not 3 per tensor.
+            grads = [param.main_grad.view(-1)[lo:hi] for param, lo, hi in plan["slices"]]
+            squares = torch.stack(torch._foreach_norm(grads)).double().pow(2)
+            sq.index_add_(0, plan["rows"], squares)
+            sq.index_add_(0, plan["norm_rows"], squares[plan["norm_select"]])
+        sq = sq.view(plan["num_layers"], 3)
         self._reduce(sq, plan["distopt"])
         record = self._record(sq.sqrt().tolist())
         self.seconds += time.perf_counter() - started

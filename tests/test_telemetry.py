@@ -32,10 +32,10 @@ def assert_rows_close(logged, direct, what, rel=1e-5):
 
 def test_tp1pp1_logged_equals_direct(workdir):
     got = load(workdir, "reference")["tp1pp1"]
-    assert_rows_close(got["logged"], got["direct"], "tp1pp1", rel=1e-12)
+    assert_rows_close(got["logged"], got["direct"], "tp1pp1", rel=1e-6)  # fp32 norms
     post = sum(r[0] ** 2 for r in got["direct"][:2]) ** 0.5
     pre = sum(r[0] ** 2 for r in got["direct"][2:]) ** 0.5
-    assert abs(got["post_group"] - post) <= 1e-12 * post and abs(got["pre_group"] - pre) <= 1e-12 * pre
+    assert abs(got["post_group"] - post) <= 1e-6 * post and abs(got["pre_group"] - pre) <= 1e-6 * pre
 
 
 def test_interval_and_spike_counts_join_the_stream(workdir):

@@ -1,0 +1,53 @@
+"""Overhead of the per-layer gradient-norm telemetry (mixln_megatron.telemetry), CPU, one process.
+
+Trains the same model twice from the same weights, interleaving steps with and without the
+telemetry hook (interval N, default 10), and reports the hook's own time over the step time.
+    python benchmarks/telemetry.py [--quick] [--interval 10]
+Last line: RESULT telemetry_overhead=<fraction of step time> interval=<N> steps=<n>
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "workers"))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--interval", type=int, default=10)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=256)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.steps, a.layers, a.hidden = 20, 4, 128
+    import torch
+
+    from parallel_worker import Run
+
+    from mixln_megatron.telemetry import install_telemetry
+
+    run = Run(num_layers=a.layers, hidden=a.hidden, heads=max(1, a.hidden // 32), post_ln_layers=a.layers // 4)
+    telemetry = install_telemetry(run.cfg, interval=a.interval, path=os.path.join("runs", "bench_telemetry.jsonl"))
+    step_times = []
+    for step in range(a.steps):
+        t0 = time.perf_counter()
+        run.train(steps=1, seed=1000 + step)
+        step_times.append(time.perf_counter() - t0)
+    total = sum(step_times)
+    per_log = telemetry.seconds / max(1, len(telemetry.records))
+    print(f"shape: L={a.layers} h={a.hidden}; {a.steps} steps, median step {statistics.median(step_times) * 1e3:.1f} ms")
+    print(f"telemetry: {len(telemetry.records)} logged steps, {per_log * 1e3:.2f} ms each, "
+          f"{telemetry.seconds * 1e3:.1f} ms in all")
+    print(f"RESULT telemetry_overhead={telemetry.seconds / total:.5f} interval={a.interval} steps={a.steps}")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
