@@ -18,6 +18,8 @@ at step 0 (initialization) and at a step a few dozen into training.
 
   python benchmarks/fidelity.py --quick      # < 5 min on 2 cores: smaller model, fewer steps, 1 seed
   python benchmarks/fidelity.py              # the full grid, < 60 min on 2 cores
+Runs are independent: --jobs (default 2) trains that many at once in worker processes of one
+torch thread each; results do not depend on --jobs (fixed seeds and batches, one thread per run).
 
 Outputs (--out, default benchmarks/results): fidelity[_quick].json and fidelity[_quick]_grad_norms.png.
 The last line printed is `RESULT ...` with every run's mean validation perplexity.
@@ -64,7 +66,7 @@ class Recipe:
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_fraction: float = 0.1
-    betas: tuple = (0.9, 0.95)
+    betas: tuple = (0.9, 0.999)  # torch Adam's defaults
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     profile_step: int = 40  # the "after a few dozen steps" grad-norm profile
@@ -87,7 +89,7 @@ class Setup:
 FULL = Setup("full", depths=(12, 24), seeds=(1, 2), hidden=64, heads=4,
              recipe=Recipe(steps=200, batch_size=16, seq_length=64, profile_step=40))
 QUICK = Setup("quick", depths=(12, 24), seeds=(1,), hidden=32, heads=2,
-              recipe=Recipe(steps=40, batch_size=8, seq_length=64, profile_step=20, valid_windows=128))
+              recipe=Recipe(steps=80, batch_size=8, seq_length=64, profile_step=20, valid_windows=128))
 
 
 def lr_at(step: int, r: Recipe) -> float:
@@ -125,7 +127,7 @@ def train_one(shape: ModelShape, variant: str, seed: int, alpha: float, recipe: 
     matrix_profiles: Dict[str, List[float]] = {}  # weight matrices only (norm scales left out)
     losses: List[float] = []
     diverged_at = None
-    t0 = time.time()
+    t0, c0 = time.time(), time.process_time()
     for step in range(recipe.steps):
         ids, labels = train_batches[step]
         for group in opt.param_groups:
@@ -145,6 +147,7 @@ def train_one(shape: ModelShape, variant: str, seed: int, alpha: float, recipe: 
             torch.nn.utils.clip_grad_norm_(params, recipe.clip_grad)
         opt.step()
     train_seconds = time.time() - t0
+    cpu_seconds = time.process_time() - c0
     valid_loss = float("nan") if diverged_at is not None else evaluate(lm, valid_batches)
     ppl = math.exp(valid_loss) if math.isfinite(valid_loss) and valid_loss < 50 else float("inf")
     return {
@@ -155,6 +158,7 @@ def train_one(shape: ModelShape, variant: str, seed: int, alpha: float, recipe: 
         "profile_summaries": {k: grad_norms.profile_summary(v) for k, v in profiles.items()},
         "grad_norm_profiles_matrices_only": matrix_profiles,
         "seconds": round(train_seconds, 1), "s_per_step": round(train_seconds / max(1, len(losses)), 3),
+        "cpu_seconds": round(cpu_seconds, 1),
     }
 
 
@@ -294,6 +298,40 @@ def result_line(summary: dict) -> str:
     return "RESULT " + " ".join(parts)
 
 
+def load_data(recipe: Recipe, cache_dir: Optional[str]):
+    """The fixed training batches (same for every run) and the held-out batches."""
+    tokens = textdata.corpus_tokens(cache_dir=cache_dir)
+    train_tokens, valid_tokens = textdata.split_train_valid(tokens)
+    train_batches = textdata.batches(train_tokens, recipe.seq_length, recipe.batch_size, recipe.steps, seed=0)
+    n_valid = len(valid_tokens) // (recipe.seq_length + 1)
+    n_valid = min(n_valid, recipe.valid_windows or n_valid)
+    valid_batches = textdata.eval_batches(valid_tokens, n_valid * recipe.seq_length, recipe.seq_length, batch_size=32)
+    info = {"corpus_tokens": int(len(tokens)), "train_split_tokens": int(len(train_tokens)),
+            "valid_split_tokens": int(len(valid_tokens)), "valid_tokens": n_valid * recipe.seq_length}
+    return train_batches, valid_batches, info
+
+
+_WORKER: dict = {}
+
+
+def _worker_init(recipe: Recipe, cache_dir: Optional[str], threads: int) -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(threads)
+    train_batches, valid_batches, _ = load_data(recipe, cache_dir)
+    _WORKER.update(train=train_batches, valid=valid_batches)
+
+
+def _run_task(setup: Setup, task):
+    depth, variant, emb, seed = task
+    r = setup.recipe
+    shape = ModelShape(num_layers=depth, hidden_size=setup.hidden, num_attention_heads=setup.heads,
+                       vocab_size=4096, seq_length=r.seq_length,
+                       embedding_init_std=REFERENCE_EMBEDDING_STD if emb == EMB_REFERENCE else None)
+    res = train_one(shape, variant, seed, setup.alpha, r, _WORKER["train"], _WORKER["valid"])
+    res["embedding_init"] = emb
+    return task, res
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller model, fewer steps, 1 seed (< 5 min)")
@@ -303,7 +341,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--seeds", default=None, help="override the seeds, e.g. 1,2,3")
     ap.add_argument("--depths", default=None, help="override the depths, e.g. 12,24")
     ap.add_argument("--lr", type=float, default=None)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--jobs", type=int, default=2,
+                    help="runs trained at once, in separate processes (default 2: one per core; these "
+                    "models are too small for two threads to help one run)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per job (default 1)")
     a = ap.parse_args(argv)
 
     setup = QUICK if a.quick else FULL
@@ -316,50 +357,54 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         setup = replace(setup, seeds=tuple(int(s) for s in a.seeds.split(",")))
     if a.depths:
         setup = replace(setup, depths=tuple(int(s) for s in a.depths.split(",")))
-    if a.threads:
-        torch.set_num_threads(a.threads)
     r = setup.recipe
     t_start = time.time()
 
-    tokens = textdata.corpus_tokens(cache_dir=a.cache_dir)
-    train_tokens, valid_tokens = textdata.split_train_valid(tokens)
-    train_batches = textdata.batches(train_tokens, r.seq_length, r.batch_size, r.steps, seed=0)
-    n_valid = len(valid_tokens) // (r.seq_length + 1)
-    n_valid = min(n_valid, r.valid_windows or n_valid)
-    valid_windows = textdata.batches(valid_tokens, r.seq_length, 1, num_batches=n_valid)
-    eval_bs = 32
-    valid_batches = [(torch.cat([w[0] for w in valid_windows[i:i + eval_bs]]),
-                      torch.cat([w[1] for w in valid_windows[i:i + eval_bs]]))
-                     for i in range(0, len(valid_windows), eval_bs)]
-    print(f"[fidelity:{setup.name}] corpus {len(tokens)} tokens (train {len(train_tokens)}, held out "
-          f"{len(valid_tokens)}); {r.steps} steps x {r.batch_size} x {r.seq_length} = "
+    _worker_init(r, a.cache_dir, a.threads)  # also builds the dataset cache once, before any worker
+    _, _, info = load_data(r, a.cache_dir)
+    print(f"[fidelity:{setup.name}] corpus {info['corpus_tokens']} tokens (train {info['train_split_tokens']}, "
+          f"held out {info['valid_split_tokens']}); {r.steps} steps x {r.batch_size} x {r.seq_length} = "
           f"{r.steps * r.batch_size * r.seq_length} training tokens per run, validation on "
-          f"{n_valid * r.seq_length} tokens; hidden {setup.hidden}, heads {setup.heads}, depths {setup.depths}, "
-          f"seeds {setup.seeds}; lr {r.lr}, torch threads {torch.get_num_threads()}", flush=True)
+          f"{info['valid_tokens']} tokens; hidden {setup.hidden}, heads {setup.heads}, depths {setup.depths}, "
+          f"seeds {setup.seeds}; lr {r.lr}; {a.jobs} job(s) x {a.threads} thread(s)", flush=True)
+
+    tasks = [(depth, variant, emb, seed) for depth, variant, emb in plan(setup) for seed in setup.seeds]
+    results = {}
+
+    def report(task, res):
+        results[task] = res
+        key = run_key(task[0], task[1], task[2])
+        div = f" DIVERGED at step {res['diverged_at']}" if res["diverged_at"] is not None else ""
+        print(f"  {key:<22} seed {task[3]}: valid PPL {res['valid_ppl']:.3f} (train loss "
+              f"{res['final_train_loss']:.3f}) {res['seconds']:.0f}s (cpu {res['cpu_seconds']:.0f}s){div}  "
+              f"[{len(results)}/{len(tasks)}, elapsed {time.time() - t_start:.0f}s]", flush=True)
+
+    if a.jobs <= 1:
+        for task in tasks:
+            report(*_run_task(setup, task))
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        # Deepest first, so the longest runs do not end up alone at the tail.
+        order = sorted(tasks, key=lambda t: -t[0])
+        with ProcessPoolExecutor(max_workers=a.jobs, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_worker_init, initargs=(r, a.cache_dir, a.threads)) as pool:
+            futures = [pool.submit(_run_task, setup, task) for task in order]
+            for fut in as_completed(futures):
+                report(*fut.result())
 
     runs: Dict[str, List[dict]] = {}
-    for depth, variant, emb in plan(setup):
-        shape = ModelShape(num_layers=depth, hidden_size=setup.hidden, num_attention_heads=setup.heads,
-                           vocab_size=4096, seq_length=r.seq_length,
-                           embedding_init_std=REFERENCE_EMBEDDING_STD if emb == EMB_REFERENCE else None)
-        key = run_key(depth, variant, emb)
-        for seed in setup.seeds:
-            res = train_one(shape, variant, seed, setup.alpha, r, train_batches, valid_batches)
-            res["embedding_init"] = emb
-            runs.setdefault(key, []).append(res)
-            div = f" DIVERGED at step {res['diverged_at']}" if res["diverged_at"] is not None else ""
-            print(f"  {key:<22} seed {seed}: valid PPL {res['valid_ppl']:.3f} (train loss "
-                  f"{res['final_train_loss']:.3f}) {res['seconds']:.0f}s{div}  "
-                  f"[elapsed {time.time() - t_start:.0f}s]", flush=True)
-
+    for task in tasks:  # plan order, seeds in order: the record does not depend on --jobs
+        runs.setdefault(run_key(task[0], task[1], task[2]), []).append(results[task])
     summary = summarize(setup, runs)
     os.makedirs(a.out, exist_ok=True)
     stem = "fidelity" + ("_quick" if a.quick else "")
     fig = plot_profiles(setup, summary, os.path.join(a.out, f"{stem}_grad_norms.png"))
     record = {
-        "setup": {**asdict(setup), "recipe": asdict(r)},
-        "corpus_tokens": int(len(tokens)), "train_tokens_per_run": r.steps * r.batch_size * r.seq_length,
-        "valid_tokens": n_valid * r.seq_length, "torch_threads": torch.get_num_threads(),
+        "setup": {**asdict(setup), "recipe": asdict(r)}, **info,
+        "train_tokens_per_run": r.steps * r.batch_size * r.seq_length,
+        "jobs": a.jobs, "torch_threads_per_job": a.threads,
         "seconds": round(time.time() - t_start, 1), "summary": summary, "runs": runs,
     }
     with open(os.path.join(a.out, f"{stem}.json"), "w") as f:

@@ -21,7 +21,7 @@ under 50x the momentum, and the reference rule agreed).
 Ends with  RESULT caught=<a>/<b> disagreements=<c> overhead=<fraction of step time>
   caught         injected spikes that were scaled / injected spikes
   disagreements  elements (all targets, all steps) where the hook's decision differs from the reference
-  overhead       (hook + commit time) / step time, mean over ranks
+  overhead       (hook + commit time) / step time, wall clock, mean over ranks
 Scaled elements that were not injected (natural spikes) are reported on their own line.
 """
 
@@ -102,17 +102,23 @@ def main() -> None:
     timing_runs = _load(out, "bench_timing")
     fractions, hook_ms, commit_ms, step_ms = [], [], [], []
     for r in timing_runs:
-        t, total = r["timing"], sum(r["step_times"]) - r["inject_s"]  # without the injector's own time
-        fractions.append((t["hook_s"] + t["commit_s"]) / total)
+        t = r["timing"]
+        step_wall = sum(r["step_times"]) - r["inject_s"]  # without the injector's own time
+        fractions.append((t["hook_s"] + t["commit_s"]) / step_wall)
         hook_ms.append(1e3 * t["hook_s"] / max(t["hook_calls"], 1))
         commit_ms.append(1e3 * t["commit_s"] / max(t["commits"], 1))
-        step_ms.append(1e3 * total / len(r["step_times"]))
+        step_ms.append(1e3 * step_wall / len(r["step_times"]))
     overhead = sum(fractions) / len(fractions)
     totals = timing_runs[0]["totals"]
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = float("nan")
 
-    print(f"[spike bench] per step: hook {sum(hook_ms) / len(hook_ms):.3f} ms, commit "
-          f"{sum(commit_ms) / len(commit_ms):.3f} ms, step {sum(step_ms) / len(step_ms):.1f} ms "
-          f"(per rank: {', '.join(f'{f:.4f}' for f in fractions)})")
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    print(f"[spike bench] per step: hook {mean(hook_ms):.3f} ms, commit {mean(commit_ms):.3f} ms, "
+          f"step {mean(step_ms):.1f} ms; overhead per rank {', '.join(f'{f:.4f}' for f in fractions)} "
+          f"(wall clock; load average {load:.1f} on {os.cpu_count()} cores)")
     print(f"[spike bench] scaled elements in total: {totals['scaled']} (timing run), largest |g|/momentum "
           f"{totals['max_ratio']:.1f}; natural (not injected) spikes scaled: {len(natural)}"
           + (f" {natural[:10]}" if natural else ""))

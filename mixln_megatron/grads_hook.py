@@ -61,7 +61,8 @@ Checkpoints (torch_dist)
 
 Reporting: per committed step the number of scaled elements, the largest |g| / momentum and the
 number of non-finite target elements, summed (max for the ratio) over the distributed
-optimizer's shards and the pipeline stages, go to Megatron's TensorBoard / W&B writers when they exist, else to this module's logger.
+optimizer's shards and the pipeline stages, go to Megatron's TensorBoard / W&B writers when
+they exist, else to this module's logger (INFO, from the last rank).
 """
 
 from __future__ import annotations
@@ -99,10 +100,10 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------- targets
-def _params_of(module) -> List[Tuple[str, torch.nn.Parameter]]:
+def _params_of(module, recurse: bool = True) -> List[Tuple[str, torch.nn.Parameter]]:
     if module is None:
         return []
-    return [(name, p) for name, p in module.named_parameters(recurse=False)]
+    return [(name, p) for name, p in module.named_parameters(recurse=recurse)]
 
 
 def norm_parameters(layer) -> List[Tuple[str, torch.nn.Parameter]]:
@@ -120,7 +121,8 @@ def norm_parameters(layer) -> List[Tuple[str, torch.nn.Parameter]]:
             own = _params_of(norm)
             if own:
                 return own
-            return [(n[len("layer_norm_"):], p) for n, p in _params_of(fused) if n.startswith("layer_norm_")]
+            fused_params = _params_of(fused, recurse=False)
+            return [(n[len("layer_norm_"):], p) for n, p in fused_params if n.startswith("layer_norm_")]
 
         groups = [
             ("norm1", pre(layer.input_layernorm, getattr(layer.self_attention, "linear_qkv", None))),
@@ -155,14 +157,14 @@ class SpikeScaler:
         self.state: Optional[SpikeState] = None
         self.targets: List[_Target] = []
         self.is_set_up = False
-        self._distopt = None  # (owned mask, group, write ranges) when the distributed optimizer is used
+        self._distopt = None  # (owned mask [K, n], intra-instance DP group) under the distributed optimizer
         self._holders: Dict[int, "SpikeStateHolder"] = {}
         self._pending_load: Dict[Tuple[int, str], dict] = {}
         self._own_markers: List[dict] = []
         self.state_from_checkpoint = False
         self.committed_steps = 0
         self.optimizer_steps = 0
-        self._totals = None
+        self._reported_totals = [0.0, 0.0, 0.0]  # scaled, max ratio, non-finite over reported steps
         self._ring = None
         self._ring_iterations: List[int] = []
         self._pp_group = None
@@ -220,11 +222,12 @@ class SpikeScaler:
         optimizer._mixln_spike_scaler = self
 
     def enable_timing(self) -> dict:
+        """Accumulate the wall-clock time of the hook's own work and of the commit."""
         self.timing = {"hook_s": 0.0, "commit_s": 0.0, "hook_calls": 0, "commits": 0}
         return self.timing
 
     # -- set-up at the first hook call (eager, before any CUDA graph capture) -----------------------
-    def _setup(self, model_chunks, force_all_reduce: bool) -> None:
+    def _setup(self, model_chunks) -> None:
         found = []
         for chunk in model_chunks:
             for module in chunk.modules():
@@ -267,7 +270,6 @@ class SpikeScaler:
                 [t.numel for t in targets], self.settings.threshold, self.settings.beta,
                 self.settings.warmup_steps, device=device,
             )
-            self._totals = torch.zeros(3, dtype=torch.float32, device=device)
             for k, t in enumerate(targets):
                 data = self._pending_load.pop((t.layer_number, t.role), None)
                 if data is not None:
@@ -311,13 +313,14 @@ class SpikeScaler:
             self._distopt = (torch.stack(mask_parts), group)  # owned [K, n], intra-instance DP group
 
     # -- the hook's own work ---------------------------------------------------------------------
-    @torch.no_grad()
     def after_finalize(self, model_chunks, force_all_reduce: bool = False, pg_collection=None) -> None:
-        """Runs right after the original finalize_model_grads."""
+        """Runs right after the original finalize_model_grads. With force_all_reduce megatron
+        all-reduced even under the distributed optimizer: the owned shards are reduced all the same,
+        so the hook proceeds unchanged."""
         if not self.is_set_up:
             if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
                 self._pp_group = pg_collection.pp
-            self._setup(model_chunks, force_all_reduce)
+            self._setup(model_chunks)
         if not self.targets:
             if self.eager_commit:
                 self._after_commit(True)
@@ -328,12 +331,19 @@ class SpikeScaler:
         owned = self._distopt[0] if self._distopt is not None else None
         scale = self.optimizer.get_loss_scale() if self.has_grad_scaler else None
         spike, replacement = self.state.propose(local, scale, owned)
-        if replacement.dtype != local.dtype:
-            replacement = replacement.to(local.dtype)
+        # Only the spiking elements change; the others are written back exactly as they were.
+        out = torch.where(spike, replacement.to(local.dtype), local)
+        dst, src = [], []
         for k, (t, g) in enumerate(zip(self.targets, grads)):
             lo, hi = t.owned
-            if hi > lo:  # only the spiking elements change; the rest are written back as they were
-                torch.where(spike[k, lo:hi], replacement[k, lo:hi], g[lo:hi], out=g[lo:hi])
+            if hi - lo == t.numel:
+                dst.append(g)
+                src.append(out[k] if t.numel == out.shape[1] else out[k, :hi])
+            elif hi > lo:
+                dst.append(g[lo:hi])
+                src.append(out[k, lo:hi])
+        if dst:
+            torch._foreach_copy_(dst, src)
         if self.timing is not None:
             self.timing["hook_s"] += time.perf_counter() - started
             self.timing["hook_calls"] += 1
@@ -357,10 +367,6 @@ class SpikeScaler:
         if self.state is not None:
             if success:
                 self.state.commit()
-                last = self.state.last_stats
-                self._totals[0] += last[0]
-                torch.maximum(self._totals[1], last[1], out=self._totals[1])
-                self._totals[2] += last[2]
             else:
                 self.state.discard()
         if success:
@@ -409,6 +415,7 @@ class SpikeScaler:
             return []
         rows = self._reduce_stats(self._ring[:n].clone())
         values = rows.tolist()
+        self._add_to_totals(values)
         report = [
             {"iteration": it, "scaled": int(v[0]), "max_ratio": float(v[1]), "nonfinite": int(v[2])}
             for it, v in zip(self._ring_iterations, values)
@@ -445,13 +452,21 @@ class SpikeScaler:
             rows[..., 0], rows[..., 2], rows[..., 1] = sums[..., 0], sums[..., 1], maxes
         return rows
 
+    def _add_to_totals(self, rows) -> None:
+        for scaled, ratio, nonfinite in rows:
+            self._reported_totals[0] += scaled
+            self._reported_totals[1] = max(self._reported_totals[1], ratio)
+            self._reported_totals[2] += nonfinite
+
     def totals(self) -> dict:
         """Totals over committed steps, over shards and pipeline stages. Host sync and collectives
         (distributed-optimizer DP group, PP group): call it on every rank."""
-        values = self._totals.clone() if self._totals is not None else torch.zeros(
-            3, dtype=torch.float32, device=self._stats_device())
-        v = self._reduce_stats(values).tolist()
-        return {"scaled": int(v[0]), "max_ratio": float(v[1]), "nonfinite": int(v[2]),
+        n = len(self._ring_iterations)
+        rows = self._ring[:n].clone() if n else torch.zeros(0, 3, device=self._stats_device())
+        scaled, ratio, nonfinite = self._reported_totals
+        for s, r, f in self._reduce_stats(rows).tolist():
+            scaled, ratio, nonfinite = scaled + s, max(ratio, r), nonfinite + f
+        return {"scaled": int(scaled), "max_ratio": float(ratio), "nonfinite": int(nonfinite),
                 "committed_steps": self.committed_steps}
 
     @torch.no_grad()
@@ -563,10 +578,10 @@ def _write_report(report: List[dict]) -> None:
         if tb is not None:
             tb.add_scalar("mixln-spike/scaled-elements", row["scaled"], row["iteration"])
             tb.add_scalar("mixln-spike/max-ratio", row["max_ratio"], row["iteration"])
-            tb.add_scalar("mixln-spike/nonfinite-targets", row["nonfinite"], row["iteration"])
+            tb.add_scalar("mixln-spike/nonfinite-elements", row["nonfinite"], row["iteration"])
         if wandb is not None:
             wandb.log({"mixln-spike/scaled-elements": row["scaled"], "mixln-spike/max-ratio": row["max_ratio"],
-                       "mixln-spike/nonfinite-targets": row["nonfinite"]}, row["iteration"])
+                       "mixln-spike/nonfinite-elements": row["nonfinite"]}, row["iteration"])
     if tb is None and wandb is None:
         is_last = (not torch.distributed.is_initialized()
                    or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1)
@@ -574,7 +589,7 @@ def _write_report(report: List[dict]) -> None:
             scaled = sum(r["scaled"] for r in report)
             logger.info(
                 "mixln spike scaler: iterations %d-%d: %d elements scaled (per step %s), largest "
-                "|g|/momentum %.3g, %d non-finite target tensors skipped",
+                "|g|/momentum %.3g, %d non-finite target gradient elements left alone",
                 report[0]["iteration"], report[-1]["iteration"], scaled,
                 [r["scaled"] for r in report], max(r["max_ratio"] for r in report),
                 sum(r["nonfinite"] for r in report),

@@ -3,7 +3,7 @@
 Where it acts: the norm parameters at the Post-LN / Pre-LN boundary of a Mix-LN model (by default
 the two norms of the last Post-LN layer and the two of the first Pre-LN layer), on the fully
 reduced gradient of each step. The adapter that finds those gradients inside Megatron's
-`finalize_model_grads` lives in grads_hook.py; this module only sees flat fp32 vectors.
+`finalize_model_grads` lives in grads_hook.py; this module only sees [targets, elements] matrices.
 
 The rule, per element i of a target tensor (t_i = the steps element i has seen so far):
 
@@ -41,7 +41,8 @@ sqrt(5000) ~ 71x of it. `ReferenceSpikeRule` below is the rule as plain Python, 
 the tensor code is tested against it.
 
 Settings (arguments > MIXLN_SPIKE_* environment > defaults): see SpikeSettings and
-resolve_spike_settings. Targets: "boundary" (default), "all" (both norms of every transformer
+resolve_spike_settings. Defaults: threshold 50 (the Mix-LN authors' value), beta 0.99 (a ~100-step
+memory, so one unlucky step does not define "typical"), warm-up 100 steps (one such memory span). Targets: "boundary" (default), "all" (both norms of every transformer
 layer; the decoder's final norm is not included), or a list of global 1-based layer numbers.
 """
 
@@ -285,11 +286,12 @@ class SpikeState:
         # At step 0 there is no momentum to compare with, whatever warmup_steps says.
         self.warmup_steps = max(int(warmup_steps), 1)
         device = torch.device("cpu") if device is None else torch.device(device)
-        self.momentum = torch.zeros(self.shape, dtype=torch.float32, device=device)
-        # float32 holds step counts exactly up to 2**24 (16.7M steps) and saves conversions
-        self.step = torch.zeros(self.shape, dtype=torch.float32, device=device)
-        self.pending_momentum = torch.zeros_like(self.momentum)
-        self.pending_step = torch.zeros_like(self.step)
+        # momentum and step share one tensor (and so do their pending copies): one op commits both.
+        # float32 holds step counts exactly up to 2**24 (16.7M steps).
+        self._state = torch.zeros((2,) + self.shape, dtype=torch.float32, device=device)
+        self._pending = torch.zeros_like(self._state)
+        self.momentum, self.step = self._state[0], self._state[1]
+        self.pending_momentum, self.pending_step = self._pending[0], self._pending[1]
         self.pending_valid = torch.zeros(1, dtype=torch.bool, device=device)
         self.pending_stats = torch.zeros(3, dtype=torch.float32, device=device)
         self.last_stats = torch.zeros(3, dtype=torch.float32, device=device)
@@ -328,12 +330,11 @@ class SpikeState:
         if scale is not None:
             g = g / scale
         mag = g.abs()
-        finite = torch.isfinite(g)
+        finite = mag < math.inf  # False for inf and nan
         valid = finite & owned if owned is not None else finite
-        mhat = self.momentum / (1.0 - torch.pow(self.beta, self.step)).clamp_min_(1e-30)
-        known = mhat > 0
-        live = valid & (self.step >= self.warmup_steps)
-        spike = (mag > mhat * self.threshold) & known & live
+        mhat = self.momentum / torch.rsub(torch.pow(self.beta, self.step), 1.0).clamp_min_(1e-30)
+        compared = (mhat > 0) & valid
+        spike = (mag > mhat * self.threshold) & compared & (self.step >= self.warmup_steps)
         replacement = torch.sign(g).mul_(mhat)
         if scale is not None:
             replacement.mul_(scale)
@@ -343,7 +344,7 @@ class SpikeState:
         torch.add(self.step, valid, out=self.pending_step)
         stats = self.pending_stats
         torch.sum(spike, dim=(0, 1), dtype=torch.float32, out=stats[0])
-        torch.amax(torch.where(known & valid, mag / mhat, 0.0), dim=(0, 1), out=stats[1])
+        torch.amax(torch.where(compared, mag / mhat, 0.0), dim=(0, 1), out=stats[1])
         bad = ~finite if owned is None else owned & ~finite
         torch.sum(bad, dim=(0, 1), dtype=torch.float32, out=stats[2])
         self.pending_valid.fill_(True)
@@ -361,8 +362,7 @@ class SpikeState:
     def commit(self) -> None:
         """Make the pending proposal the state (no-op when none is pending). No host sync."""
         ok = self.pending_valid
-        torch.where(ok, self.pending_momentum, self.momentum, out=self.momentum)
-        torch.where(ok, self.pending_step, self.step, out=self.step)
+        torch.where(ok, self._pending, self._state, out=self._state)
         torch.where(ok, self.pending_stats, self._zero_stats, out=self.last_stats)
         ok.fill_(False)
 

@@ -278,6 +278,61 @@ def test_install_from_spec_follows_the_environment(monkeypatch):
     assert config0.finalize_model_grads_func is None
 
 
+def _bare_scaler(**settings):
+    from mixln_megatron.grads_hook import SpikeScaler
+
+    return SpikeScaler(resolve_spike_settings(SpikeSettings(enabled=True, **settings), {}),
+                       Placement(num_layers=4, post_ln_layers=2))
+
+
+def test_checkpoint_requests_follow_the_metadata_marker():
+    """Which layers' state a sharded_state_dict carries (see grads_hook's module doc)."""
+    from mixln_megatron.grads_hook import METADATA_KEY
+
+    scaler = _bare_scaler()
+    assert scaler.checkpoint_layers(None) == (2, 3)
+    core = {"dp_cp_group": None}  # what megatron-core makes of metadata=None: always carry the state
+    assert scaler.checkpoint_layers(core) == (2, 3) and core[METADATA_KEY]["layers"] == [2, 3]
+    old = {"dp_cp_group": None, "singleton_local_shards": False}  # Megatron-LM, no marker: a load of
+    assert scaler.checkpoint_layers(old) == ()  # a checkpoint saved without the scaler, or a fresh save
+    assert old[METADATA_KEY]["layers"] == []
+    assert not scaler.state_from_checkpoint
+    scaler.committed_steps = 3  # trained: a save
+    save = {"dp_cp_group": None, "singleton_local_shards": False}
+    assert scaler.checkpoint_layers(save) == (2, 3) and save[METADATA_KEY]["layers"] == [2, 3]
+    assert scaler.checkpoint_layers(save) == (2, 3)  # the next holder of the same save
+    fresh = _bare_scaler()
+    loaded = {"dp_cp_group": None, "singleton_local_shards": False, METADATA_KEY: {"format": 1, "layers": [3]}}
+    assert fresh.checkpoint_layers(loaded) == (3,) and fresh.state_from_checkpoint
+
+
+def test_report_goes_to_megatron_writers():
+    from megatron.training import global_vars
+
+    from mixln_megatron.grads_hook import _write_report
+
+    class Writer:
+        def __init__(self):
+            self.calls = []
+
+        def add_scalar(self, *args):
+            self.calls.append(args)
+
+        def log(self, *args):
+            self.calls.append(args)
+
+    tb, wandb = Writer(), Writer()
+    saved = (global_vars._GLOBAL_TENSORBOARD_WRITER, global_vars._GLOBAL_WANDB_WRITER)
+    global_vars._GLOBAL_TENSORBOARD_WRITER, global_vars._GLOBAL_WANDB_WRITER = tb, wandb
+    try:
+        _write_report([{"iteration": 7, "scaled": 2, "max_ratio": 900.0, "nonfinite": 0}])
+    finally:
+        global_vars._GLOBAL_TENSORBOARD_WRITER, global_vars._GLOBAL_WANDB_WRITER = saved
+    assert ("mixln-spike/scaled-elements", 2, 7) in tb.calls and ("mixln-spike/max-ratio", 900.0, 7) in tb.calls
+    assert wandb.calls == [({"mixln-spike/scaled-elements": 2, "mixln-spike/max-ratio": 900.0,
+                             "mixln-spike/nonfinite-elements": 0}, 7)]
+
+
 # ===================================================================================== multi-process
 def _launch(nproc: int, layouts, out_dir: str) -> None:
     from mcore_utils import free_port
@@ -459,6 +514,15 @@ def test_fp16_skipped_steps_never_commit(world2):
 
 
 @pytest.mark.mp
+def test_hook_never_waits_for_the_device(world2):
+    """No item()/tolist()/bool(tensor)/nonzero()/.cpu() in the hook (CUDA-graph capturable)."""
+    for layout in ("distopt", "pp2", "fp16"):
+        for r in world2[layout]:
+            assert r["hook_calls_checked"] >= W.STEPS - 1, layout
+            assert r["sync_violations"] == [], (layout, r["sync_violations"])
+
+
+@pytest.mark.mp
 def test_statistics_reach_the_report(world2):
     for layout in ("ddp", "distopt", "pp2"):
         for r in world2[layout]:
@@ -480,3 +544,57 @@ def test_world4_layouts_take_the_same_decisions(world2, tmp_path):
         for name, s in _merged_states(results).items():
             assert torch.allclose(s["momentum"], reference[name]["momentum"], rtol=1e-3), (layout, name)
         assert all(r["totals"]["scaled"] == 4 for r in results)
+
+
+# ===================================================================================== Megatron-LM
+MLM_ARGS = (
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --lr-decay-style constant --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 128 --normalization RMSNorm --swiglu --disable-bias-linear "
+    "--position-embedding-type rope --distributed-backend gloo --no-gradient-accumulation-fusion "
+    "--transformer-impl local --no-masked-softmax-fusion --no-bias-swiglu-fusion --no-rope-fusion "
+    "--no-persist-layer-norm --use-cpu-initialization --attention-dropout 0 --hidden-dropout 0 "
+    "--eval-iters 0 --eval-interval 1000 --log-interval 1 --num-workers 0 --seed 1234 "
+    "--spec mixln_megatron.spec mixln_local_layer_spec --pipeline-model-parallel-size 2 --train-iters 6"
+).split()
+
+
+def _megatron_lm(out: str, tag: str, extra, scaler: bool = True):
+    from mcore_utils import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MIXLN_POST_LN_LAYERS="2",
+               MIXLN_SPIKE_SCALER="1" if scaler else "0", MIXLN_SPIKE_WARMUP_STEPS="2", MIXLN_SPIKE_BETA="0.9")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           WORKER, "--megatron-lm", "--out", out, "--tag", tag, "--", *MLM_ARGS, *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        pytest.fail(f"Megatron-LM run {tag} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return _load(out, f"mlm_{tag}")
+
+
+@pytest.mark.mp
+@pytest.mark.slow
+def test_stock_megatron_lm_gets_the_scaler_from_the_spec(tmp_path):
+    """megatron.training.pretrain, PP2, --spec mixln_megatron.spec mixln_local_layer_spec and
+    MIXLN_SPIKE_SCALER=1: no patch. Spikes at iteration 5 are scaled; --exit-interval 3 + --load
+    continues exactly (the state is in the torch_dist checkpoint); a checkpoint saved without the
+    scaler loads with a warning and a fresh state."""
+    out = str(tmp_path)
+    full = _megatron_lm(out, "full", [])
+    _megatron_lm(out, "first", ["--exit-interval", "3", "--save", f"{out}/ckpt", "--save-interval", "3"])
+    resumed = _megatron_lm(out, "resumed", ["--load", f"{out}/ckpt"])
+    for a, c in zip(full, resumed):
+        assert a["optimizer_found"] and c["optimizer_found"]  # through config.grad_scale_func
+        assert c["digest"] == a["digest"]
+        for name, s in a["state"].items():
+            assert torch.equal(c["state"][name]["momentum"], s["momentum"])
+            assert s["step"].eq(6).all() and c["state"][name]["step"].eq(6).all()
+        assert c["decisions"][5] == a["decisions"][5] and sum(map(len, a["decisions"][5].values())) == 1
+        assert not c["warnings"]
+    _megatron_lm(out, "plain", ["--exit-interval", "3", "--save", f"{out}/plain", "--save-interval", "3"],
+                 scaler=False)
+    fresh = _megatron_lm(out, "fresh", ["--load", f"{out}/plain"])
+    for r in fresh:
+        assert any("no spike-scaler state" in w for w in r["warnings"])
+        assert all(s["step"].eq(3).all() for s in r["state"].values())  # counted from the load on

@@ -204,12 +204,7 @@ def _eval_batches(a, lm):
         max_pos = getattr(lm.module, "max_sequence_length", None)
     if max_pos and seq > max_pos:
         seq = int(max_pos)
-    n_windows = max(1, -(-a.tokens // seq))
-    windows = textdata.batches(tokens, seq, 1, num_batches=min(n_windows, len(tokens) // (seq + 1)))
-    import torch
-
-    out = [(torch.cat([w[0] for w in windows[i:i + a.batch_size]]),
-            torch.cat([w[1] for w in windows[i:i + a.batch_size]])) for i in range(0, len(windows), a.batch_size)]
+    out = textdata.eval_batches(tokens, a.tokens, seq, a.batch_size)
     textdata.check_vocab(out, lm.vocab_size)
     return out, seq
 

@@ -168,6 +168,9 @@ def draw_profiles(ax, result: dict, title: Optional[str] = None) -> None:
         if 0 < v["post_ln_layers"] < len(xs):
             ax.axvline(v["post_ln_layers"] + 0.5, color=color, linestyle=":", linewidth=0.8)
     ax.set_yscale("log")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("layer")
     ax.set_ylabel("gradient norm (L2 over the layer's parameters)")
     ax.set_title(title or f"per-layer gradient norm ({result.get('when', 'at initialization')})", fontsize=9)

@@ -135,25 +135,16 @@ def batches(
     return out
 
 
-def token_batches_for_tokens(
-    num_tokens: int,
-    seq_len: int,
-    batch_size: int = 8,
-    text_file: Optional[str] = None,
-    tokenizer=None,
-    cache_dir: Optional[str] = None,
+def eval_batches(
+    tokens: np.ndarray, num_tokens: int, seq_len: int, batch_size: int = 8
 ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    """Enough evenly spread windows of a text to cover `num_tokens` predicted tokens."""
-    tokens = corpus_tokens(text_file, tokenizer, cache_dir)
-    n_windows = max(1, -(-int(num_tokens) // seq_len))
-    all_w = windows(tokens, seq_len).shape[0]
-    n_windows = min(n_windows, all_w)
-    out = []
-    chosen = batches(tokens, seq_len, 1, num_batches=n_windows)
-    for i in range(0, len(chosen), batch_size):
-        part = chosen[i:i + batch_size]
-        out.append((torch.cat([p[0] for p in part]), torch.cat([p[1] for p in part])))
-    return out
+    """Windows spread evenly over the stream covering `num_tokens` predicted tokens (fewer if the
+    text is shorter), grouped into batches of `batch_size` sequences."""
+    n_windows = min(max(1, -(-int(num_tokens) // seq_len)), len(tokens) // (seq_len + 1))
+    single = batches(tokens, seq_len, 1, num_batches=n_windows)
+    return [(torch.cat([w[0] for w in single[i:i + batch_size]]),
+             torch.cat([w[1] for w in single[i:i + batch_size]]))
+            for i in range(0, len(single), batch_size)]
 
 
 def check_vocab(batch_list, vocab_size: int, what: str = "the model") -> None:

@@ -36,6 +36,7 @@ file (1 / (TP x PP) of the model) at a time, since each is a single torch.save.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -48,11 +49,10 @@ import torch
 
 from . import ConversionError, UnsupportedModelError, staged_output_dir
 from . import mapping as M
-from .megatron_reader import TRACKER
+from .megatron_reader import PIECE_BYTES, TRACKER
 
 RELEASE = "release"
 CONTENT_METADATA_BASE = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-VOCAB_BLOCK_BYTES = 32 << 20
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -71,6 +71,7 @@ class HFCheckpoint:
         except ValueError as e:
             raise ConversionError(f"{cfg_path} is not valid JSON: {e}") from None
         self.weight_map: Dict[str, str] = {}
+        self._headers: Dict[str, Dict[str, Tuple[tuple, str]]] = {}
         self.kind = None
         for index_name, kind in (("model.safetensors.index.json", "safetensors"),
                                  ("pytorch_model.bin.index.json", "bin")):
@@ -92,7 +93,6 @@ class HFCheckpoint:
         for f in sorted(set(self.weight_map.values())):
             if not os.path.isfile(os.path.join(self.path, f)):
                 raise ConversionError(f"weight shard {os.path.join(self.path, f)} is missing (named by the index)")
-        self._headers: Dict[str, Dict[str, Tuple[tuple, str]]] = {}
 
     def _file_names(self, filename: str) -> List[str]:
         return list(self._header(filename))
@@ -154,8 +154,10 @@ class HFCheckpoint:
     def dtype(self, name: str) -> torch.dtype:
         if self.kind == "safetensors":
             code = self._header(self.weight_map[name])[name][1]
-            return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}.get(
-                code, torch.float32)
+            known = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+            if code not in known:
+                raise UnsupportedModelError(f"{name} is stored as {code}; convert a float32/bfloat16/float16 folder")
+            return known[code]
         return self.get(name).dtype
 
     def tokenizer_files(self) -> bool:
@@ -210,22 +212,49 @@ class _Source:
     def __init__(self, hf: HFCheckpoint, shape: M.ModelShape, post_ln: int, stock_source: bool, dtype):
         self.hf, self.shape, self.post_ln, self.stock_source, self.dtype = hf, shape, post_ln, stock_source, dtype
 
-    def _get(self, name, *rows):
-        return self.hf.get(name, *rows).to(self.dtype)
+    def _get(self, name, start=None, stop=None):
+        return self.hf.get(name, start, stop).to(self.dtype)
 
     def role(self, layer: int, role: str) -> torch.Tensor:
+        """The whole tensor of `role` in layer `layer` (Megatron's global layout)."""
+        if role.startswith("fc1."):
+            f = self.shape.ffn_hidden_size
+            return torch.cat([self.role_rows(layer, role, 0, f), self.role_rows(layer, role, f, 2 * f)], dim=0)
+        return self.role_rows(layer, role, 0, self.shape.megatron_layer_shapes()[role][0])
+
+    def role_rows(self, layer: int, role: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of that tensor, reading only the HF rows they come from.
+
+        QKV ranges must be whole query groups and fc1 ranges must lie inside one half
+        (mapping.megatron_row_chunks makes them so).
+        """
         p = M.hf_layer_prefix(layer)
         kind = role.split(".")[1] if "." in role else None
         if role.startswith("qkv."):
-            return M.merge_qkv(self._get(f"{p}self_attn.q_proj.{kind}"), self._get(f"{p}self_attn.k_proj.{kind}"),
-                               self._get(f"{p}self_attn.v_proj.{kind}"), self.shape)
-        if role.startswith("proj."):
-            return self._get(f"{p}self_attn.o_proj.{kind}")
+            d, qpg = self.shape.kv_channels, self.shape.q_per_group
+            group = (qpg + 2) * d
+            if start % group or stop % group:
+                raise ValueError(f"QKV rows {start}:{stop} are not whole query groups")
+            g0, g1 = start // group, stop // group
+            q = self._get(f"{p}self_attn.q_proj.{kind}", g0 * qpg * d, g1 * qpg * d)
+            k = self._get(f"{p}self_attn.k_proj.{kind}", g0 * d, g1 * d)
+            v = self._get(f"{p}self_attn.v_proj.{kind}", g0 * d, g1 * d)
+            part = dataclasses.replace(self.shape, num_attention_heads=(g1 - g0) * qpg, num_query_groups=g1 - g0)
+            return M.merge_qkv(q, k, v, part)
         if role.startswith("fc1."):
-            return torch.cat([self._get(f"{p}mlp.gate_proj.{kind}"), self._get(f"{p}mlp.up_proj.{kind}")], dim=0)
-        if role.startswith("fc2."):
-            return self._get(f"{p}mlp.down_proj.{kind}")
-        return self._get(p + self.norm_source(layer)[role])
+            f = self.shape.ffn_hidden_size
+            if start < f < stop:
+                raise ValueError(f"fc1 rows {start}:{stop} straddle gate and up")
+            if start < f:
+                return self._get(f"{p}mlp.gate_proj.{kind}", start, stop)
+            return self._get(f"{p}mlp.up_proj.{kind}", start - f, stop - f)
+        if role.startswith("proj."):
+            name = f"{p}self_attn.o_proj.{kind}"
+        elif role.startswith("fc2."):
+            name = f"{p}mlp.down_proj.{kind}"
+        else:
+            name = p + self.norm_source(layer)[role]
+        return self._get(name, start, stop)
 
     def norm_source(self, layer: int) -> Dict[str, str]:
         is_post = layer < self.post_ln
@@ -259,7 +288,14 @@ class _Source:
 
     def check(self) -> None:
         problems = []
-        for name, want in self.expected_names().items():
+        expected = self.expected_names()
+        ignored = [n for n in self.hf.weight_map if n not in expected and not n.endswith("rotary_emb.inv_freq")
+                   and not (n == M.HF_OUTPUT and self.shape.tie_embeddings)]
+        if ignored:
+            print(f"[mixln-megatron convert] WARNING: {len(ignored)} tensor(s) of {self.hf.path} have no place in "
+                  f"the Megatron model and are not converted: {', '.join(sorted(ignored)[:6])}"
+                  + (" ..." if len(ignored) > 6 else ""), flush=True)
+        for name, want in expected.items():
             if not self.hf.has(name):
                 problems.append(f"missing {name}")
             elif tuple(self.hf.shape(name)) != tuple(want):
@@ -335,7 +371,7 @@ def write_torch_dist(out_dir: str, src: _Source, shape: M.ModelShape, padded_voc
         producers[(unique_key, None)] = lambda: _torch_save_bytes([value])
 
     h, L = shape.hidden_size, shape.num_layers
-    block = max(1, VOCAB_BLOCK_BYTES // (h * dtype.itemsize))
+    block = max(1, PIECE_BYTES // (h * dtype.itemsize))
 
     def vocab(key, hf_name):
         for start in range(0, padded_vocab, block):
@@ -348,8 +384,11 @@ def write_torch_dist(out_dir: str, src: _Source, shape: M.ModelShape, padded_voc
     for layer in range(L):
         for role in shape.roles():
             shp = layer_shapes[role]
-            tensor(M.TD_LAYER_PREFIX + M.LAYER_ROLE_NAMES[role], (L, *shp), (layer,) + (0,) * len(shp), (1, *shp),
-                   lambda l=layer, r=role: src.role(l, r).unsqueeze(0))
+            row_bytes = dtype.itemsize * (shp[1] if len(shp) > 1 else 1)
+            # Chunks of <= PIECE_BYTES: megatron-core reshards them at load like any other layout.
+            for a, b in M.megatron_row_chunks(role, shape, row_bytes, PIECE_BYTES):
+                tensor(M.TD_LAYER_PREFIX + M.LAYER_ROLE_NAMES[role], (L, *shp), (layer, a) + (0,) * (len(shp) - 1),
+                       (1, b - a, *shp[1:]), lambda l=layer, r=role, a=a, b=b: src.role_rows(l, r, a, b).unsqueeze(0))
         for module in M.EXTRA_STATE_MODULES:
             obj(f"{M.TD_LAYER_PREFIX}{module}._extra_state/shard_{layer}_{L}", None)
     tensor(M.TD_FINAL_NORM, (h,), (0,), (h,), lambda: src._get(M.HF_FINAL_NORM))

@@ -584,6 +584,26 @@ def hf_row_pieces(role: str, index: int, shape: ModelShape, row_bytes: int, piec
     return split(0, rows, per)
 
 
+def megatron_row_chunks(role: str, shape: ModelShape, row_bytes: int, piece_bytes: int):
+    """Row ranges [a, b) that split one layer's Megatron `role` tensor into chunks of <= piece_bytes.
+
+    Chunks never straddle what HF keeps apart: QKV chunks are whole query groups (so each is built
+    from row slices of q, k and v), fc1 chunks lie inside the gate or the up half.
+    """
+    per = max(1, piece_bytes // max(1, row_bytes))
+
+    def split(a, b, step):
+        return [(i, min(b, i + step)) for i in range(a, b, step)]
+
+    if role.startswith("qkv."):
+        group = (shape.q_per_group + 2) * shape.kv_channels
+        return split(0, shape.qkv_rows, max(1, per // group) * group)
+    if role.startswith("fc1."):
+        f = shape.ffn_hidden_size
+        return split(0, f, per) + split(f, 2 * f, per)
+    return split(0, shape.megatron_layer_shapes()[role][0], per)
+
+
 def check_tp_divisibility(shape: ModelShape, tp: int) -> None:
     """Megatron's own requirements for tensor parallelism, checked before anything is written."""
     problems = []

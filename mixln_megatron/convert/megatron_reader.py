@@ -529,6 +529,7 @@ class TorchDistCheckpoint(_Base):
             raise ConversionError(f"{meta_path} is unreadable: {e}") from None
         self._layouts: Dict[Tuple[str, int], Optional[_ChunkLayout]] = {}
         self._check_files()
+        self._check_keys()
         common = self._read_common()
         self.common = common
         self.args = common.get("args")
@@ -538,7 +539,6 @@ class TorchDistCheckpoint(_Base):
         if record_key in self._sd_md:
             loaded = safe_load(self._read_bytes(record_key), what="the Mix-LN settings record")
             self.settings_record = loaded[0] if isinstance(loaded, list) else loaded
-        self._check_keys()
         emb = self._sd_md[M.TD_EMBEDDING]
         self.padded_vocab_size = emb.size[0]
         self.dtype = emb.dtype

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,7 +30,7 @@ TRUE_VOCAB = 250
 SEQ = 16
 BATCH = 2
 PROMPT = [5, 17, 42, 99]
-NEW_TOKENS = 12
+NEW_TOKENS = 10
 
 
 def pretrain_argv(a) -> list:
@@ -42,10 +43,10 @@ def pretrain_argv(a) -> list:
         "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
         "--mixln-post-ln-layers", "2", "--use-cpu-initialization",
         "--tensor-model-parallel-size", str(a.tp), "--pipeline-model-parallel-size", str(a.pp),
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
         "--lr", "3e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(TRUE_VOCAB),
         "--num-workers", "0", "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
-        "--save", os.path.join(a.workdir, "megatron"), "--save-interval", "3", "--ckpt-format", a.ckpt_format,
+        "--save", os.path.join(a.workdir, "megatron"), "--save-interval", "2", "--ckpt-format", a.ckpt_format,
         "--seed", "7",
     ] + list(a.extra_args or [])
 
@@ -122,10 +123,17 @@ def main():
     parser.add_argument("--ckpt-format", default="torch_dist")
     parser.add_argument("--extra-args", nargs=argparse.REMAINDER)
     a = parser.parse_args()
+    t0 = time.time()
+
+    def mark(what):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[convert_worker] {time.time() - t0:6.1f} s  {what}", flush=True)
+
     try:
         from mixln_megatron import pretrain
 
         pretrain.main(pretrain_argv(a))
+        mark("trained and saved")
         rank = torch.distributed.get_rank()
         g = torch.Generator().manual_seed(11)
         batch = torch.randint(0, TRUE_VOCAB, (BATCH, SEQ), generator=g)
@@ -134,6 +142,7 @@ def main():
         logits = megatron_logits(model, batch)
         tokens, gaps = greedy(model)
         del model
+        mark("megatron logits and greedy loop")
 
         hf_dir, rt_dir = os.path.join(a.workdir, "hf"), os.path.join(a.workdir, "roundtrip")
         summary = {}
@@ -144,8 +153,10 @@ def main():
             summary["from_hf"] = from_hf(hf_dir, rt_dir, tp=a.tp, pp=a.pp, ckpt_format=a.ckpt_format,
                                          transformer_impl="local", progress=False)
         torch.distributed.barrier()
+        mark("to-hf and from-hf")
         model = build_and_load(rt_dir)
         rt_logits = megatron_logits(model, batch)
+        mark("from-hf checkpoint loaded by megatron")
         if rank == 0:
             torch.save({"batch": batch, "logits": logits}, os.path.join(a.workdir, "megatron_logits.pt"))
             torch.save({"batch": batch, "logits": rt_logits}, os.path.join(a.workdir, "roundtrip_logits.pt"))

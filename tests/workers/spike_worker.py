@@ -55,18 +55,63 @@ LAYOUTS = {
     "ddp_quiet": dict(scaler="api", inject=False),
     "distopt_plain": dict(scaler=None, inject=False, distopt=True),
     "ddp": dict(scaler="api"),
-    "distopt": dict(scaler="api", distopt=True),
+    "distopt": dict(scaler="api", distopt=True, nosync=True),
     "tp2sp": dict(scaler="api", tp=2, sp=True),
-    "pp2": dict(scaler="spec", pp=2),
+    "pp2": dict(scaler="spec", pp=2, nosync=True),
     "pp2_resume": dict(scaler="spec", pp=2, resume_at=5),
     "fresh_load": dict(scaler="spec", load="ddp_plain", steps=2),
-    "fp16": dict(scaler="spec", fp16=True, inf=True),
+    "fp16": dict(scaler="spec", fp16=True, inf=True, nosync=True),
     "tp2pp2_distopt": dict(scaler="spec", tp=2, pp=2, sp=True, distopt=True),
     "dp2tp2_distopt": dict(scaler="api", tp=2, sp=True, distopt=True),
     # benchmarks/spike.py: default threshold / beta / warm-up, random x1000 spikes after warm-up.
     "bench": dict(scaler="api", distopt=True, bench="record"),
     "bench_timing": dict(scaler="api", distopt=True, bench="time"),
 }
+
+
+class NoHostSync:
+    """Records every call that would make the host wait for the device (item, tolist, bool(t),
+    nonzero, .cpu(), ...) while the hook runs: a CPU stand-in for torch.cuda.set_sync_debug_mode.
+    Megatron's full-iteration CUDA graphs capture the hook, where such calls are not allowed."""
+
+    BANNED = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu",
+              "nonzero", "masked_select", "unique", "__array__", "__format__", "__repr__"}
+    paused = False
+
+    def __init__(self, sink):
+        from torch.overrides import TorchFunctionMode
+
+        banned, sink_ = self.BANNED, sink
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                name = getattr(func, "__name__", "")
+                if name in banned and not NoHostSync.paused:
+                    sink_.append(name)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = _Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def _guard_host_syncs(scaler, run) -> None:
+    """Watch every hook call after the (eager, once) set-up."""
+    original = scaler.after_finalize
+
+    def guarded(*args, **kwargs):
+        if not scaler.is_set_up:
+            return original(*args, **kwargs)
+        run.hook_calls_checked += 1
+        with NoHostSync(run.sync_violations):
+            return original(*args, **kwargs)
+
+    scaler.after_finalize = guarded
 
 
 class Run:
@@ -82,6 +127,7 @@ class Run:
         self.step_times = []
         self.states = []  # scaler state after each step
         self.injected = []  # (step, target, element) of the injected spikes
+        self.sync_violations, self.hook_calls_checked = [], 0
         self.inject_s = 0.0
 
 
@@ -181,6 +227,13 @@ def _injector(run: Run, model, layout: dict):
 
 def _recorder(run: Run):
     def record(scaler, grads, spike, replacement, scale, owned):
+        NoHostSync.paused = True  # the recorder is debug code, not the hook
+        try:
+            _record(scaler, grads, spike, replacement, scale, owned)
+        finally:
+            NoHostSync.paused = False
+
+    def _record(scaler, grads, spike, replacement, scale, owned):
         g, r = grads.float(), replacement.float()
         if owned is not None:  # distributed optimizer: put the owners' pieces together (debug only)
             group = scaler._distopt[1]
@@ -251,6 +304,8 @@ def build(run: Run, layout: dict):
         config.finalize_model_grads_func = finalize
     if scaler is not None:
         scaler.recorder = None if layout.get("bench") == "time" else _recorder(run)
+        if layout.get("nosync"):
+            _guard_host_syncs(scaler, run)
     return config, model, optimizer, scaler
 
 
@@ -426,6 +481,7 @@ def run_layout(name: str, layout: dict, out_dir: str, steps: int) -> None:
             report=scaler.last_report if scaler is not None else None,
             targets=scaler.target_names() if scaler is not None else [],
             timing=dict(timing) if timing is not None else None, inject_s=run.inject_s,
+            sync_violations=run.sync_violations, hook_calls_checked=run.hook_calls_checked,
             loss_scale=float(optimizer.get_loss_scale()) if layout.get("fp16") else None,
             **extra,
         )
@@ -454,7 +510,153 @@ class _ListHandler(logging.Handler):
         self.sink.append(record.getMessage())
 
 
+# ===================================================================================== Megatron-LM
+# `spike_worker.py --megatron-lm --out DIR --tag NAME -- <Megatron-LM args>`: stock
+# megatron.training.pretrain with `--spec mixln_megatron.spec mixln_local_layer_spec` and
+# MIXLN_SPIKE_SCALER=1 in the environment: the scaler must come from the spec alone.
+MLM_INJECT = {5: [("layer2.norm2.weight", 5, 1000.0), ("layer3.norm1.weight", 7, 1000.0)]}
+_MLM = {"model": None, "scaler": None, "decisions": {}, "warnings": []}
+
+
+def _mlm_iteration() -> int:
+    from megatron.training import get_args
+
+    return int(get_args().curr_iteration) + 1
+
+
+def _mlm_attach(model) -> None:
+    """First forward step: find the scaler the spec installed, wrap its finalize with the injector."""
+    if _MLM["model"] is not None:
+        return
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
+
+    from mixln_megatron.grads_hook import SpikeGradsHook
+
+    _MLM["model"] = model
+    hook = get_model_config(model).finalize_model_grads_func
+    if os.environ.get("MIXLN_SPIKE_SCALER") != "1":
+        assert not isinstance(hook, SpikeGradsHook), "the scaler was installed without MIXLN_SPIKE_SCALER=1"
+        return
+    assert isinstance(hook, SpikeGradsHook), f"Megatron-LM did not keep the spec's hook: {hook!r}"
+    scaler = _MLM["scaler"] = hook.mixln_spike_scaler
+    targets = _named_targets(model)
+
+    def inject(model_chunks, *args, **kwargs):
+        result = finalize_model_grads(model_chunks, *args, **kwargs)
+        for name, index, factor in MLM_INJECT.get(_mlm_iteration(), []):
+            if name in targets:
+                targets[name].main_grad.view(-1)[index] *= factor
+        return result
+
+    hook.original = inject
+
+    def record(scaler, grads, spike, replacement, scale, owned):
+        for k, t in enumerate(scaler.targets):
+            _MLM["decisions"].setdefault(_mlm_iteration(), {})[t.name] = spike[k, :t.numel].nonzero().flatten().tolist()
+
+    scaler.recorder = record
+
+
+def _mlm_forward_step(data_iterator, model, return_schedule_plan=False):
+    from functools import partial
+
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    _mlm_attach(model)
+    tokens = labels = loss_mask = position_ids = None
+    if is_first_or_last_pipeline_stage(None):
+        data = next(data_iterator)
+        tokens, labels, loss_mask, position_ids = (data[k] for k in ("tokens", "labels", "loss_mask", "position_ids"))
+    output = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask)
+
+    def loss_func(mask, output_tensor):
+        mask = mask.view(-1).float()
+        loss = torch.sum(output_tensor.view(-1).float() * mask)
+        count = mask.sum().to(torch.int)
+        return loss, count, {"lm loss": torch.cat([loss.detach().view(1), count.view(1).float()])}
+
+    return output, partial(loss_func, loss_mask)
+
+
+def _mlm_datasets(num_samples, vp_stage=None):
+    from functools import partial
+
+    from megatron.core import mpu
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    args = get_args()
+    config = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length, split=args.split,
+                              tokenizer=get_tokenizer(), reset_position_ids=False,
+                              reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False)
+
+    def built_here(vp_stage=None):
+        return is_first_or_last_pipeline_stage(vp_stage) and mpu.get_tensor_model_parallel_rank() == 0
+
+    return BlendedMegatronDatasetBuilder(MockGPTDataset, num_samples, partial(built_here, vp_stage=vp_stage),
+                                         config).build()
+
+
+_mlm_datasets.is_distributed = True
+
+
+def run_megatron_lm(out_dir: str, tag: str, megatron_argv) -> None:
+    from mixln_megatron import cpu
+
+    cpu.enable_training()
+    # The megatron-core wheel ships the prebuilt dataset helpers but no Makefile, and
+    # initialize_megatron runs `make` (also on GPU machines); cpu.enable_training() does not cover it.
+    from megatron.training import initialize as minit
+
+    def _helpers_prebuilt():
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+
+        torch.distributed.barrier()
+
+    minit._compile_dependencies = _helpers_prebuilt
+    handler = _ListHandler(_MLM["warnings"])
+    logging.getLogger("mixln_megatron.grads_hook").addHandler(handler)
+    sys.argv = [sys.argv[0]] + list(megatron_argv)
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    args = parse_and_validate_args()
+    cfg = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    try:
+        pretrain(cfg, _mlm_datasets, ModelType.encoder_or_decoder, _mlm_forward_step)
+    except SystemExit as exc:  # --exit-interval ends the program
+        if exc.code not in (0, None):
+            raise
+    scaler, model = _MLM["scaler"], _MLM["model"]
+    result = dict(rank=torch.distributed.get_rank(), digest=_digest(model), decisions=_MLM["decisions"],
+                  warnings=_MLM["warnings"], scaler=scaler is not None)
+    if scaler is not None:
+        result.update(
+            state={t.name: scaler.state.get_target(k) for k, t in enumerate(scaler.targets)},
+            committed_steps=scaler.committed_steps, report=scaler.last_report,
+            optimizer_found=scaler.optimizer is not None and not scaler.eager_commit,
+        )
+    torch.save(result, os.path.join(out_dir, f"mlm_{tag}.rank{torch.distributed.get_rank()}.pt"))
+
+
 def main():
+    if "--megatron-lm" in sys.argv:
+        split = sys.argv.index("--")
+        own, megatron_argv = sys.argv[1:split], sys.argv[split + 1:]
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--megatron-lm", action="store_true")
+        parser.add_argument("--out", required=True)
+        parser.add_argument("--tag", required=True)
+        args = parser.parse_args(own)
+        torch.set_num_threads(1)
+        logging.getLogger("megatron").setLevel(logging.WARNING)
+        run_megatron_lm(args.out, args.tag, megatron_argv)
+        return
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--layouts", required=True)
