@@ -25,7 +25,6 @@ Last line: RESULT seconds=<s> mb_per_s=<r> peak_rss_gb=<m> checkpoint_gb=<c>
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import socket

@@ -57,7 +57,12 @@ Checkpoints (torch_dist)
   holders write a marker {"layers": [...]} into the sharded_state_dict metadata, which Megatron-LM
   stores as content metadata and passes back at load. A load whose metadata has no marker (a
   checkpoint saved without the scaler) requests nothing and the layers start fresh with a
-  warning. Callers that pass no metadata at all (plain megatron-core) always get the objects.
+  warning. Callers that pass no metadata at all (plain megatron-core) always get the objects;
+  to load a checkpoint without them, pass Megatron-LM-style metadata (save: `md = {...};
+  model.sharded_state_dict(metadata=md)`, then `dist_checkpointing.save(..., content_metadata=md)`;
+  load: `md = dist_checkpointing.load_content_metadata(dir)`) or load with
+  strict="log_unexpected". Under the distributed optimizer, building the sharded state dict of a
+  target layer synchronizes the state over the DP group (a collective, as in every save/load).
 
 Reporting: per committed step the number of scaled elements, the largest |g| / momentum and the
 number of non-finite target elements, summed (max for the ratio) over the distributed
@@ -164,7 +169,9 @@ class SpikeScaler:
         self.state_from_checkpoint = False
         self.committed_steps = 0
         self.optimizer_steps = 0
-        self._reported_totals = [0.0, 0.0, 0.0]  # scaled, max ratio, non-finite over reported steps
+        # scaled, max ratio, non-finite over the steps already reported: reduced, and this rank's own
+        self._reported_totals = [0.0, 0.0, 0.0]
+        self._local_totals = [0.0, 0.0, 0.0]
         self._ring = None
         self._ring_iterations: List[int] = []
         self._pp_group = None
@@ -408,14 +415,16 @@ class SpikeScaler:
         self._ring_iterations.append(int(iteration) + 1 if iteration is not None else self.committed_steps)
 
     def report(self) -> List[dict]:
-        """Reduce the recorded steps over pipeline stages and write them. Host sync; collective
-        over the PP group (every rank calls it at the same step through the optimizer wrapper)."""
+        """Reduce the steps recorded since the last report over the distributed optimizer's shards
+        and the pipeline stages, and write them. Host sync and collectives (every rank calls it at
+        the same step, through the optimizer-step wrapper)."""
         n = len(self._ring_iterations)
         if n == 0 or self._ring is None:
             return []
-        rows = self._reduce_stats(self._ring[:n].clone())
-        values = rows.tolist()
-        self._add_to_totals(values)
+        local = self._ring[:n].clone()
+        self._add_to_totals(self._local_totals, local.tolist())
+        values = self._reduce_stats(local.clone()).tolist()
+        self._add_to_totals(self._reported_totals, values)
         report = [
             {"iteration": it, "scaled": int(v[0]), "max_ratio": float(v[1]), "nonfinite": int(v[2])}
             for it, v in zip(self._ring_iterations, values)
@@ -452,19 +461,26 @@ class SpikeScaler:
             rows[..., 0], rows[..., 2], rows[..., 1] = sums[..., 0], sums[..., 1], maxes
         return rows
 
-    def _add_to_totals(self, rows) -> None:
+    @staticmethod
+    def _add_to_totals(totals: list, rows) -> None:
         for scaled, ratio, nonfinite in rows:
-            self._reported_totals[0] += scaled
-            self._reported_totals[1] = max(self._reported_totals[1], ratio)
-            self._reported_totals[2] += nonfinite
+            totals[0] += scaled
+            totals[1] = max(totals[1], ratio)
+            totals[2] += nonfinite
 
-    def totals(self) -> dict:
-        """Totals over committed steps, over shards and pipeline stages. Host sync and collectives
-        (distributed-optimizer DP group, PP group): call it on every rank."""
+    def totals(self, reduce: bool = False) -> dict:
+        """Totals over committed steps (host sync). reduce=False: this rank's own counts (under the
+        distributed optimizer, its shard of the targets; under PP, its stage's targets).
+        reduce=True: over shards and pipeline stages; collectives over the distributed optimizer's
+        DP group and the PP group, so every rank must call it at the same point."""
         n = len(self._ring_iterations)
         rows = self._ring[:n].clone() if n else torch.zeros(0, 3, device=self._stats_device())
-        scaled, ratio, nonfinite = self._reported_totals
-        for s, r, f in self._reduce_stats(rows).tolist():
+        if reduce:
+            rows = self._reduce_stats(rows)
+            scaled, ratio, nonfinite = self._reported_totals
+        else:
+            scaled, ratio, nonfinite = self._local_totals
+        for s, r, f in rows.tolist():
             scaled, ratio, nonfinite = scaled + s, max(ratio, r), nonfinite + f
         return {"scaled": int(scaled), "max_ratio": float(ratio), "nonfinite": int(nonfinite),
                 "committed_steps": self.committed_steps}

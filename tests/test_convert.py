@@ -28,13 +28,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
-from mixln_megatron.convert import ConversionError, UnsupportedModelError, from_hf, to_hf  # noqa: E402
+from mixln_megatron.convert import ConversionError, UnsupportedModelError  # noqa: E402
+from mixln_megatron.convert import convert_from_hf as from_hf  # noqa: E402
+from mixln_megatron.convert import convert_to_hf as to_hf  # noqa: E402
 from mixln_megatron.convert import mapping as M  # noqa: E402
 from mixln_megatron.convert.megatron_reader import open_checkpoint  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -90,8 +91,11 @@ def no_leftovers(path):
 @pytest.mark.mp
 @pytest.mark.parametrize("fmt,tp,pp", [("torch_dist", 2, 2), ("torch", 2, 1)], ids=["torch_dist-tp2pp2", "legacy-tp2"])
 def test_megatron_hf_parity(tmp_path, fmt, tp, pp):
-    import hf_parity
+    import importlib.util
 
+    spec = importlib.util.spec_from_file_location("hf_parity", os.path.join(REPO, "benchmarks", "hf_parity.py"))
+    hf_parity = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hf_parity)
     hf_parity.run_worker(str(tmp_path), tp, pp, fmt)
     res = hf_parity.compare(str(tmp_path))
     assert res["max_abs_logit_diff"] <= 1e-5, res
@@ -307,10 +311,30 @@ def test_refusals_leave_nothing_behind(tmp_path):
     with pytest.raises(ConversionError, match="config.json"):
         from_hf(str(empty), str(out), progress=False)
     assert not out.exists() and not no_leftovers(out)
-
     src, ckpt = tmp_path / "src", tmp_path / "ckpt"
     make_mixln_folder(src)
     from_hf(str(src), str(ckpt), progress=False)
+    # a failure after the output was started: the temporary directory and new parents disappear
+    import mixln_megatron.convert.to_hf as to_hf_module
+
+    nested = tmp_path / "new" / "deeper" / "out"
+    original = to_hf_module.StreamingSafetensorsWriter.write
+    calls = []
+
+    def failing(self, name, tensor):
+        calls.append(name)
+        if len(calls) > 5:
+            raise OSError("disk full (simulated)")
+        return original(self, name, tensor)
+
+    to_hf_module.StreamingSafetensorsWriter.write = failing
+    try:
+        with pytest.raises(OSError, match="disk full"):
+            to_hf(str(ckpt), str(nested), progress=False)
+    finally:
+        to_hf_module.StreamingSafetensorsWriter.write = original
+    assert not (tmp_path / "new").exists()
+
     out.mkdir()
     (out / "keep.txt").write_text("x")
     with pytest.raises(ConversionError, match="not empty.*--overwrite"):

@@ -172,7 +172,7 @@ def _run_grad_norms(a) -> int:
     base = os.path.join(a.out_dir, "grad_norms")
     _write_json(base + ".json", result)
     grad_norms.plot_profiles(result, base + ".png",
-                             title=f"per-layer gradient norm at init ({shape.describe()})")
+                             title=f"per-layer gradient norm at initialization\n{shape.describe()}")
     print(f"per-layer gradient norms at initialization: {shape.describe()}, {len(a.seeds)} seed(s), "
           f"{result['tokens_per_gradient']} tokens")
     print(grad_norms.format_table(result))

@@ -5,9 +5,9 @@
 
 Python API (same options as the command line, see cli.py):
 
-    from mixln_megatron.convert import to_hf, from_hf
-    to_hf("runs/ckpt", "hf/out", dtype="bfloat16")
-    from_hf("hf/out", "runs/ckpt2", tp=2, pp=2)
+    from mixln_megatron.convert import convert_to_hf, convert_from_hf
+    convert_to_hf("runs/ckpt", "hf/out", dtype="bfloat16")
+    convert_from_hf("hf/out", "runs/ckpt2", tp=2, pp=2)
 
 Modules
   mapping         model shape from Megatron args / HF config, what Llama cannot express, name maps,
@@ -59,6 +59,10 @@ def staged_output_dir(save: str, overwrite: bool = False):
                 "--overwrite to replace it"
             )
     parent = os.path.dirname(save)
+    created = None  # the topmost parent directory this call creates (removed again on failure)
+    probe = parent
+    while not os.path.exists(probe):
+        created, probe = probe, os.path.dirname(probe)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(save)}.tmp-", dir=parent)
     try:
@@ -72,21 +76,23 @@ def staged_output_dir(save: str, overwrite: bool = False):
             os.rename(tmp, save)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if created is not None and not any(files for _, _, files in os.walk(created)):
+            shutil.rmtree(created, ignore_errors=True)
         raise
 
 
-def to_hf(load: str, save: str, **kwargs):
+def convert_to_hf(load: str, save: str, **kwargs) -> dict:
     """Megatron-LM checkpoint -> Hugging Face folder. See to_hf.convert_to_hf for the options."""
-    from .to_hf import convert_to_hf
+    from .to_hf import convert_to_hf as run
 
-    return convert_to_hf(load, save, **kwargs)
+    return run(load, save, **kwargs)
 
 
-def from_hf(load: str, save: str, **kwargs):
+def convert_from_hf(load: str, save: str, **kwargs) -> dict:
     """Hugging Face folder -> Megatron-LM checkpoint. See from_hf.convert_from_hf for the options."""
-    from .from_hf import convert_from_hf
+    from .from_hf import convert_from_hf as run
 
-    return convert_from_hf(load, save, **kwargs)
+    return run(load, save, **kwargs)
 
 
-__all__ = ["ConversionError", "UnsupportedModelError", "from_hf", "staged_output_dir", "to_hf"]
+__all__ = ["ConversionError", "UnsupportedModelError", "convert_from_hf", "convert_to_hf", "staged_output_dir"]

@@ -404,12 +404,16 @@ def write_torch_dist(out_dir: str, src: _Source, shape: M.ModelShape, padded_voc
             bar.update(data.numel() * data.element_size())
 
     planner = _lazy_planner_class()(items, producers, on_write)
-    writer = FileSystemWriter(out_dir, single_file_per_rank=True, thread_count=1, sync_files=False)
+    writer = FileSystemWriter(out_dir, single_file_per_rank=True, thread_count=1, sync_files=True)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
     except CheckpointException as e:
+        for failure in getattr(e, "failures", {}).values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, (ConversionError, OSError)):
+                raise inner from None  # e.g. an unreadable HF shard: the message says which
         raise ConversionError(f"writing the torch_dist checkpoint failed: {e}") from None
     with open(os.path.join(out_dir, "metadata.json"), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)

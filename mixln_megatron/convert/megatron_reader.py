@@ -239,50 +239,53 @@ class _Base:
             )
 
     def mixln_record(self, num_layers: int) -> Tuple[dict, str]:
-        """The Mix-LN settings of the checkpoint, from every source it has; disagreement is an error."""
-        from ..placement import Placement, post_ln_count
+        """The Mix-LN settings of the checkpoint, from every source it has; disagreement is an error.
 
-        sources = []
+        Sources, most authoritative first: the settings record the layers saved, the `mixln` entry
+        of the content metadata (Megatron-LM), the --mixln-* args of `mixln-megatron pretrain`
+        (settings given through MIXLN_* variables leave those None: only what is set is compared).
+        None of them: a stock Pre-LN checkpoint (P = 0).
+        """
+        from ..placement import MixLNConfigError, Placement, post_ln_count
+
+        sources = []  # (name, scheme or None, P or None, alpha or None)
         if self.settings_record is not None:
-            sources.append(("the settings record", dict(self.settings_record)))
-        meta = (self.content_metadata or {}).get("mixln") if isinstance(self.content_metadata, dict) else None
+            r = self.settings_record
+            sources.append(("the settings record", r.get("scheme", "mixln"), int(r.get("post_ln_layers", 0)),
+                            r.get("alpha")))
+            if int(r.get("num_layers", num_layers)) != num_layers:
+                raise ConversionError(
+                    f"the Mix-LN record is for {r.get('num_layers')} layers but the checkpoint has {num_layers}"
+                )
+        meta = self.content_metadata.get("mixln") if isinstance(self.content_metadata, dict) else None
         if meta is not None:
-            sources.append(("the content metadata", dict(meta)))
+            sources.append(("the content metadata", meta.get("scheme", "mixln"), int(meta.get("post_ln_layers", 0)),
+                            meta.get("alpha")))
         args = self.args
-        p_arg = getattr(args, "mixln_post_ln_layers", None)
-        alpha_arg = getattr(args, "mixln_alpha", None)
+        p_arg, alpha_arg = getattr(args, "mixln_post_ln_layers", None), getattr(args, "mixln_alpha", None)
         scheme_arg = getattr(args, "mixln_scheme", None)
         if p_arg is not None or alpha_arg is not None or scheme_arg is not None:
-            if p_arg is not None:
-                p = int(p_arg)
-            elif alpha_arg is not None:
-                p = post_ln_count(alpha_arg, num_layers)
-            else:
-                p = None
-            if p is not None:
-                sources.append(("the saved --mixln-* args", {
-                    "scheme": scheme_arg or "mixln", "post_ln_layers": p, "num_layers": num_layers,
-                    "alpha": str(alpha_arg) if alpha_arg is not None else None}))
+            p = int(p_arg) if p_arg is not None else (
+                post_ln_count(alpha_arg, num_layers) if alpha_arg is not None else None)
+            sources.append(("the saved --mixln-* args", scheme_arg, p,
+                            str(alpha_arg) if alpha_arg is not None else None))
         if not sources:
-            return ({"format": 1, "scheme": "mixln", "num_layers": num_layers, "post_ln_layers": 0, "alpha": None},
-                    "no Mix-LN record (a stock Pre-LN checkpoint: P = 0)")
-        name0, rec0 = sources[0]
-        for name, rec in sources[1:]:
-            a = (rec0.get("scheme", "mixln"), int(rec0.get("post_ln_layers", 0)))
-            b = (rec.get("scheme", "mixln"), int(rec.get("post_ln_layers", 0)))
-            if a != b:
-                raise ConversionError(
-                    f"the checkpoint's Mix-LN settings disagree: {name0} says scheme={a[0]} P={a[1]}, "
-                    f"{name} says scheme={b[0]} P={b[1]}"
-                )
-        if int(rec0.get("num_layers", num_layers)) != num_layers:
-            raise ConversionError(
-                f"the Mix-LN record is for {rec0.get('num_layers')} layers but the checkpoint has {num_layers}"
-            )
-        placement = Placement(num_layers, int(rec0.get("post_ln_layers", 0)), rec0.get("scheme", "mixln"),
-                              rec0.get("alpha"))
-        record = placement.record()
-        return record, f"from {name0}"
+            return (Placement(num_layers, 0, "mixln").record(), "no Mix-LN record (a stock Pre-LN checkpoint: P = 0)")
+        for i, (n1, s1, p1, _) in enumerate(sources):
+            for n2, s2, p2, _ in sources[i + 1:]:
+                if (s1 is not None and s2 is not None and s1 != s2) or (p1 is not None and p2 is not None and p1 != p2):
+                    raise ConversionError(
+                        f"the checkpoint's Mix-LN settings disagree: {n1} says scheme={s1} P={p1}, "
+                        f"{n2} says scheme={s2} P={p2}"
+                    )
+        scheme = next((x[1] for x in sources if x[1] is not None), "mixln")
+        post = next((x[2] for x in sources if x[2] is not None), 0)
+        alpha = next((x[3] for x in sources if x[3] is not None), None)
+        try:
+            placement = Placement(num_layers, post, scheme, alpha)
+        except MixLNConfigError as e:
+            raise ConversionError(f"the checkpoint's Mix-LN settings are invalid: {e}") from None
+        return placement.record(), f"from {sources[0][0]}"
 
     def check_layer_kinds(self, post_ln_layers: int) -> None:
         """Formats that name the layer kind (legacy) compare it with the settings; torch_dist cannot."""

@@ -25,7 +25,7 @@ import json
 import os
 import shutil
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -114,6 +114,8 @@ class StreamingSafetensorsWriter:
 
     def _next_shard(self):
         if self._f is not None:
+            self._f.flush()
+            os.fsync(self._f.fileno())  # durable before the output directory is renamed into place
             self._f.close()
             self._f = None
         self._shard += 1

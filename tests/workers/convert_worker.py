@@ -147,10 +147,10 @@ def main():
         hf_dir, rt_dir = os.path.join(a.workdir, "hf"), os.path.join(a.workdir, "roundtrip")
         summary = {}
         if rank == 0:
-            from mixln_megatron.convert import from_hf, to_hf
+            from mixln_megatron.convert import convert_from_hf, convert_to_hf
 
-            summary["to_hf"] = to_hf(os.path.join(a.workdir, "megatron"), hf_dir, progress=False)
-            summary["from_hf"] = from_hf(hf_dir, rt_dir, tp=a.tp, pp=a.pp, ckpt_format=a.ckpt_format,
+            summary["to_hf"] = convert_to_hf(os.path.join(a.workdir, "megatron"), hf_dir, progress=False)
+            summary["from_hf"] = convert_from_hf(hf_dir, rt_dir, tp=a.tp, pp=a.pp, ckpt_format=a.ckpt_format,
                                          transformer_impl="local", progress=False)
         torch.distributed.barrier()
         mark("to-hf and from-hf")

@@ -477,7 +477,7 @@ def run_layout(name: str, layout: dict, out_dir: str, steps: int) -> None:
             successes=run.successes, states=run.states, injected=run.injected, inputs=run.inputs, decisions=run.decisions,
             replacements=run.replacements, warnings=list(run.warnings), step_times=run.step_times,
             params={n: p.detach().float().clone() for n, p in model.named_parameters()},
-            state=_scaler_state(scaler), totals=scaler.totals() if scaler is not None else None,
+            state=_scaler_state(scaler), totals=scaler.totals(reduce=True) if scaler is not None else None,
             report=scaler.last_report if scaler is not None else None,
             targets=scaler.target_names() if scaler is not None else [],
             timing=dict(timing) if timing is not None else None, inject_s=run.inject_s,
