@@ -212,7 +212,7 @@ class TelemetryHook:
         if record is not None:
             scaler = self.mixln_spike_scaler
             if scaler is not None and hasattr(scaler, "totals"):
-                record["spike"] = scaler.totals()
+                record["spike"] = scaler.totals(reduce=True)  # collective: every rank is here
             write_record(record, self.telemetry.path)
         return result
 
