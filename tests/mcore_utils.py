@@ -27,9 +27,13 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp=None, seed: int = 1234, **kwa
     from megatron.core import tensor_parallel
 
     if not torch.distributed.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        torch.distributed.init_process_group(backend="gloo")
+        if "RANK" in os.environ:  # under torchrun
+            torch.distributed.init_process_group(backend="gloo")
+        else:  # one process: a file store, no TCP port to race for
+            import tempfile
+
+            store = torch.distributed.FileStore(tempfile.mktemp(prefix="mixln_store_"), 1)
+            torch.distributed.init_process_group(backend="gloo", store=store, rank=0, world_size=1)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp, **kwargs)

@@ -50,7 +50,7 @@ def start(args, nproc=1, torchrun=True):
     """Popen of the entry point (under torchrun with `nproc` workers, or as a plain process)."""
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(mu.free_port()), "-m", "mixln_megatron.pretrain", *args]
+               "--standalone", "-m", "mixln_megatron.pretrain", *args]
     else:
         cmd = [sys.executable, "-m", "mixln_megatron.pretrain", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO)

@@ -335,12 +335,11 @@ def test_report_goes_to_megatron_writers():
 
 # ===================================================================================== multi-process
 def _launch(nproc: int, layouts, out_dir: str) -> None:
-    from mcore_utils import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", WORKER, "--out", out_dir, "--layouts", ",".join(layouts)]
+           "--standalone", WORKER, "--out", out_dir, "--layouts", ",".join(layouts)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         pytest.fail(f"spike worker failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -560,12 +559,11 @@ MLM_ARGS = (
 
 
 def _megatron_lm(out: str, tag: str, extra, scaler: bool = True):
-    from mcore_utils import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MIXLN_POST_LN_LAYERS="2",
                MIXLN_SPIKE_SCALER="1" if scaler else "0", MIXLN_SPIKE_WARMUP_STEPS="2", MIXLN_SPIKE_BETA="0.9")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
            WORKER, "--megatron-lm", "--out", out, "--tag", tag, "--", *MLM_ARGS, *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
