@@ -236,6 +236,14 @@ def test_megatron_checkpoint_roundtrip(mcore_single, tmp_path, text_tokens):
     with pytest.raises(Exception, match="(?i)post|mix"):
         load_megatron_checkpoint(str(ckpt), post_ln_layers=1)
 
+    from mixln_megatron.analysis.cli import main
+
+    out = tmp_path / "a"
+    assert main(["angular-distance", "--megatron", str(tmp_path / "save"), "--tokens", "64",
+                 "--seq-length", "32", "--out-dir", str(out)]) == 0
+    res = json.loads((out / "angular_distance.json").read_text())
+    assert res["tokens"] == 64 and "P=2" in res["model"]
+
 
 # ------------------------------------------------------------------------------------- CLI
 def test_cli_grad_norms(mcore_single, tmp_path, text_file, capsys):
@@ -273,3 +281,10 @@ def test_cli_angular_and_layer_drop_on_hf_folder(tmp_path, text_file):
     assert os.path.getsize(tmp_path / "d" / "layer_drop.png") > 1000
     # HF folders say their own P; an override is refused
     assert main(["layer-drop", *common, "--post-ln-layers", "2", "--out-dir", str(tmp_path / "x")]) == 1
+
+
+def test_cli_train_health_is_delegated(tmp_path, capsys):
+    from mixln_megatron.analysis.cli import main
+
+    assert main(["train-health", str(tmp_path / "missing")]) == 1
+    assert "mixln_telemetry.jsonl" in capsys.readouterr().err

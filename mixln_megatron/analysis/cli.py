@@ -6,6 +6,7 @@
                      Figure 5) of a Megatron torch_dist checkpoint or a Hugging Face folder
   layer-drop         perplexity increase when each single layer is bypassed (Eq. 9, perplexity
                      in place of accuracy), same model sources
+  train-health       plots of the per-layer telemetry a training run logged (analysis.train_health)
 
 Each writes <out-dir>/<name>.json and <out-dir>/<name>.png and prints a short table. Everything
 runs on CPU in one process. Text: --text FILE (paragraphs separated by blank lines), default the
@@ -118,6 +119,10 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     d = sub.add_parser("layer-drop", help="perplexity increase per bypassed layer (Eq. 9)")
     _add_model_source_args(d)
     _add_text_args(d)
+
+    # Its own parser (analysis.train_health) takes the arguments; imported only when it runs.
+    sub.add_parser("train-health", add_help=False,
+                   help="plots of the per-layer telemetry a training run logged (RUN_DIR [--out DIR])")
     return parser
 
 
@@ -251,12 +256,17 @@ def _run_layer_drop(a) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
-    parser = build_parser(prog)
-    a = parser.parse_args(argv)
     import warnings
 
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    warnings.filterwarnings("ignore", message=".*absl.logging is not installed.*")
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv[:1] == ["train-health"]:  # analysis.train_health parses its own arguments
+            from . import train_health
+
+            return train_health.main(argv[1:])
+        a = build_parser(prog).parse_args(argv)
         if a.command == "grad-norms":
             return _run_grad_norms(a)
         if a.command == "angular-distance":

@@ -27,22 +27,16 @@ import contextlib
 import dataclasses
 import math
 import os
-import socket
 from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-REFERENCE_EMBEDDING_STD = math.sqrt(2.0 / 5.0)  # the embedding init std of the Mix-LN reference code
+# Embedding init std of the Mix-LN reference training code, as stated in the fidelity issue (megatron: 0.02).
+REFERENCE_EMBEDDING_STD = math.sqrt(2.0 / 5.0)
 
 
 # ----------------------------------------------------------------------------------- single process
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ensure_megatron_cpu(seed: int = 1234) -> None:
     """cpu.enable(), a one-rank gloo group and megatron's parallel state (TP = PP = 1), once.
 
@@ -55,10 +49,13 @@ def ensure_megatron_cpu(seed: int = 1234) -> None:
     if not torch.cuda.is_available():
         cpu.enable()
     if not torch.distributed.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()), LOCAL_RANK="0")
-        torch.distributed.init_process_group(backend="gloo")
+        if "RANK" in os.environ:  # launched by torchrun: its rendezvous
+            torch.distributed.init_process_group(backend="gloo")
+        else:  # one process: a file store, no TCP port to race for
+            import tempfile
+
+            store = torch.distributed.FileStore(tempfile.mktemp(prefix="mixln_analysis_store_"), 1)
+            torch.distributed.init_process_group(backend="gloo", store=store, rank=0, world_size=1)
     if torch.distributed.get_world_size() != 1:
         raise RuntimeError("the analysis tools run in a single process (world size 1), not under torchrun")
     if not ps.model_parallel_is_initialized():
