@@ -265,25 +265,27 @@ def phase_world4(workdir):
     return out
 
 
-def main():
+def run_phase(phases: dict, result_prefix: str = "") -> None:
+    """CLI of a phase worker: run `--phase`, rank 0 writes DIR/<prefix><phase>.json atomically."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--phase", required=True, choices=["reference", "world2", "world4"])
+    parser.add_argument("--phase", required=True, choices=sorted(phases))
     parser.add_argument("--workdir", required=True)
     a = parser.parse_args()
     try:
-        out = globals()[f"phase_{a.phase}"](a.workdir)
+        out = phases[a.phase](a.workdir)
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()
-        os._exit(1)
+        os._exit(1)  # a failed rank must not leave its peers waiting in a collective
     if torch.distributed.get_rank() == 0:
-        tmp = os.path.join(a.workdir, f".{a.phase}.json.tmp")
+        name = f"{result_prefix}{a.phase}.json"
+        tmp = os.path.join(a.workdir, f".{name}.tmp")
         with open(tmp, "w") as f:
             json.dump(out, f, indent=1)
-        os.replace(tmp, os.path.join(a.workdir, f"{a.phase}.json"))
+        os.replace(tmp, os.path.join(a.workdir, name))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    run_phase({"reference": phase_reference, "world2": phase_world2, "world4": phase_world4})

@@ -5,17 +5,14 @@ same step), world2 (DP2 with and without the distributed optimizer), world4 (TP2
 without it). Rank 0 writes DIR/telemetry_<phase>.json.
 """
 
-import argparse
 import json
 import os
 import sys
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
 
-from parallel_worker import Run  # noqa: E402
+from parallel_worker import Run, run_phase  # noqa: E402
 
 
 def direct_norms(run):
@@ -95,23 +92,5 @@ def phase_world4(workdir):
     }
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--phase", required=True, choices=["reference", "world2", "world4"])
-    parser.add_argument("--workdir", required=True)
-    a = parser.parse_args()
-    try:
-        out = globals()[f"phase_{a.phase}"](a.workdir)
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)
-    if torch.distributed.get_rank() == 0:
-        with open(os.path.join(a.workdir, f"telemetry_{a.phase}.json"), "w") as f:
-            json.dump(out, f)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_phase({"reference": phase_reference, "world2": phase_world2, "world4": phase_world4}, "telemetry_")
