@@ -80,6 +80,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .ddp_shards import owned_range
 from .layer import MixLNTransformerLayer
 from .placement import Placement, resolve_placement
 from .spike import ResolvedSpikeSettings, SpikeSettings, SpikeState, resolve_spike_settings, target_layers
@@ -299,14 +300,7 @@ class SpikeScaler:
         group, mask_parts = None, []
         for t in targets:
             bucket_group = owner[id(t.param)].param_to_bucket_group[t.param]
-            bucket = bucket_group.param_to_bucket[t.param]
-            start, end = bucket.param_to_index[t.param]
-            size = bucket_group.intra_distributed_optimizer_instance_size
-            rank = bucket_group.intra_distributed_optimizer_instance_rank
-            shard = bucket.grad_data.numel() // size
-            lo = min(max(rank * shard, start), end) - start
-            hi = max(min((rank + 1) * shard, end), start) - start
-            t.owned = (lo, max(lo, hi))
+            t.owned = owned_range(owner[id(t.param)], t.param)
             this_group = bucket_group.intra_distributed_optimizer_instance_group
             if group is not None and this_group is not group:
                 raise NotImplementedError(

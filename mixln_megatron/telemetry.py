@@ -30,6 +30,7 @@ from typing import List, Optional
 
 import torch
 
+from .ddp_shards import owned_range
 from .layer import MixLNTransformerLayer
 
 logger = logging.getLogger(__name__)
@@ -69,26 +70,6 @@ def norm_roles(layer) -> List[tuple]:
         if weight is not None:
             out.append((column, weight))
     return out
-
-
-def owned_range(chunk, param) -> tuple:
-    """(lo, hi) of param's elements whose main_grad is fully reduced on this rank.
-
-    All of them under DDP all-reduce; under the distributed optimizer, this rank's shard of the
-    bucket (megatron's DDP bucket metadata), possibly empty.
-    """
-    ddp_config = getattr(chunk, "ddp_config", None)
-    if ddp_config is None or not ddp_config.use_distributed_optimizer:
-        return 0, param.numel()
-    bucket_group = chunk.param_to_bucket_group[param]
-    bucket = bucket_group.param_to_bucket[param]
-    start, end = bucket.param_to_index[param]
-    size = bucket_group.intra_distributed_optimizer_instance_size
-    rank = bucket_group.intra_distributed_optimizer_instance_rank
-    shard = bucket.grad_data.numel() // size
-    lo = min(max(rank * shard, start), end) - start
-    hi = max(min((rank + 1) * shard, end), start) - start
-    return lo, max(lo, hi)
 
 
 class GradTelemetry:
