@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,14 +32,14 @@ GAP_TOLERANCE = 1e-4
 LAYOUTS = {"torch_dist": (2, 2), "torch": (2, 1)}
 
 
-def run_worker(workdir: str, tp: int, pp: int, fmt: str, timeout: int = 900) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def run_worker(workdir: str, tp: int, pp: int, fmt: str, timeout: int = 900, extra_args=()) -> None:
+    """extra_args: more entry-point flags (e.g. --mixln-scheme mixln+lns); the last value wins."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp * pp}", f"--master_port={port}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp * pp}",
            WORKER, "--workdir", workdir, "--tp", str(tp), "--pp", str(pp), "--ckpt-format", fmt]
+    if extra_args:
+        cmd += ["--extra-args", *extra_args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0 or not os.path.isfile(os.path.join(workdir, "result.json")):
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")

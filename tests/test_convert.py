@@ -117,6 +117,28 @@ def test_megatron_hf_parity(tmp_path, fmt, tp, pp):
     assert_same_tensors(tmp_path / "hf", slow)
 
 
+@pytest.mark.mp
+@pytest.mark.parametrize("scheme,post_ln_layers", [
+    ("mixln+lns", "2"),
+    pytest.param("lns", "0", marks=pytest.mark.slow),
+])
+def test_megatron_hf_parity_layernorm_scaling(tmp_path, scheme, post_ln_layers):
+    """LayerNorm Scaling exports with the same logits (issue: LNS as a second scheme)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_parity", os.path.join(REPO, "benchmarks", "hf_parity.py"))
+    hf_parity = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hf_parity)
+    hf_parity.run_worker(str(tmp_path), 2, 1, "torch_dist",
+                         extra_args=["--mixln-post-ln-layers", post_ln_layers, "--mixln-scheme", scheme])
+    res = hf_parity.compare(str(tmp_path))
+    assert res["max_abs_logit_diff"] <= 1e-5, res
+    assert res["generate_match"], res
+    assert res["summary"]["to_hf"]["scheme"] == scheme
+    cfg = json.load(open(tmp_path / "hf" / "config.json"))
+    assert cfg["mixln_scheme"] == scheme and cfg["post_ln_layers"] == int(post_ln_layers)
+
+
 # --------------------------------------------------------------------------------- round trips
 @pytest.mark.parametrize("fmt,tp,pp,impl", [
     ("torch_dist", 2, 2, "transformer_engine"),
