@@ -209,6 +209,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     common = [*MODEL_FLAGS, *training_flags(args.iters, args.eval_interval)]
     commands, loss_logs, telemetry = {}, {}, {}
+    telemetry_interval = max(1, min(TELEMETRY_INTERVAL, args.iters // 4))  # a few records for short runs
     for name, alpha in RUNS:
         loss_logs[name] = os.path.join(out, name, "losses.json")
         if os.path.exists(loss_logs[name]):
@@ -216,7 +217,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         data = data_flags(prefix, tokenizer_dir(), os.path.join(out, name, "cache"))
         commands[name] = [sys.executable, "-m", "mixln_megatron.pretrain", "--cpu", *common, *data,
                           "--mixln-alpha", alpha, "--loss-log", loss_logs[name],
-                          "--mixln-telemetry-interval", str(TELEMETRY_INTERVAL)]
+                          "--mixln-telemetry-interval", str(telemetry_interval)]
         telemetry[name] = os.path.join(out, name, "mixln_telemetry.jsonl")
         if os.path.exists(telemetry[name]):
             os.remove(telemetry[name])  # records are appended
