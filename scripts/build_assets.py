@@ -5,8 +5,9 @@
     .venv/bin/python scripts/build_assets.py --check    # rebuild in a temp dir, compare, exit 1 on a difference
 
 What it does:
-  1. austen.txt.gz: the UTF-8 text of --austen (.txt or .txt.gz; default the extraction described
-     in /work/shared/data/README.md), gzip-compressed with a fixed header (no name, mtime 0,
+  1. austen.txt.gz: the UTF-8 text of --austen (.txt or .txt.gz; default: $MIXLN_SOURCE_DATA, else
+     the shared data folder next to the checkout (../shared/data), else the shipped copy itself),
+     gzip-compressed with a fixed header (no name, mtime 0,
      level 9) so equal text gives equal bytes.
   2. nltk_data/tokenizers/punkt_tab/english/: the four files of NLTK's English punkt_tab model,
      copied from --punkt.
@@ -46,10 +47,21 @@ from mixln_megatron.data.tokenizer import (  # noqa: E402
     train_bpe,
 )
 
-SHARED = "/work/shared/data"
-DEFAULT_AUSTEN = os.path.join(SHARED, "austen.txt.gz")
-DEFAULT_PUNKT = os.path.join(SHARED, "nltk_data", "tokenizers", "punkt_tab", "english")
 DEFAULT_OUT = os.path.join(REPO, "mixln_megatron", "assets")
+
+
+def _source_dir() -> str:
+    """Where the raw inputs live: $MIXLN_SOURCE_DATA, ../shared/data beside the checkout, or the
+    shipped assets (then a rebuild checks determinism from the shipped copies)."""
+    for candidate in (os.environ.get("MIXLN_SOURCE_DATA"), os.path.join(REPO, "..", "shared", "data")):
+        if candidate and os.path.isfile(os.path.join(candidate, "austen.txt.gz")):
+            return os.path.abspath(candidate)
+    return DEFAULT_OUT
+
+
+SOURCE = _source_dir()
+DEFAULT_AUSTEN = os.path.join(SOURCE, "austen.txt.gz")
+DEFAULT_PUNKT = os.path.join(SOURCE, "nltk_data", "tokenizers", "punkt_tab", "english")
 PUNKT_FILES = ("abbrev_types.txt", "collocations.tab", "ortho_context.tab", "sent_starters.txt")
 GENERATED = (
     "austen.txt.gz",
