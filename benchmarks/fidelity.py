@@ -56,6 +56,7 @@ warnings.filterwarnings("ignore", message=".*absl.logging is not installed.*")
 import torch  # noqa: E402
 
 from mixln_megatron.analysis import grad_norms, textdata  # noqa: E402
+from mixln_megatron.analysis.layer_drop import evaluate  # noqa: E402
 from mixln_megatron.analysis.models import REFERENCE_EMBEDDING_STD, ModelShape, build_megatron_gpt  # noqa: E402
 
 EMB_MEGATRON = "megatron"
@@ -106,18 +107,6 @@ def lr_at(step: int, r: Recipe) -> float:
     return lo + 0.5 * (r.lr - lo) * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def evaluate(lm, batch_list) -> float:
-    lm.module.eval()
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for ids, labels in batch_list:
-            losses = lm.token_losses(ids, labels)
-            total += float(losses.double().sum())
-            count += losses.numel()
-    lm.module.train()
-    return total / count
-
-
 def train_one(shape: ModelShape, variant: str, seed: int, alpha: float, recipe: Recipe,
               train_batches, valid_batches) -> dict:
     p, scheme = grad_norms.variant_placement(variant, shape.num_layers, alpha)
@@ -152,7 +141,7 @@ def train_one(shape: ModelShape, variant: str, seed: int, alpha: float, recipe: 
         opt.step()
     train_seconds = time.time() - t0
     cpu_seconds = time.process_time() - c0
-    valid_loss = float("nan") if diverged_at is not None else evaluate(lm, valid_batches)
+    valid_loss = float("nan") if diverged_at is not None else evaluate(lm, valid_batches)["loss"]
     ppl = math.exp(valid_loss) if math.isfinite(valid_loss) and valid_loss < 50 else float("inf")
     return {
         "variant": variant, "post_ln_layers": p, "scheme": scheme, "seed": seed,

@@ -6,12 +6,10 @@ rule fires, naming the setting, the reported stable choice and where it was repo
 
 from __future__ import annotations
 
-import logging
 from typing import List, Optional
 
 from .placement import Placement
 
-logger = logging.getLogger(__name__)
 _announced = set()
 
 PAPER = "Mix-LN paper (arXiv 2412.13795)"

@@ -20,14 +20,10 @@ Megatron-LM retries a failed strict load non-strictly.
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
-
-import torch
 
 from .placement import Placement
 
-logger = logging.getLogger(__name__)
 
 RECORD_NAME = "mixln_settings"
 METADATA_KEY = "mixln"

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from typing import Optional
 
 import torch
@@ -43,11 +42,10 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import get_pg_rank, make_viewless_tensor
 
-from . import advice
+from . import advice, backends
 from . import checkpoint as mixln_checkpoint
 from .placement import MixLNSettings, Placement, resolve_placement
 
-logger = logging.getLogger(__name__)
 
 # Where each Post-LN norm is stored in sharded checkpoints (see the table above).
 POST_LN_KEYS_MAP = {
@@ -213,9 +211,7 @@ class MixLNTransformerLayer(TransformerLayer):
     # ---------------------------------------------------------------- LayerNorm Scaling
     def _apply_layernorm_scaling(self) -> None:
         """Scale the output of both pre-norms by 1/sqrt(l); the stored weights stay untouched."""
-        from .backends import set_norm_output_scale
-
-        set_norm_output_scale(self, self.norm_output_scale)
+        backends.set_norm_output_scale(self, self.norm_output_scale)
 
     # ---------------------------------------------------------------- forward
     def _forward_attention(self, *args, **kwargs):

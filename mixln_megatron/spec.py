@@ -26,7 +26,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
-from . import backends
+from . import backends, grads_hook, telemetry
 from .layer import MixLNTransformerLayer, MixLNUnsupportedError, check_supported
 from .placement import MixLNSettings
 
@@ -79,11 +79,9 @@ def get_mixln_decoder_block_spec(
         backend=backend, alpha=alpha, post_ln_layers=post_ln_layers, scheme=scheme,
         normalization=config.normalization, qk_layernorm=getattr(config, "qk_layernorm", False),
     )
-    from .grads_hook import install_from_spec  # gradient-spike scaler, only with MIXLN_SPIKE_SCALER=1
-    layer = install_from_spec(config, layer)
-    from .telemetry import install_from_env  # per-layer grad norms, only with MIXLN_TELEMETRY_INTERVAL=N
-
-    install_from_env(config)  # after the spike scaler, so that it sees the scaled gradients
+    layer = grads_hook.install_from_spec(config, layer)  # spike scaler, only with MIXLN_SPIKE_SCALER=1
+    # per-layer grad norms, only with MIXLN_TELEMETRY_INTERVAL=N; after the scaler, to see its output
+    telemetry.install_from_env(config)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(
         layer_specs=[layer] * num_layers, layer_norm=backends.norm_class(backend)

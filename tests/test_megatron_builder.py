@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "megatron_builder_worker.py")
 

@@ -214,17 +214,23 @@ def _eval_batches(a, lm):
     return out, seq
 
 
-def _run_angular(a) -> int:
-    from . import angular
-
+def _measure_checkpoint(a, compute, name):
+    """Load the model, build the text batches, run `compute(lm, batches)`, write <name>.json."""
     lm = _load(a)
     batch_list, seq = _eval_batches(a, lm)
     t0 = time.time()
-    result = angular.angular_distance_matrix(lm, batch_list)
+    result = compute(lm, batch_list)
     result.update(model=lm.describe(), text=a.text or "shipped Austen corpus", seq_length=seq,
                   seconds=round(time.time() - t0, 1))
-    base = os.path.join(a.out_dir, "angular_distance")
+    base = os.path.join(a.out_dir, name)
     _write_json(base + ".json", result)
+    return lm, result, base
+
+
+def _run_angular(a) -> int:
+    from . import angular
+
+    lm, result, base = _measure_checkpoint(a, angular.angular_distance_matrix, "angular_distance")
     angular.plot_heatmap(result, base + ".png", title=f"angular distance, {lm.describe()[:90]}")
     print(lm.describe())
     print(f"angular distance over {result['tokens']} tokens; d(x_l, x_l+1) per layer:")
@@ -236,14 +242,7 @@ def _run_angular(a) -> int:
 def _run_layer_drop(a) -> int:
     from . import layer_drop
 
-    lm = _load(a)
-    batch_list, seq = _eval_batches(a, lm)
-    t0 = time.time()
-    result = layer_drop.layer_drop(lm, batch_list)
-    result.update(model=lm.describe(), text=a.text or "shipped Austen corpus", seq_length=seq,
-                  seconds=round(time.time() - t0, 1))
-    base = os.path.join(a.out_dir, "layer_drop")
-    _write_json(base + ".json", result)
+    lm, result, base = _measure_checkpoint(a, layer_drop.layer_drop, "layer_drop")
     layer_drop.plot_layer_drop(result, base + ".png")
     print(lm.describe())
     b = result["baseline"]

@@ -19,7 +19,9 @@ from .models import LanguageModel
 
 
 def evaluate(lm: LanguageModel, batch_list) -> dict:
-    """Mean next-token loss (nats) over all tokens of `batch_list`, and its perplexity."""
+    """Mean next-token loss (nats) over all tokens of `batch_list`, and its perplexity.
+    The module's training mode is restored afterwards."""
+    was_training = lm.module.training
     lm.module.eval()
     total, count = 0.0, 0
     with torch.no_grad():
@@ -27,6 +29,7 @@ def evaluate(lm: LanguageModel, batch_list) -> dict:
             losses = lm.token_losses(ids, labels)
             total += float(losses.double().sum())
             count += losses.numel()
+    lm.module.train(was_training)
     nll = total / max(count, 1)
     return {"loss": nll, "ppl": math.exp(min(nll, 50.0)), "tokens": count}
 
