@@ -24,7 +24,8 @@ def write_records(path, steps, partial_last_line=False):
 
 def test_heatmap_and_boundary_chart(tmp_path):
     write_records(tmp_path / "mixln_telemetry.jsonl", [10, 20, 30, 20], partial_last_line=True)
-    summary = train_health.main([str(tmp_path)]) or json.loads((tmp_path / "train_health.json").read_text())
+    assert train_health.main([str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "train_health.json").read_text())
     assert summary["steps"] == [10, 20, 30]  # repeated step (a resume) kept once, partial line ignored
     assert summary["boundary"]["layer1_norm2"] == [0.05] * 3
     assert summary["boundary"]["layer2_norm1"] == [0.02] * 3
