@@ -364,8 +364,10 @@ def test_refusals_leave_nothing_behind(tmp_path):
     with pytest.raises(ConversionError, match="not empty"):
         from_hf(str(src), str(out), progress=False)
     assert os.listdir(out) == ["keep.txt"] and not no_leftovers(out)
-    to_hf(str(ckpt), str(out), overwrite=True, progress=False)
-    assert not (out / "keep.txt").exists() and (out / "config.json").exists() and not no_leftovers(out)
+    # --overwrite replaces only a previous export (tests/test_output_safety.py covers the rest)
+    with pytest.raises(ConversionError, match="not one: it holds keep.txt"):
+        to_hf(str(ckpt), str(out), overwrite=True, progress=False)
+    assert os.listdir(out) == ["keep.txt"] and not no_leftovers(out)
 
 
 def test_missing_and_truncated_shards(tmp_path):

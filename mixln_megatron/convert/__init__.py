@@ -20,17 +20,15 @@ Modules
 
 Both directions write into a temporary directory next to the output and rename it at the end, so a
 failed or interrupted conversion leaves nothing behind; an existing non-empty output directory is
-refused unless overwrite=True (--overwrite).
+refused unless overwrite=True (--overwrite), and even then unless it is a previous export of the same
+direction; an output that overlaps the input is always refused (mixln_megatron.safe_output).
 
 This package imports neither megatron nor transformers at import time.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import tempfile
 
 
 class ConversionError(RuntimeError):
@@ -41,44 +39,26 @@ class UnsupportedModelError(ConversionError):
     """The checkpoint's model uses a feature the conversion (or Llama) cannot express."""
 
 
-@contextlib.contextmanager
-def staged_output_dir(save: str, overwrite: bool = False):
+def staged_output_dir(save: str, overwrite: bool = False, kind=None):
     """Yield a fresh temporary directory next to `save`; move it to `save` only on success.
 
-    A non-empty existing `save` is refused unless `overwrite`; with it, the old directory is
-    replaced only after the new one is complete. Any failure (or Ctrl-C) removes the temporary
-    directory, so no partial output is ever left behind.
+    `kind` (safe_output.HF_FOLDER / MEGATRON_FOLDER) limits what overwrite may replace; the old
+    output is deleted only after the new one is renamed in, and any failure (Ctrl-C, SIGTERM)
+    removes the temporary directory. See mixln_megatron.safe_output.
     """
-    save = os.path.abspath(save)
-    if os.path.exists(save):
-        if not os.path.isdir(save):
-            raise ConversionError(f"output path {save} exists and is not a directory")
-        if os.listdir(save) and not overwrite:
-            raise ConversionError(
-                f"output directory {save} exists and is not empty; choose another --save or pass "
-                "--overwrite to replace it"
-            )
-    parent = os.path.dirname(save)
-    created = None  # the topmost parent directory this call creates (removed again on failure)
-    probe = parent
-    while not os.path.exists(probe):
-        created, probe = probe, os.path.dirname(probe)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(save)}.tmp-", dir=parent)
-    try:
-        yield tmp
-        if os.path.exists(save):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(save)}.old-", dir=parent)
-            os.rename(save, os.path.join(old, "x"))
-            os.rename(tmp, save)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, save)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if created is not None and not any(files for _, _, files in os.walk(created)):
-            shutil.rmtree(created, ignore_errors=True)
-        raise
+    from ..safe_output import staged_dir
+
+    return staged_dir(save, kind, overwrite, ConversionError)
+
+
+def prepare_output(load: str, save: str, kind, overwrite: bool) -> None:
+    """Before any work: refuse an output that overlaps the input or is not ours to replace, and
+    clean up what interrupted runs into the same output left behind."""
+    from ..safe_output import check_replaceable, check_separate, sweep_stale
+
+    check_separate([load], [save], ConversionError)
+    sweep_stale(save)
+    check_replaceable(os.path.abspath(save), kind, overwrite, ConversionError)
 
 
 def convert_to_hf(load: str, save: str, **kwargs) -> dict:
@@ -95,4 +75,4 @@ def convert_from_hf(load: str, save: str, **kwargs) -> dict:
     return run(load, save, **kwargs)
 
 
-__all__ = ["ConversionError", "UnsupportedModelError", "convert_from_hf", "convert_to_hf", "staged_output_dir"]
+__all__ = ["ConversionError", "UnsupportedModelError", "convert_from_hf", "convert_to_hf", "prepare_output", "staged_output_dir"]

@@ -11,16 +11,19 @@
         [--overwrite] [--no-progress]
 
 Exit status: 0 on success, 2 when the conversion is refused or fails (the message says why; no
-output is left behind), 1 on an unexpected error.
+output is left behind), 1 on an unexpected error, 128 + N when stopped by signal N (SIGINT,
+SIGTERM, SIGHUP: the temporary output is removed and the previous output, if any, is kept).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from typing import Optional, Sequence
 
+from ..safe_output import Interrupted, signals_as_interrupt
 from . import ConversionError
 
 
@@ -93,50 +96,61 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        if args.command == "to-hf":
-            from .to_hf import convert_to_hf
-
-            summary = convert_to_hf(
-                args.load, args.save, iteration=args.iteration, dtype=args.dtype, tokenizer=args.tokenizer,
-                vocab_size=args.vocab_size, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
-                progress=not args.no_progress, fast_reads=not args.slow_reads,
-            )
-            print(
-                f"[mixln-megatron convert] {summary['format']} checkpoint {summary['checkpoint']} "
-                f"(iteration {summary['iteration']}) -> {summary['save']}: {summary['architecture']}, "
-                f"scheme={summary['scheme']} P={summary['post_ln_layers']} ({summary['settings_source']}), "
-                f"vocab {summary['vocab_size']} of {summary['padded_vocab_size']} rows ({summary['vocab_source']}), "
-                f"{summary['dtype']}, {summary['bytes'] / 2**20:.1f} MiB in {summary['seconds']} s"
-            )
-            if summary["architecture"] != "LlamaForCausalLM":
-                print("[mixln-megatron convert] load with AutoModelForCausalLM.from_pretrained(dir, "
-                      "trust_remote_code=True); serving engines that refuse remote code (vLLM, SGLang) cannot run "
-                      "it as is")
-        else:
-            from .from_hf import convert_from_hf
-
-            summary = convert_from_hf(
-                args.load, args.save, tp=args.tp, pp=args.pp, ckpt_format=args.ckpt_format, dtype=args.dtype,
-                transformer_impl=args.transformer_impl,
-                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                post_ln_layers=args.post_ln_layers, alpha=args.mixln_alpha, scheme=args.mixln_scheme,
-                tokenizer_model=args.tokenizer_model, overwrite=args.overwrite, progress=not args.no_progress,
-            )
-            print(f"[mixln-megatron convert] {json.dumps(summary)}")
-            print(
-                f"[mixln-megatron convert] load with --load {summary['save']} (iteration 'release': no optimizer "
-                f"state, training restarts at iteration 0); use --make-vocab-size-divisible-by "
-                f"{args.make_vocab_size_divisible_by} and a TP that pads the vocabulary to "
-                f"{summary['padded_vocab_size']}"
-                + (f"; the legacy format needs exactly --tensor-model-parallel-size {args.tp} "
-                   f"--pipeline-model-parallel-size {args.pp}" if args.ckpt_format == "torch" else "")
-                + (f"; Mix-LN: --mixln-post-ln-layers {summary['post_ln_layers']}"
-                   + (f" --mixln-scheme {summary['scheme']}" if summary["scheme"] != "mixln" else "")
-                   if summary["post_ln_layers"] or summary["scheme"] != "mixln" else "")
-            )
+        with signals_as_interrupt():
+            return _run(args)
     except ConversionError as e:
         print(f"mixln-megatron convert {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, Interrupted) as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"mixln-megatron convert {args.command}: stopped by {signal.Signals(signum).name}: the temporary "
+              f"output was removed; {args.save} is as it was before this run", file=sys.stderr)
+        return 128 + signum
+
+
+def _run(args) -> int:
+    """Run one sub-command; refusals raise ConversionError."""
+    if args.command == "to-hf":
+        from .to_hf import convert_to_hf
+
+        summary = convert_to_hf(
+            args.load, args.save, iteration=args.iteration, dtype=args.dtype, tokenizer=args.tokenizer,
+            vocab_size=args.vocab_size, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
+            progress=not args.no_progress, fast_reads=not args.slow_reads,
+        )
+        print(
+            f"[mixln-megatron convert] {summary['format']} checkpoint {summary['checkpoint']} "
+            f"(iteration {summary['iteration']}) -> {summary['save']}: {summary['architecture']}, "
+            f"scheme={summary['scheme']} P={summary['post_ln_layers']} ({summary['settings_source']}), "
+            f"vocab {summary['vocab_size']} of {summary['padded_vocab_size']} rows ({summary['vocab_source']}), "
+            f"{summary['dtype']}, {summary['bytes'] / 2**20:.1f} MiB in {summary['seconds']} s"
+        )
+        if summary["architecture"] != "LlamaForCausalLM":
+            print("[mixln-megatron convert] load with AutoModelForCausalLM.from_pretrained(dir, "
+                  "trust_remote_code=True); serving engines that refuse remote code (vLLM, SGLang) cannot run "
+                  "it as is")
+    else:
+        from .from_hf import convert_from_hf
+
+        summary = convert_from_hf(
+            args.load, args.save, tp=args.tp, pp=args.pp, ckpt_format=args.ckpt_format, dtype=args.dtype,
+            transformer_impl=args.transformer_impl,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            post_ln_layers=args.post_ln_layers, alpha=args.mixln_alpha, scheme=args.mixln_scheme,
+            tokenizer_model=args.tokenizer_model, overwrite=args.overwrite, progress=not args.no_progress,
+        )
+        print(f"[mixln-megatron convert] {json.dumps(summary)}")
+        print(
+            f"[mixln-megatron convert] load with --load {summary['save']} (iteration 'release': no optimizer "
+            f"state, training restarts at iteration 0); use --make-vocab-size-divisible-by "
+            f"{args.make_vocab_size_divisible_by} and a TP that pads the vocabulary to "
+            f"{summary['padded_vocab_size']}"
+            + (f"; the legacy format needs exactly --tensor-model-parallel-size {args.tp} "
+               f"--pipeline-model-parallel-size {args.pp}" if args.ckpt_format == "torch" else "")
+            + (f"; Mix-LN: --mixln-post-ln-layers {summary['post_ln_layers']}"
+               + (f" --mixln-scheme {summary['scheme']}" if summary["scheme"] != "mixln" else "")
+               if summary["post_ln_layers"] or summary["scheme"] != "mixln" else "")
+        )
     return 0
 
 

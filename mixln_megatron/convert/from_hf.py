@@ -47,7 +47,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import ConversionError, UnsupportedModelError, staged_output_dir
+from . import ConversionError, UnsupportedModelError, prepare_output, staged_output_dir
 from . import mapping as M
 from .megatron_reader import PIECE_BYTES, TRACKER
 
@@ -412,6 +412,8 @@ def write_torch_dist(out_dir: str, src: _Source, shape: M.ModelShape, padded_voc
     except CheckpointException as e:
         for failure in getattr(e, "failures", {}).values():
             inner = failure[0] if isinstance(failure, tuple) else failure
+            if not isinstance(inner, Exception):
+                raise inner from None  # Ctrl-C / SIGTERM inside torch's writer: stop, not "failed"
             if isinstance(inner, (ConversionError, OSError)):
                 raise inner from None  # e.g. an unreadable HF shard: the message says which
         raise ConversionError(f"writing the torch_dist checkpoint failed: {e}") from None
@@ -481,6 +483,9 @@ def convert_from_hf(
 ) -> dict:
     """Convert the HF folder `load` into a Megatron-LM checkpoint directory `save` (see module doc)."""
     t0 = time.time()
+    from ..safe_output import MEGATRON_FOLDER
+
+    prepare_output(load, save, MEGATRON_FOLDER, overwrite)  # before any work: never lose the input or a foreign folder
     if ckpt_format not in ("torch_dist", "torch"):
         raise ConversionError(f"--ckpt-format must be torch_dist or torch, got {ckpt_format!r}")
     if transformer_impl not in ("transformer_engine", "local"):
@@ -524,7 +529,7 @@ def convert_from_hf(
     common = {"args": ns, "checkpoint_version": 3.0, "iteration": 0, "num_floating_point_operations_so_far": 0,
               "content_metadata": {**CONTENT_METADATA_BASE, "mixln": dict(record)}}
     total = _total_bytes(shape, padded, out_dtype, ckpt_format, pp)
-    with staged_output_dir(save, overwrite) as tmp:
+    with staged_output_dir(save, overwrite, MEGATRON_FOLDER) as tmp:
         release = os.path.join(tmp, RELEASE)
         os.makedirs(release)
         from .to_hf import _progress

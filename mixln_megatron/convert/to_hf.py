@@ -29,7 +29,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from . import ConversionError, UnsupportedModelError, staged_output_dir
+from . import ConversionError, UnsupportedModelError, prepare_output, staged_output_dir
 from . import mapping as M
 from .megatron_reader import open_checkpoint
 
@@ -293,6 +293,9 @@ def convert_to_hf(
     Returns a summary dict (format, iteration, P, scheme, dtype, files, bytes, seconds).
     """
     t0 = time.time()
+    from ..safe_output import HF_FOLDER
+
+    prepare_output(load, save, HF_FOLDER, overwrite)  # before any work: never lose the input or a foreign folder
     tf_version = check_transformers_version()
     reader = open_checkpoint(load, iteration)
     if hasattr(reader, "fast_reads"):
@@ -340,7 +343,7 @@ def convert_to_hf(
     config = hf_config_dict(shape, post_ln, scheme, alpha, dtype_name, token_ids)
 
     plan = [(name, shp, out_dtype) for name, shp in shape.hf_plan(post_ln)]
-    with staged_output_dir(save, overwrite) as tmp:
+    with staged_output_dir(save, overwrite, HF_FOLDER) as tmp:
         _write_json(os.path.join(tmp, "config.json"), config)
         _write_json(os.path.join(tmp, "generation_config.json"), generation_config_dict(token_ids))
         if not stock:
@@ -355,7 +358,7 @@ def convert_to_hf(
             bar.close()
         if tokenizer:
             _copy_tokenizer(tokenizer, tmp)
-        files = sorted(os.listdir(tmp))
+        files = sorted(f for f in os.listdir(tmp) if not f.startswith("."))  # not the owner file
     return {
         "format": reader.format, "checkpoint": reader.path, "iteration": reader.iteration,
         "post_ln_layers": post_ln, "scheme": scheme, "alpha": alpha, "settings_source": record_source,
