@@ -44,12 +44,13 @@ Round trip: decoding all sequences of a document and concatenating them gives th
 as defined above (plus the EOD token's text with --append-eod).
 
 Output is atomic: the data is written to hidden temporary files in the output directory
-(`.<name>.tmp<pid>-<random>.bin/.idx`) which are renamed to `<prefix>.bin` and `<prefix>.idx`
-only after everything was written. An exception or Ctrl-C (or SIGTERM, from the command line)
-removes the temporaries and leaves no new .bin/.idx pair; with --overwrite the old .idx is removed
-before the renames, so no mixed old/new pair can exist either. A run killed with SIGKILL can leave
-`.*.tmp*` files behind, never a pair. An existing prefix (either file) is refused without
---overwrite.
+(`.<name>.tmp-<pid>-<random>.bin/.idx`) which are renamed to `<prefix>.bin` and `<prefix>.idx`
+only after everything was written. An exception or Ctrl-C (or SIGTERM / SIGHUP, from the command
+line) removes the temporaries and leaves no new .bin/.idx pair; with --overwrite the old .idx is
+removed before the renames, so no mixed old/new pair can exist either. A run killed with SIGKILL
+leaves only temporaries, never a pair; the next run into the same prefix removes those whose
+process is gone (mixln_megatron.safe_output) and says so. An existing prefix (either file) is
+refused without --overwrite, and an output file that is one of the inputs always.
 
 --workers N tokenizes in N processes (multiprocessing "spawn" Pool, imap over chunks of
 --chunk-size documents, order preserved: the output is byte-identical to --workers 1).
@@ -63,7 +64,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import secrets
 import signal
 import sys
 import time
@@ -71,6 +71,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
+from ..safe_output import Interrupted, check_separate, new_temp_name, signals_as_interrupt, sweep_stale
 from .corpus import join_paragraph
 from .tokenizer import TokenizerSpec, load_tokenizer, shipped_tokenizer_spec
 
@@ -483,9 +484,8 @@ def _run(
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.basename(output_prefix)
-    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
-    tmp_bin = os.path.join(out_dir, f".{base}.tmp{tag}.bin")
-    tmp_idx = os.path.join(out_dir, f".{base}.tmp{tag}.idx")
+    stem = new_temp_name(output_prefix)  # records our pid, for the stale sweep of a later run
+    tmp_bin, tmp_idx = stem + ".bin", stem + ".idx"
 
     builder = None
     bar = tqdm(
@@ -590,7 +590,9 @@ def preprocess_files(
     if workers < 1 or chunk_size < 1:
         raise PreprocessError("workers and chunk size must be at least 1")
     output_prefix = os.fspath(output_prefix)
+    check_separate(inputs, _paths(output_prefix), PreprocessError)  # never write over an input file
     _check_output(output_prefix, overwrite)
+    sweep_stale(output_prefix, suffixes=(".bin", ".idx"))
     spec = _resolve_tokenizer(tokenizer)
     stats = PreprocessStats(output_prefix=output_prefix)
     total = sum(os.path.getsize(p) for p in inputs)
@@ -617,6 +619,7 @@ def build_from_documents(
     """In-memory documents (one str each, used as they are) -> `<output_prefix>.bin/.idx`."""
     output_prefix = os.fspath(output_prefix)
     _check_output(output_prefix, overwrite)
+    sweep_stale(output_prefix, suffixes=(".bin", ".idx"))
     spec = _resolve_tokenizer(tokenizer)
     stats = PreprocessStats(output_prefix=output_prefix)
 
@@ -773,14 +776,6 @@ def _spec_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> Option
     return None
 
 
-class _Terminated(Exception):
-    """Raised in the main thread on SIGTERM by the command line entry point."""
-
-
-def _sigterm_to_exit(signum, frame):  # pragma: no cover - exercised by hand
-    raise _Terminated()
-
-
 def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
     p = build_parser(prog)
     a = p.parse_args(argv)
@@ -789,31 +784,23 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
     if a.chunk_size < 1:
         p.error("--chunk-size must be at least 1")
     spec = _spec_from_args(p, a)
-    old = None
     try:
-        # From the command line, SIGTERM cleans up like Ctrl-C does.
-        old = signal.signal(signal.SIGTERM, _sigterm_to_exit)
-    except ValueError:  # not the main thread
-        pass
-    try:
-        stats = preprocess_files(
-            a.input, a.output_prefix, input_format=a.input_format, json_key=a.json_key,
-            text_unit=a.text_unit, unwrap=a.unwrap, split_sentences=a.split_sentences,
-            append_eod=a.append_eod, tokenizer=spec, workers=a.workers, chunk_size=a.chunk_size,
-            max_documents=a.max_documents, overwrite=a.overwrite, progress=not a.no_progress,
-        )
+        with signals_as_interrupt():  # from the command line, SIGTERM / SIGHUP clean up like Ctrl-C
+            stats = preprocess_files(
+                a.input, a.output_prefix, input_format=a.input_format, json_key=a.json_key,
+                text_unit=a.text_unit, unwrap=a.unwrap, split_sentences=a.split_sentences,
+                append_eod=a.append_eod, tokenizer=spec, workers=a.workers, chunk_size=a.chunk_size,
+                max_documents=a.max_documents, overwrite=a.overwrite, progress=not a.no_progress,
+            )
     except PreprocessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted: nothing written", file=sys.stderr)
         return 130
-    except _Terminated:
-        print("terminated: nothing written", file=sys.stderr)
-        return 128 + signal.SIGTERM
-    finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
+    except Interrupted as e:
+        print(f"stopped by {e}: nothing written", file=sys.stderr)
+        return e.exit_code
     print(stats.summary())
     return 0
 
