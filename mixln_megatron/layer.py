@@ -12,16 +12,19 @@ its input/pre-MLP norms are IdentityOp, N1 runs at the end of `_forward_attentio
 the end of `_forward_post_mlp`. Those are the methods CUDA-graph capture calls directly, so the
 norms live inside the captured paths.
 
-Checkpoint keys (one answer for every backend and for conversion):
-    role                  local module               TE module                     torch_dist key (layer-stacked)          HF (Mix-LN code)
-    Pre-LN attn norm      input_layernorm            linear_qkv (fused norm)       self_attention.linear_qkv.layer_norm_*  input_layernorm
-    Pre-LN MLP norm       pre_mlp_layernorm          linear_fc1 (fused norm)       mlp.linear_fc1.layer_norm_*             post_attention_layernorm
-    Post-LN N1            post_attention_layernorm   post_attention_layernorm      mlp.linear_fc1.layer_norm_*             post_attention_layernorm
-    Post-LN N2            post_mlp_layernorm         post_mlp_layernorm            self_attention.linear_qkv.layer_norm_*  post_feedforward_layernorm
+Checkpoint keys (one answer for every backend and for conversion). A model with P > 0 or an
+LNS scheme stores every layer's two norms under Mix-LN keys that megatron's stock spec does not
+have, so loading its checkpoint into a stock model fails at load instead of silently training on;
+P = 0 with scheme mixln keeps the stock keys and stays interchangeable with the stock spec:
+    role                  local module               TE module                  torch_dist key (layer-stacked)         HF (Mix-LN code)
+    Pre-LN attn norm      input_layernorm            linear_qkv (fused norm)    mixln_norm_a.*   (stock: self_attention.linear_qkv.layer_norm_*)   input_layernorm
+    Pre-LN MLP norm       pre_mlp_layernorm          linear_fc1 (fused norm)    mixln_norm_b.*   (stock: mlp.linear_fc1.layer_norm_*)              post_attention_layernorm
+    Post-LN N1            post_attention_layernorm   post_attention_layernorm   mixln_norm_b.*                                                     post_attention_layernorm
+    Post-LN N2            post_mlp_layernorm         post_mlp_layernorm         mixln_norm_a.*                                                     post_feedforward_layernorm
 Both kinds map their two norms onto the same two stacked keys, so a checkpoint's layout does not
-depend on P: torch_dist stacking, resharding across TP/PP/VPP and alpha = 0 interchangeability
-with megatron's stock spec all come for free. What the layout cannot tell, the recorded settings
-do (see checkpoint.py): which layers are Post-LN is checked on load.
+depend on P: torch_dist stacking and resharding across TP/PP/VPP come for free. What the layout
+cannot tell, the recorded settings do (see checkpoint.py): which layers are Post-LN is checked on
+load.
 """
 
 from __future__ import annotations
@@ -47,10 +50,18 @@ from . import checkpoint as mixln_checkpoint
 from .placement import MixLNSettings, Placement, resolve_placement
 
 
-# Where each Post-LN norm is stored in sharded checkpoints (see the table above).
+# Where each norm of a Mix-LN model (P > 0 or LNS) is stored in sharded checkpoints (see the
+# table above). Both backends' Pre-LN names map, so the TE and local layouts are one layout.
+MIXLN_NORM_A, MIXLN_NORM_B = "mixln_norm_a.", "mixln_norm_b."
+PRE_LN_KEYS_MAP = {
+    "input_layernorm.": MIXLN_NORM_A,
+    "self_attention.linear_qkv.layer_norm_": MIXLN_NORM_A,
+    "pre_mlp_layernorm.": MIXLN_NORM_B,
+    "mlp.linear_fc1.layer_norm_": MIXLN_NORM_B,
+}
 POST_LN_KEYS_MAP = {
-    "post_attention_layernorm.": "mlp.linear_fc1.layer_norm_",
-    "post_mlp_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "post_attention_layernorm.": MIXLN_NORM_B,
+    "post_mlp_layernorm.": MIXLN_NORM_A,
 }
 POST_LN_NORM_NAMES = ("post_attention_layernorm", "post_mlp_layernorm")
 
@@ -181,6 +192,8 @@ class MixLNTransformerLayer(TransformerLayer):
                     "with mixln_megatron.spec.MixLNTransformerLayerSpec(...)"
                 )
             submodules = post_ln_submodules(submodules)
+        elif not self.placement.is_stock:
+            submodules = dataclasses.replace(submodules, sharded_state_dict_keys_map=dict(PRE_LN_KEYS_MAP))
         super().__init__(
             config,
             submodules,

@@ -33,6 +33,7 @@ from mixln_megatron.convert import convert_from_hf as from_hf  # noqa: E402
 from mixln_megatron.convert import convert_to_hf as to_hf  # noqa: E402
 from mixln_megatron.convert import mapping as M  # noqa: E402
 from mixln_megatron.convert.megatron_reader import open_checkpoint  # noqa: E402
+from mixln_megatron.convert.inspect import mixln_record  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -157,7 +158,9 @@ def test_hf_megatron_hf_bit_identical(tmp_path, fmt, tp, pp, impl):
     assert (args.num_layers, args.hidden_size, args.num_query_groups, args.padded_vocab_size) == (4, 64, 2, 128 * tp)
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (tp, pp)
     assert args.mixln_post_ln_layers == 2 and args.spec[0] == "mixln_megatron.spec"
-    assert reader.mixln_record(4)[0]["post_ln_layers"] == 2
+    assert mixln_record(reader, 4)[0]["post_ln_layers"] == 2
+    if fmt == "torch_dist":  # a Mix-LN model's norms are under the keys a stock model lacks
+        assert reader.norm_layout == "mixln" and reader.has("decoder.layers.mixln_norm_a.weight")
     to_hf(str(ckpt), str(back), progress=False)
     assert_same_tensors(src, back)
     a, b = json.load(open(src / "config.json")), json.load(open(back / "config.json"))

@@ -387,7 +387,7 @@ def write_torch_dist(out_dir: str, src: _Source, shape: M.ModelShape, padded_voc
             row_bytes = dtype.itemsize * (shp[1] if len(shp) > 1 else 1)
             # Chunks of <= PIECE_BYTES: megatron-core reshards them at load like any other layout.
             for a, b in M.megatron_row_chunks(role, shape, row_bytes, PIECE_BYTES):
-                tensor(M.TD_LAYER_PREFIX + M.LAYER_ROLE_NAMES[role], (L, *shp), (layer, a) + (0,) * (len(shp) - 1),
+                tensor(M.TD_LAYER_PREFIX + M.td_layer_name(role, not stock), (L, *shp), (layer, a) + (0,) * (len(shp) - 1),
                        (1, b - a, *shp[1:]), lambda l=layer, r=role, a=a, b=b: src.role_rows(l, r, a, b).unsqueeze(0))
         for module in M.EXTRA_STATE_MODULES:
             obj(f"{M.TD_LAYER_PREFIX}{module}._extra_state/shard_{layer}_{L}", None)

@@ -16,7 +16,10 @@ Per-layer tensors are handled under a "role" that is the same for every Megatron
     norm_b       mlp.linear_fc1.layer_norm_weight                          post_attention_layernorm
                                                                            (Pre-LN MLP norm / Post-LN N1)
 
-(mixln_megatron.layer stores the Post-LN norms under the Pre-LN keys: N1 -> norm_b, N2 -> norm_a.)
+A model with P > 0 or an LNS scheme stores the two norms of every layer under Mix-LN keys instead
+(mixln_megatron.layer): norm_a -> mixln_norm_a.weight, norm_b -> mixln_norm_b.weight (Post-LN:
+N1 -> norm_b, N2 -> norm_a), so that a stock model cannot load it; checkpoints saved before that
+change use the stock keys for every model. Readers accept both layouts (td_norm_keys).
 Legacy per-rank files use the module names instead: LEGACY_LAYER_NAMES below covers the
 TransformerEngine names (fused layer_norm_weight), the local names (input_layernorm,
 pre_mlp_layernorm) and the Post-LN names (post_attention_layernorm, post_mlp_layernorm).
@@ -59,6 +62,23 @@ LAYER_ROLE_NAMES: Dict[str, str] = {
     "norm_a": "self_attention.linear_qkv.layer_norm_weight",
     "norm_b": "mlp.linear_fc1.layer_norm_weight",
 }
+# Mix-LN models (P > 0 or LNS) store the norms here instead (mixln_megatron.layer.PRE_LN_KEYS_MAP).
+MIXLN_NORM_NAMES: Dict[str, str] = {"norm_a": "mixln_norm_a.weight", "norm_b": "mixln_norm_b.weight"}
+
+
+def td_layer_name(role: str, mixln_layout: bool) -> str:
+    """The layer-local torch_dist name of a role in a stock (False) or Mix-LN (True) checkpoint."""
+    if mixln_layout and role in MIXLN_NORM_NAMES:
+        return MIXLN_NORM_NAMES[role]
+    return LAYER_ROLE_NAMES[role]
+
+
+def uses_mixln_layout(placement_record: dict) -> bool:
+    """Whether a model with these settings stores its norms under the Mix-LN keys."""
+    return not (int(placement_record.get("post_ln_layers", 0)) == 0
+                and placement_record.get("scheme", "mixln") == "mixln")
+
+
 # Linear modules whose (empty) `_extra_state` megatron-core saves per layer in torch_dist.
 EXTRA_STATE_MODULES = (
     "self_attention.linear_qkv",
@@ -305,37 +325,31 @@ def check_megatron_args_supported(args) -> None:
 
 def shape_from_megatron_args(args, vocab_size: int) -> ModelShape:
     """The model shape recorded in a Megatron-LM checkpoint's args (after the support check)."""
+    from .inspect import args_shape
+
     check_megatron_args_supported(args)
-    hidden = int(args.hidden_size)
-    heads = int(args.num_attention_heads)
-    groups = int(args.num_query_groups) if _arg(args, "group_query_attention", default=False) else heads
-    kv = _arg(args, "kv_channels") or hidden // heads
-    ffn = _arg(args, "ffn_hidden_size") or 4 * hidden
+    a = args_shape(args)
     rope_scaling = None
-    interp = _arg(args, "rotary_seq_len_interpolation_factor")
-    if interp:
-        rope_scaling = {"rope_type": "linear", "factor": float(interp)}
-    if _arg(args, "use_rope_scaling", default=False):
-        rope_scaling = llama3_rope_scaling(float(_arg(args, "rope_scaling_factor", default=8.0)))
-    add_bias = bool(_arg(args, "add_bias_linear", default=True))
-    if _arg(args, "disable_bias_linear", default=None) is True:
-        add_bias = False
+    if a.rotary_seq_len_interpolation_factor:
+        rope_scaling = {"rope_type": "linear", "factor": float(a.rotary_seq_len_interpolation_factor)}
+    if a.use_rope_scaling:
+        rope_scaling = llama3_rope_scaling(a.rope_scaling_factor)
     return ModelShape(
-        num_layers=int(args.num_layers),
-        hidden_size=hidden,
-        ffn_hidden_size=int(ffn),
-        num_attention_heads=heads,
-        num_query_groups=groups,
-        kv_channels=int(kv),
+        num_layers=a.num_layers,
+        hidden_size=a.hidden_size,
+        ffn_hidden_size=a.ffn_hidden_size,
+        num_attention_heads=a.num_attention_heads,
+        num_query_groups=a.num_query_groups,
+        kv_channels=a.kv_channels,
         vocab_size=int(vocab_size),
-        max_position_embeddings=int(_arg(args, "max_position_embeddings", "seq_length")),
-        norm_epsilon=float(_arg(args, "layernorm_epsilon", "norm_epsilon", default=1e-5)),
-        rotary_base=float(_arg(args, "rotary_base", default=10000)),
+        max_position_embeddings=a.max_position_embeddings,
+        norm_epsilon=a.norm_epsilon,
+        rotary_base=a.rotary_base,
         rope_scaling=rope_scaling,
-        add_bias_linear=add_bias,
-        tie_embeddings=not bool(_arg(args, "untie_embeddings_and_output_weights", default=False)),
-        layernorm_1p=bool(_arg(args, "layernorm_zero_centered_gamma", "apply_layernorm_1p", default=False)),
-        rotary_interleaved=bool(_arg(args, "rotary_interleaved", default=False)),
+        add_bias_linear=a.add_bias_linear,
+        tie_embeddings=not a.untie_embeddings,
+        layernorm_1p=a.zero_centered_gamma,
+        rotary_interleaved=a.rotary_interleaved,
     )
 
 

@@ -31,7 +31,7 @@ import torch
 
 from . import ConversionError, UnsupportedModelError, prepare_output, staged_output_dir
 from . import mapping as M
-from .megatron_reader import open_checkpoint
+from .inspect import inspect_checkpoint
 
 TRANSFORMERS_RANGE = ("4.56", "6")  # >= 4.56, < 6 (tested with 5.24)
 _ST_DTYPES = {
@@ -297,10 +297,8 @@ def convert_to_hf(
 
     prepare_output(load, save, HF_FOLDER, overwrite)  # before any work: never lose the input or a foreign folder
     tf_version = check_transformers_version()
-    reader = open_checkpoint(load, iteration)
-    if hasattr(reader, "fast_reads"):
-        reader.fast_reads = fast_reads
-    reader._require_args()
+    info = inspect_checkpoint(load, iteration, fast_reads=fast_reads)
+    reader = info.reader
     true_vocab, vocab_source = resolve_true_vocab(reader, vocab_size, tokenizer)
     shape = M.shape_from_megatron_args(reader.args, true_vocab)
     if true_vocab > reader.padded_vocab_size:
@@ -309,7 +307,7 @@ def convert_to_hf(
             f"{reader.padded_vocab_size}"
         )
     reader.check_shapes(shape)
-    record, record_source = reader.mixln_record(shape.num_layers)
+    record, record_source = info.record, info.record_source
     post_ln, scheme, alpha = int(record["post_ln_layers"]), record["scheme"], record.get("alpha")
     reader.check_layer_kinds(post_ln)
     if not shape.tie_embeddings and not reader.has_output_layer:

@@ -1,0 +1,210 @@
+"""What a Megatron-LM checkpoint says about its model: args, shape, norm epsilon, Mix-LN record.
+
+The one place that reads them, for conversion (to_hf) and analysis (analysis.models) alike:
+
+    info = inspect_checkpoint("runs/ckpt")         # CheckpointInfo
+    info.shape.norm_epsilon, info.record["post_ln_layers"], info.reader.read_layer(...)
+
+Megatron 0.19 stores the norm epsilon as `layernorm_epsilon` (the TransformerConfig field behind
+--norm-epsilon); older tools wrote `norm_epsilon`. Both are read, the config field first.
+
+The Mix-LN settings have up to four sources, which must agree (a disagreement is an error naming
+both): the sharded settings record the layers saved, the `mixln` entry of Megatron-LM's content
+metadata, the saved --mixln-* args, and the tensor layout (norms under the Mix-LN keys mean a
+Mix-LN model; under the stock keys either a stock model or a checkpoint saved before the Mix-LN
+keys existed). None of them: a stock Pre-LN checkpoint (P = 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from . import ConversionError
+
+NO_RECORD = "no Mix-LN record (a stock Pre-LN checkpoint: P = 0)"
+
+
+def _arg(args, *names, default=None):
+    """The first of `names` that args has and that is not None."""
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgsShape:
+    """The model a Megatron-LM checkpoint's args describe (any GPT, not only Llama)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    ffn_hidden_size: int
+    padded_vocab_size: Optional[int]
+    max_position_embeddings: int
+    norm_epsilon: float
+    normalization: str
+    zero_centered_gamma: bool
+    swiglu: bool
+    add_bias_linear: bool
+    add_qkv_bias: bool
+    qk_layernorm: bool
+    untie_embeddings: bool
+    position_embedding_type: str
+    rotary_base: float
+    rotary_percent: float
+    rotary_interleaved: bool
+    rotary_seq_len_interpolation_factor: Optional[float]
+    use_rope_scaling: bool
+    rope_scaling_factor: float
+
+
+def args_shape(args) -> ArgsShape:
+    """The ArgsShape of saved Megatron-LM args (argparse.Namespace or a stand-in with attributes)."""
+    if args is None:
+        raise ConversionError("the checkpoint carries no Megatron args (saved without them?): the model shape "
+                              "cannot be read")
+    hidden = int(args.hidden_size)
+    heads = int(args.num_attention_heads)
+    groups = int(_arg(args, "num_query_groups", default=heads)) if _arg(
+        args, "group_query_attention", default=False) else heads
+    add_bias = bool(_arg(args, "add_bias_linear", default=True))
+    if _arg(args, "disable_bias_linear", default=None) is True:
+        add_bias = False
+    padded = _arg(args, "padded_vocab_size")
+    return ArgsShape(
+        num_layers=int(args.num_layers),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=int(_arg(args, "kv_channels", default=hidden // heads)),
+        ffn_hidden_size=int(_arg(args, "ffn_hidden_size", default=4 * hidden)),
+        padded_vocab_size=int(padded) if padded is not None else None,
+        max_position_embeddings=int(_arg(args, "max_position_embeddings", "seq_length", default=2048)),
+        norm_epsilon=float(_arg(args, "layernorm_epsilon", "norm_epsilon", default=1e-5)),
+        normalization=str(_arg(args, "normalization", default="LayerNorm")),
+        zero_centered_gamma=bool(_arg(args, "layernorm_zero_centered_gamma", default=False)
+                                 or _arg(args, "apply_layernorm_1p", default=False)),
+        swiglu=bool(_arg(args, "swiglu", default=False)),
+        add_bias_linear=add_bias,
+        add_qkv_bias=bool(_arg(args, "add_qkv_bias", default=False)),
+        qk_layernorm=bool(_arg(args, "qk_layernorm", default=False)),
+        untie_embeddings=bool(_arg(args, "untie_embeddings_and_output_weights", default=False)),
+        position_embedding_type=str(_arg(args, "position_embedding_type", default="learned_absolute")),
+        rotary_base=float(_arg(args, "rotary_base", default=10000)),
+        rotary_percent=float(_arg(args, "rotary_percent", default=1.0)),
+        rotary_interleaved=bool(_arg(args, "rotary_interleaved", default=False)),
+        rotary_seq_len_interpolation_factor=_arg(args, "rotary_seq_len_interpolation_factor"),
+        use_rope_scaling=bool(_arg(args, "use_rope_scaling", default=False)),
+        rope_scaling_factor=float(_arg(args, "rope_scaling_factor", default=8.0)),
+    )
+
+
+# Shape settings Megatron-LM's own --use-checkpoint-args (load_args_from_checkpoint, 0.19) does
+# not copy from the checkpoint, with the flag that sets each: a resume must get them elsewhere.
+RESUME_ARGS = (
+    ("layernorm_epsilon", "--norm-epsilon"),
+    ("layernorm_zero_centered_gamma", "--apply-layernorm-1p"),
+    ("use_rope_scaling", "--use-rope-scaling"),
+    ("rope_scaling_factor", "--rope-scaling-factor"),
+    ("rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor"),
+)
+
+
+def resume_args(checkpoint_args) -> dict:
+    """{arg name: value} of the RESUME_ARGS the checkpoint's args record (None values left out)."""
+    shape = args_shape(checkpoint_args)
+    values = {
+        "layernorm_epsilon": shape.norm_epsilon,
+        "layernorm_zero_centered_gamma": shape.zero_centered_gamma,
+        "use_rope_scaling": shape.use_rope_scaling,
+        "rope_scaling_factor": shape.rope_scaling_factor,
+        "rotary_seq_len_interpolation_factor": shape.rotary_seq_len_interpolation_factor,
+    }
+    return {k: v for k, v in values.items() if v is not None}
+
+
+# ------------------------------------------------------------------------------- Mix-LN record
+def _source(name, record) -> tuple:
+    return (name, record.get("scheme", "mixln"), int(record.get("post_ln_layers", 0)), record.get("alpha"))
+
+
+def mixln_record(reader, num_layers: int):
+    """(record dict, where it came from) of an open checkpoint reader; disagreeing sources are an error."""
+    from ..placement import MixLNConfigError, Placement, post_ln_count
+
+    sources = []  # (name, scheme or None, P or None, alpha or None)
+    if reader.settings_record is not None:
+        r = reader.settings_record
+        sources.append(_source("the settings record", r))
+        if int(r.get("num_layers", num_layers)) != num_layers:
+            raise ConversionError(
+                f"the Mix-LN record is for {r.get('num_layers')} layers but the checkpoint has {num_layers}")
+    meta = reader.content_metadata.get("mixln") if isinstance(reader.content_metadata, dict) else None
+    if meta is not None:
+        sources.append(_source("the content metadata", meta))
+    args = reader.args
+    p_arg, alpha_arg = getattr(args, "mixln_post_ln_layers", None), getattr(args, "mixln_alpha", None)
+    scheme_arg = getattr(args, "mixln_scheme", None)
+    if p_arg is not None or alpha_arg is not None or scheme_arg is not None:
+        p = int(p_arg) if p_arg is not None else (
+            post_ln_count(alpha_arg, num_layers) if alpha_arg is not None else None)
+        sources.append(("the saved --mixln-* args", scheme_arg, p, str(alpha_arg) if alpha_arg is not None else None))
+    for i, (n1, s1, p1, _) in enumerate(sources):
+        for n2, s2, p2, _ in sources[i + 1:]:
+            if (s1 is not None and s2 is not None and s1 != s2) or (p1 is not None and p2 is not None and p1 != p2):
+                raise ConversionError(
+                    f"the checkpoint's Mix-LN settings disagree: {n1} says scheme={s1} P={p1}, {n2} says "
+                    f"scheme={s2} P={p2}")
+    scheme = next((x[1] for x in sources if x[1] is not None), "mixln")
+    post = next((x[2] for x in sources if x[2] is not None), 0)
+    alpha = next((x[3] for x in sources if x[3] is not None), None)
+    try:
+        placement = Placement(num_layers, post, scheme, alpha)
+    except MixLNConfigError as e:
+        raise ConversionError(f"the checkpoint's Mix-LN settings are invalid: {e}") from None
+    if reader.norm_layout == "mixln" and placement.is_stock:
+        raise ConversionError(
+            f"{reader.path} stores its norms under the Mix-LN keys (decoder.layers.mixln_norm_*) but "
+            + (f"{sources[0][0]} says P = 0 with scheme mixln" if sources else "has no Mix-LN settings record")
+            + ": the checkpoint is damaged or was edited")
+    return placement.record(), (f"from {sources[0][0]}" if sources else NO_RECORD)
+
+
+# ------------------------------------------------------------------------------- one call
+@dataclasses.dataclass
+class CheckpointInfo:
+    reader: object  # TorchDistCheckpoint or LegacyCheckpoint: reads the tensors
+    path: str
+    format: str
+    iteration: object
+    args: object
+    shape: ArgsShape
+    record: dict  # Placement.record() of the checkpoint's Mix-LN settings
+    record_source: str
+
+    @property
+    def post_ln_layers(self) -> int:
+        return int(self.record["post_ln_layers"])
+
+    @property
+    def scheme(self) -> str:
+        return self.record["scheme"]
+
+
+def inspect_checkpoint(load: str, iteration=None, fast_reads: bool = True) -> CheckpointInfo:
+    """Open the checkpoint in `load` (a --save directory or one iteration in it) and read its model."""
+    from .megatron_reader import open_checkpoint
+
+    reader = open_checkpoint(load, iteration)
+    if hasattr(reader, "fast_reads"):
+        reader.fast_reads = fast_reads
+    reader._require_args()
+    shape = args_shape(reader.args)
+    record, source = mixln_record(reader, shape.num_layers)
+    return CheckpointInfo(reader=reader, path=reader.path, format=reader.format, iteration=reader.iteration,
+                          args=reader.args, shape=shape, record=record, record_source=source)

@@ -1,0 +1,208 @@
+"""Legacy (per-rank torch) Megatron-LM checkpoints.
+
+<iter>/mp_rank_TT[_PPP]/model_optim_rng.pt: one torch.save per TP x PP rank, state_dict['model']
+(or model0, model1, ... with virtual pipelining) with layer-local module names
+(decoder.layers.<local>.*). Files are opened memory-mapped and re-opened per layer, so only the
+tensors of one layer are ever resident. The Mix-LN record is `decoder.layers.0.mixln_settings` in
+the first stage's state dict.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import ConversionError, UnsupportedModelError
+from . import mapping as M
+from .locate import LEGACY_DIR
+from .reader_base import ReaderBase, RowSource
+from .safe_unpickle import safe_load
+
+LEGACY_FILE = "model_optim_rng.pt"
+
+
+class LegacyCheckpoint(ReaderBase):
+    format = "torch"
+
+    def __init__(self, path: str):
+        self.path = path
+        ranks = {}
+        for entry in os.listdir(path):
+            m = LEGACY_DIR.match(entry)
+            if not m:
+                continue
+            if m.group(3) is not None:
+                raise UnsupportedModelError(
+                    f"{path}/{entry}: expert-parallel (MoE) legacy checkpoints are not supported: Llama has no experts"
+                )
+            ranks[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(path, entry, LEGACY_FILE)
+        self.tp = max(t for t, _ in ranks) + 1
+        self.pp = max(p for _, p in ranks) + 1
+        for t in range(self.tp):
+            for p in range(self.pp):
+                f = ranks.get((t, p))
+                if f is None or not os.path.isfile(f):
+                    name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if self.pp > 1 else "")
+                    raise ConversionError(
+                        f"checkpoint shard {os.path.join(path, name, LEGACY_FILE)} is missing "
+                        f"(TP {self.tp} x PP {self.pp} checkpoint)"
+                    )
+        self._files = ranks
+        # Open every file once: checks that none is truncated and learns the layer layout.
+        self._chunks: List[Tuple[int, str, int]] = []  # (pp, model key, local layer count), global order
+        per_stage = {}
+        for p in range(self.pp):
+            for t in range(self.tp):
+                sd = self._load(t, p)
+                if t == 0:
+                    keys = sorted((k for k in sd if re.fullmatch(r"model\d*", k)), key=lambda k: int(k[5:] or 0))
+                    if not keys:
+                        raise ConversionError(f"{self._files[(t, p)]} has no 'model' state dict")
+                    per_stage[p] = [(k, _count_local_layers(sd[k])) for k in keys]
+                    if p == 0:
+                        self.args = sd.get("args")
+                        self.iteration = sd.get("iteration")
+                        first = sd[keys[0]]
+                        self.settings_record = first.get("decoder.layers.0.mixln_settings")
+                        emb = first.get(M.TD_EMBEDDING)
+                        if emb is None:
+                            raise ConversionError(f"{self._files[(0, 0)]} has no {M.TD_EMBEDDING}")
+                        self.dtype = emb.dtype
+                        self.padded_vocab_size = int(emb.shape[0]) * self.tp
+                    if p == self.pp - 1:
+                        last = sd[keys[-1]]
+                        self.has_output_layer = M.TD_OUTPUT in last
+                del sd
+        nchunks = {len(v) for v in per_stage.values()}
+        if len(nchunks) != 1:
+            raise ConversionError(f"{path}: pipeline stages hold different numbers of model chunks")
+        for v in range(nchunks.pop()):
+            for p in range(self.pp):
+                key, count = per_stage[p][v]
+                self._chunks.append((p, key, count))
+        self._layer_index = []  # global layer -> (pp, model key, local index)
+        for p, key, count in self._chunks:
+            for i in range(count):
+                self._layer_index.append((p, key, i))
+        self.num_layers_found = len(self._layer_index)
+
+    def _load(self, t: int, p: int) -> dict:
+        path = self._files[(t, p)]
+        return safe_load(path, mmap=True, what=f"checkpoint shard {path}")
+
+    def _model(self, sd: dict, key: str) -> dict:
+        return sd[key]
+
+    def layer_source(self, layer: int, roles: Sequence[str]):
+        tensors = self.read_layer(layer, roles)
+        return RowSource(lambda role, a, b: tensors[role][a:b])
+
+    def vocab_block_rows(self, row_bytes: int) -> Optional[int]:
+        return None  # the TP shards are concatenated once, then written whole
+
+    def check_layer_kinds(self, post_ln_layers: int) -> None:
+        for t in range(1):
+            for p in range(self.pp):
+                sd = self._load(t, p)
+                for layer, (pp, key, local) in enumerate(self._layer_index):
+                    if pp != p:
+                        continue
+                    prefix = f"decoder.layers.{local}."
+                    names = [k[len(prefix):] for k in sd[key] if k.startswith(prefix)]
+                    has_post = any(n in M.LEGACY_POST_LN_NAMES for n in names)
+                    want_post = layer < post_ln_layers
+                    if has_post != want_post:
+                        raise ConversionError(
+                            f"layer {layer + 1} is stored as a {'Post' if has_post else 'Pre'}-LN layer but the "
+                            f"Mix-LN settings (P={post_ln_layers}) make it {'Post' if want_post else 'Pre'}-LN"
+                        )
+                del sd
+
+    def read_layer(self, layer: int, roles: Iterable[str]) -> Dict[str, torch.Tensor]:
+        roles = list(roles)
+        p, key, local = self._layer_index[layer]
+        prefix = f"decoder.layers.{local}."
+        shards: Dict[str, List[torch.Tensor]] = {r: [] for r in roles}
+        for t in range(self.tp):
+            sd = self._load(t, p)
+            model = sd[key]
+            found = {}
+            for name, value in model.items():
+                if not name.startswith(prefix):
+                    continue
+                rest = name[len(prefix):]
+                if rest.endswith(M.LEGACY_IGNORED_SUFFIXES):
+                    continue
+                role = M.LEGACY_LAYER_NAMES.get(rest)
+                if role is None:
+                    hint = " (MoE)" if ("experts" in rest or "router" in rest) else ""
+                    raise UnsupportedModelError(
+                        f"{self._files[(t, p)]}: unsupported parameter {name}{hint}; a Llama layer has "
+                        "qkv / proj / fc1 / fc2 linears and two norms"
+                    )
+                if role in found:
+                    raise ConversionError(f"{self._files[(t, p)]}: layer {local} has two tensors for {role} "
+                                          f"({found[role]} and {rest})")
+                found[role] = rest
+                if role in shards:
+                    shards[role].append(value.detach().clone())
+            missing = [r for r in roles if r not in found]
+            if missing:
+                raise ConversionError(
+                    f"{self._files[(t, p)]}: layer {local} lacks {missing} (saved with add_bias_linear / "
+                    "another model type?)"
+                )
+            del model, sd
+        return {r: M.merge_tp_shards(r, shards[r]) for r in roles}
+
+    def _stage_tensor(self, p: int, key_index: int, name: str, dim: Optional[int]) -> torch.Tensor:
+        parts = []
+        for t in range(self.tp if dim is not None else 1):
+            sd = self._load(t, p)
+            keys = sorted((k for k in sd if re.fullmatch(r"model\d*", k)), key=lambda k: int(k[5:] or 0))
+            model = sd[keys[key_index]]
+            if name not in model:
+                raise ConversionError(f"{self._files[(t, p)]} has no {name}")
+            parts.append(model[name].detach().clone())
+            del model, sd
+        return parts[0] if dim is None else torch.cat(parts, dim=dim)
+
+    def read_vocab_rows(self, which: str, start: int, stop: int) -> torch.Tensor:
+        if which == "embedding":
+            full = self._stage_tensor(0, 0, M.TD_EMBEDDING, 0)
+        else:
+            full = self._stage_tensor(self.pp - 1, -1, M.TD_OUTPUT, 0)
+        return full[start:stop].clone()
+
+    def read_final_norm(self) -> torch.Tensor:
+        return self._stage_tensor(self.pp - 1, -1, M.TD_FINAL_NORM, None)
+
+    def model_tensor_bytes(self) -> int:
+        total = 0
+        for (t, p) in self._files:
+            sd = self._load(t, p)
+            for k in sd:
+                if re.fullmatch(r"model\d*", k):
+                    total += sum(v.numel() * v.element_size() for v in sd[k].values() if torch.is_tensor(v))
+            del sd
+        return total
+
+    def check_shapes(self, shape: M.ModelShape) -> None:
+        if self.num_layers_found != shape.num_layers:
+            raise ConversionError(
+                f"the checkpoint holds {self.num_layers_found} layers but its args say num_layers={shape.num_layers}"
+            )
+
+
+def _count_local_layers(model: dict) -> int:
+    indices = set()
+    for name in model:
+        m = re.match(r"decoder\.layers\.(\d+)\.", name)
+        if m:
+            indices.add(int(m.group(1)))
+    if indices and indices != set(range(len(indices))):
+        raise ConversionError(f"non-contiguous local layer indices {sorted(indices)}")
+    return len(indices)

@@ -1,0 +1,44 @@
+"""What every Megatron checkpoint reader offers (torch_dist_reader, legacy_reader)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import ConversionError
+
+
+class ReaderBase:
+    format = "?"
+    label = ""
+    path = ""
+    args = None
+    iteration = None
+    content_metadata: Optional[dict] = None
+    settings_record: Optional[dict] = None  # the sharded / legacy record
+    # torch_dist: "mixln" when the norms are stored under the Mix-LN keys, "stock" otherwise;
+    # legacy files name modules, not keys (None).
+    norm_layout: Optional[str] = None
+    dtype = torch.float32
+    padded_vocab_size = 0
+    has_output_layer = True
+
+    def _require_args(self):
+        if self.args is None:
+            raise ConversionError(
+                f"{self.path} carries no Megatron args (saved without them?): the model shape cannot be read"
+            )
+
+    def check_layer_kinds(self, post_ln_layers: int) -> None:
+        """Formats that name the layer kind (legacy) compare it with the settings; torch_dist cannot."""
+
+
+class RowSource:
+    """Rows of a layer's role tensors: read on demand (torch_dist) or sliced from a loaded layer (legacy)."""
+
+    def __init__(self, rows_fn):
+        self._rows = rows_fn
+
+    def rows(self, role: str, start: int, stop: int) -> torch.Tensor:
+        return self._rows(role, start, stop)
