@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-all demo bench clean
+.PHONY: setup test test-all test-compat demo bench clean
 
 $(STAMP): setup.py
 	@set -e; py=$$(scripts/find_python.sh); echo "using $$py"; \
@@ -22,6 +22,18 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
+# The compatibility subset (marker `compat`) on each older megatron-core release, laid over the
+# venv's torch by scripts/compat_env.sh (.compat/<release>, no second torch download).
+COMPAT_RELEASES ?= 0.17 0.18
+test-compat: $(STAMP)
+	@failed=; for r in $(COMPAT_RELEASES); do \
+	  overlay=$$(scripts/compat_env.sh $$r) || { failed="$$failed $$r"; continue; }; \
+	  echo "== megatron-core $$r ($$overlay)"; \
+	  PYTHONPATH=$$overlay$${PYTHONPATH:+:$$PYTHONPATH} COMPAT_MEGATRON_RELEASE=$$r \
+	    $(PY) -m pytest -q -m compat $(PYTEST_ARGS) tests || failed="$$failed $$r"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "test-compat failed for:$$failed"; exit 1; fi
+
 demo: $(STAMP)
 	$(PY) -m mixln_megatron.demo
 
@@ -29,4 +41,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/overhead.py --quick
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) .compat runs build *.egg-info

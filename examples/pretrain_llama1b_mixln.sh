@@ -3,7 +3,7 @@
 # Megatron-LM (core 0.19.x): one node x 8 GPUs by default, pure data parallelism (the model fits
 # on one GPU), TransformerEngine, bf16, distributed optimizer.
 # Mix-LN comes in through `--spec mixln_megatron.spec mixln_layer_spec` and the MIXLN_*
-# environment (with patches/0001-mixln-cli-flags.patch applied, `--mixln-alpha 0.25` works too).
+# environment (with patches/<release>/0001-mixln-cli-flags.patch applied, `--mixln-alpha 0.25` works too).
 #
 #   MEGATRON_LM_DIR=/opt/Megatron-LM DATA_PATH=/data/c4/c4_en_t5_text_document \
 #   bash examples/pretrain_llama1b_mixln.sh
@@ -44,7 +44,7 @@ TRAIN_ITERS=${TRAIN_ITERS:-100000}
 export MIXLN_ALPHA=${MIXLN_ALPHA:-0.25}
 
 # Megatron-LM 0.19 logs a --spec that fails to import and then trains the stock Pre-LN model
-# (unless patches/0002-fatal-spec-import.patch is applied): fail here instead.
+# (unless patches/<release>/0002-fatal-spec-import.patch is applied): fail here instead.
 "${PYTHON}" -c 'import mixln_megatron.spec' || {
     echo "mixln_megatron is not importable on $(hostname); install it on every node" >&2
     exit 1

@@ -6,7 +6,7 @@
 # Megatron-LM's own pretrain_gpt.py builds the model; Mix-LN comes in through
 #   --spec mixln_megatron.spec mixln_layer_spec
 # and the MIXLN_* environment (stock Megatron-LM rejects unknown flags; with
-# patches/0001-mixln-cli-flags.patch applied, `--mixln-alpha 0.0625` in MEGATRON_ARGS works too).
+# patches/<release>/0001-mixln-cli-flags.patch applied, `--mixln-alpha 0.0625` in MEGATRON_ARGS works too).
 #
 # Run the same command on every node, NODE_RANK = 0 .. NNODES-1 (static rendezvous):
 #   NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 MEGATRON_LM_DIR=/opt/Megatron-LM \
@@ -53,7 +53,7 @@ export MIXLN_ALPHA=${MIXLN_ALPHA:-0.0625}
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 
 # Megatron-LM 0.19 logs a --spec that fails to import and then trains the stock Pre-LN model
-# (unless patches/0002-fatal-spec-import.patch is applied): fail here instead.
+# (unless patches/<release>/0002-fatal-spec-import.patch is applied): fail here instead.
 "${PYTHON}" -c 'import mixln_megatron.spec' || {
     echo "mixln_megatron is not importable on $(hostname); install it on every node" >&2
     exit 1

@@ -5,7 +5,7 @@ PATH: the torchrun stub records the arguments and the environment it was started
 rank would inherit). The Megatron arguments after the script / `-m module` are then parsed in a
 fresh subprocess by megatron.training.arguments.parse_args (ignore_unknown_args=False; the
 extra_args_provider is mixln_megatron's add_mixln_args for a pretrain_gpt.py launcher that passes
---mixln-* flags, i.e. one relying on patches/0001, and the entry point's own add_pretrain_args
+--mixln-* flags, i.e. one relying on patches/*/0001, and the entry point's own add_pretrain_args
 for `-m mixln_megatron.pretrain`) and checked by validate_args with WORLD_SIZE = nodes x processes
 per node of the launch line. Then the --spec is imported and the model config is built
 (gpt_config_from_args, as pretrain_gpt.py does; the entry point's transformer config otherwise),

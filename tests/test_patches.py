@@ -1,9 +1,13 @@
-"""patches/*.patch apply to Megatron-LM core 0.19.x and do what patches/README.md says.
+"""patches/core_r<release>/*.patch apply to Megatron-LM's release branches and do what
+patches/README.md says, for each release the plugin supports (0.17, 0.18, 0.19).
 
-The megatron package shipped in the installed megatron-core 0.19.2 wheel (megatron/core and
-megatron/training; identical to Megatron-LM's core_v0.19.0 tag for the patched files) is copied
-into a temporary tree laid out like a Megatron-LM checkout, made a git repository, and each patch
-must pass `git apply --check` and then `git apply` there, as the README instructs.
+Each release's megatron package comes from that release's megatron-core wheel (megatron/core and
+megatron/training; the patched files are byte-identical to the release branch, which the patches'
+`index` lines pin and a test checks): 0.19 from the main venv, 0.17 / 0.18 from the overlays that
+`scripts/compat_env.sh` installs under .compat/ (`make test-compat` does). Without an overlay that
+release's wheel-based tests skip, naming the command that installs it. The package is copied into
+a temporary tree laid out like a Megatron-LM checkout, made a git repository, and each patch must
+pass `git apply --check` and then `git apply` there, as the README instructs.
 
 The patched code is then exercised in subprocesses whose PYTHONPATH puts the temporary tree first:
 `megatron` is a namespace package (no __init__.py in the wheel or in a checkout), and
@@ -12,12 +16,15 @@ megatron.core / megatron.training are regular packages, so both resolve to the p
 
 A subprocess runs a list of cases and writes one JSON result per case (value or exception), so
 each test below only reads results. The same cases run against the unpatched wheel to show what
-the patches change.
+the patches change. `--spec` is resolved the way each release's pretrain_gpt.py does it: 0.19
+through megatron.training.argument_utils.gpt_config_from_args, 0.17 / 0.18 through
+gpt_builders.gpt_builder's `import_module(args.spec)` (gpt_builders.py lives at the checkout root
+and is not in the wheel, so the runner makes that one call itself).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import json
 import os
 import re
@@ -30,10 +37,46 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PATCHES = REPO / "patches"
+COMPAT = REPO / ".compat"
+# release -> (Megatron-LM release branch, megatron-core wheel the tests take its files from)
+RELEASES = {
+    "0.17": ("core_r0.17.0", "0.17.1"),
+    "0.18": ("core_r0.18.0", "0.18.2"),
+    "0.19": ("core_r0.19.0", "0.19.2"),
+}
+NEWEST = "0.19"
 PATCH_FILES = {
     "0001-mixln-cli-flags.patch": ["megatron/training/arguments.py"],
     "0002-fatal-spec-import.patch": ["megatron/core/transformer/spec_utils.py"],
 }
+ALL_PATCHES = [(rel, name) for rel in RELEASES for name in sorted(PATCH_FILES)]
+
+
+def _patch(release: str, name: str) -> Path:
+    return PATCHES / RELEASES[release][0] / name
+
+
+def _release_param(release):
+    """Older releases belong to the compatibility subset that `make test-compat` runs."""
+    marks = () if release == NEWEST else (pytest.mark.compat,)
+    return pytest.param(release, marks=marks, id=f"mcore{release}")
+
+
+def _wheel_megatron_dir(release: str) -> Path:
+    """The megatron/ directory of the release's wheel: the main venv's or a .compat overlay."""
+    branch, pin = RELEASES[release]
+    current = os.environ.get("COMPAT_MEGATRON_RELEASE")
+    if current and release != NEWEST and release != current:
+        pytest.skip(f"megatron-core {release}'s patches are tested in its own `make test-compat` "
+                    f"pass (this pass is {current})")
+    searched = [Path(p) for p in sys.path if p] + [COMPAT / release]
+    for dist in importlib.metadata.distributions(name="megatron-core", path=[str(p) for p in searched]):
+        if dist.version.split("+")[0] == pin:
+            megatron = Path(dist.locate_file("megatron")).resolve()
+            if (megatron / "training" / "arguments.py").is_file():
+                return megatron
+    pytest.skip(f"megatron-core {pin} ({branch}) is not installed: its overlay {COMPAT / release} "
+                f"is absent; `scripts/compat_env.sh {release}` installs it (`make test-compat` does)")
 
 # A tiny, valid Megatron-LM command line for CPU (the flags of mixln_megatron.cpu).
 BASE_ARGV = [
@@ -81,9 +124,12 @@ with open(cases_path) as f:
     job = json.load(f)
 results = {}
 import megatron.core.transformer.spec_utils as spec_utils
+import megatron.core
 from megatron.training import arguments as margs
-from megatron.training.argument_utils import gpt_config_from_args
+if job["spec_path"] == "config":  # 0.19: pretrain_gpt.py builds a model config from args
+    from megatron.training.argument_utils import gpt_config_from_args
 results["_files"] = {"arguments": margs.__file__, "spec_utils": spec_utils.__file__}
+results["_version"] = megatron.core.__version__
 
 def describe(exc):
     chain, cur = [], exc
@@ -114,9 +160,11 @@ for name, case in job["cases"].items():
         if case.get("validate") or case.get("model_config"):
             margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
             res["validated"] = True
+        if case.get("model_config") and job["spec_path"] == "config":
+            spec = gpt_config_from_args(args).transformer_layer_spec
+        elif case.get("model_config"):  # 0.17 / 0.18: gpt_builders.gpt_builder's own call
+            spec = spec_utils.import_module(args.spec)
         if case.get("model_config"):
-            cfg = gpt_config_from_args(args)
-            spec = cfg.transformer_layer_spec
             res["spec"] = None if spec is None else f"{spec.__module__}.{spec.__qualname__}"
     except SystemExit as exc:
         res["exit"] = exc.code
@@ -134,18 +182,12 @@ with open(out_path, "w") as f:
 """
 
 
-def _wheel_megatron_dir() -> Path:
-    spec = importlib.util.find_spec("megatron.core")  # imports the namespace package only
-    assert spec is not None and spec.origin, "megatron-core is not installed"
-    return Path(spec.origin).resolve().parents[1]
-
-
 def _git(*args, cwd):
     return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
 
 
-def _make_checkout(root: Path) -> Path:
-    shutil.copytree(_wheel_megatron_dir(), root / "megatron",
+def _make_checkout(root: Path, release: str) -> Path:
+    shutil.copytree(_wheel_megatron_dir(release), root / "megatron",
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for cmd in (["init", "-q"], ["config", "user.email", "test@example.invalid"],
                 ["config", "user.name", "test"]):
@@ -153,47 +195,55 @@ def _make_checkout(root: Path) -> Path:
     return root
 
 
-def _run_cases(tmp: Path, pythonpath_first) -> dict:
+def _run_cases(tmp: Path, release: str, pythonpath_first: Path) -> dict:
     (tmp / "spec_mods").mkdir(exist_ok=True)
     (tmp / "spec_mods" / f"{BROKEN_SPEC_MODULE}.py").write_text(BROKEN_SPEC_SOURCE)
     cases = tmp / "cases.json"
     out = tmp / "results.json"
-    cases.write_text(json.dumps({"cases": CASES, "base_argv": BASE_ARGV}))
+    spec_path = "config" if release == "0.19" else "builder"
+    cases.write_text(json.dumps({"cases": CASES, "base_argv": BASE_ARGV, "spec_path": spec_path}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
-    paths = [str(p) for p in (pythonpath_first, tmp / "spec_mods", REPO) if p is not None]
+    paths = [str(p) for p in (pythonpath_first, tmp / "spec_mods", REPO)]
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update(WORLD_SIZE="1", RANK="0")
     proc = subprocess.run([sys.executable, "-c", _RUNNER, str(cases), str(out)], env=env,
                           cwd=tmp, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    results = json.loads(out.read_text())
+    # the subprocess really ran the release under test
+    assert results["_version"].split("+")[0] == RELEASES[release][1], results["_version"]
+    return results
+
+
+@pytest.fixture(scope="module", params=[_release_param(r) for r in RELEASES])
+def release(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def checkout(tmp_path_factory):
-    """A Megatron-LM-like checkout made of the wheel's files, with both patches applied."""
-    root = _make_checkout(tmp_path_factory.mktemp("megatron-lm"))
+def checkout(release, tmp_path_factory):
+    """A Megatron-LM-like checkout made of the release wheel's files, with its patches applied."""
+    root = _make_checkout(tmp_path_factory.mktemp(f"megatron-lm-{release}"), release)
     checks = {}
     for name in PATCH_FILES:
-        check = _git("apply", "--check", str(PATCHES / name), cwd=root)
+        check = _git("apply", "--check", str(_patch(release, name)), cwd=root)
         checks[name] = check
         if check.returncode == 0:
-            applied = _git("apply", str(PATCHES / name), cwd=root)
+            applied = _git("apply", str(_patch(release, name)), cwd=root)
             assert applied.returncode == 0, applied.stderr
-    return root, checks
+    return root, checks, release
 
 
 @pytest.fixture(scope="module")
 def patched(checkout, tmp_path_factory):
-    root, checks = checkout
-    for name, check in checks.items():
-        assert check.returncode == 0, f"{name} does not apply: {check.stderr}"
-    return _run_cases(tmp_path_factory.mktemp("patched"), root)
+    root, _, release = checkout
+    return _run_cases(tmp_path_factory.mktemp(f"patched-{release}"), release, root)
 
 
 @pytest.fixture(scope="module")
-def unpatched(tmp_path_factory):
-    return _run_cases(tmp_path_factory.mktemp("unpatched"), None)
+def unpatched(release, tmp_path_factory):
+    return _run_cases(tmp_path_factory.mktemp(f"unpatched-{release}"), release,
+                      _wheel_megatron_dir(release).parent)
 
 
 def _error_text(res) -> str:
@@ -203,12 +253,14 @@ def _error_text(res) -> str:
 # ---------------------------------------------------------------- the patch files themselves
 
 
-@pytest.mark.parametrize("name", sorted(PATCH_FILES))
-def test_patch_header_and_scope(name):
-    text = (PATCHES / name).read_text()
+@pytest.mark.parametrize("release,name", ALL_PATCHES)
+def test_patch_header_and_scope(release, name):
+    text = _patch(release, name).read_text()
     header, sep, _ = text.partition("\ndiff --git ")
     assert sep, f"{name} is not a git diff"
-    assert re.search(r"Applies to: Megatron-LM release core 0\.19\.x", header), header
+    branch = RELEASES[release][0]
+    assert re.search(rf"Applies to: Megatron-LM release core {re.escape(release)}\.x \(branch "
+                     rf"{branch}\b", header), header
     assert "git apply --check" in header
     touched = re.findall(r"^diff --git a/(\S+) b/\1$", text, re.M)
     assert touched == PATCH_FILES[name]
@@ -216,22 +268,47 @@ def test_patch_header_and_scope(name):
 
 
 def test_every_patch_is_tested_and_documented():
-    on_disk = sorted(p.name for p in PATCHES.glob("*.patch"))
-    assert on_disk == sorted(PATCH_FILES)
+    assert sorted(p.name for p in PATCHES.iterdir() if p.is_dir()) == sorted(
+        branch for branch, _ in RELEASES.values())
+    assert not list(PATCHES.glob("*.patch")), "patches live in per-release directories"
     readme = (PATCHES / "README.md").read_text()
-    for name in on_disk:
+    for branch, _ in RELEASES.values():
+        on_disk = sorted(p.name for p in (PATCHES / branch).glob("*.patch"))
+        assert on_disk == sorted(PATCH_FILES), branch
+        assert f"{branch}/" in readme
+    for name in PATCH_FILES:
         assert name in readme
+
+
+def _index_blobs(patch: Path) -> tuple[str, str]:
+    pre, post = re.search(r"^index ([0-9a-f]{40})\.\.([0-9a-f]{40}) ", patch.read_text(), re.M).groups()
+    return pre, post
+
+
+@pytest.mark.parametrize("release,name", [pytest.param(r, n, marks=_release_param(r).marks)
+                                          for r, n in ALL_PATCHES])
+def test_release_wheel_file_is_the_branch_file(release, name):
+    """The wheel's copy is byte-identical to the release branch's blob named in the patch."""
+    (rel_path,) = PATCH_FILES[name]
+    wheel_file = _wheel_megatron_dir(release).parent / rel_path
+    blob = _git("hash-object", str(wheel_file), cwd=REPO).stdout.strip()
+    assert blob == _index_blobs(_patch(release, name))[0], (wheel_file, blob)
 
 
 @pytest.mark.parametrize("name", sorted(PATCH_FILES))
 def test_patch_applies_cleanly_to_the_release(checkout, name):
-    root, checks = checkout
+    root, checks, release = checkout
     assert checks[name].returncode == 0, checks[name].stderr
     # ... and can be taken back out again (the README's undo instruction)
-    assert _git("apply", "-R", "--check", str(PATCHES / name), cwd=root).returncode == 0
+    assert _git("apply", "-R", "--check", str(_patch(release, name)), cwd=root).returncode == 0
+    # the result is exactly the post-image the patch names
+    (rel_path,) = PATCH_FILES[name]
+    blob = _git("hash-object", rel_path, cwd=root).stdout.strip()
+    assert blob == _index_blobs(_patch(release, name))[1]
 
 
-def test_patches_apply_with_patch_p1(tmp_path):
+@pytest.mark.parametrize("release", [_release_param(r) for r in RELEASES])
+def test_patches_apply_with_patch_p1(release, tmp_path):
     """`patch -p1` works too (for trees that are not git checkouts)."""
     if shutil.which("patch") is None:
         pytest.skip("the patch tool is not installed")
@@ -239,15 +316,15 @@ def test_patches_apply_with_patch_p1(tmp_path):
     for files in PATCH_FILES.values():
         for rel in files:
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(_wheel_megatron_dir().parent / rel, root / rel)
+            shutil.copy(_wheel_megatron_dir(release).parent / rel, root / rel)
     for name in sorted(PATCH_FILES):
-        proc = subprocess.run(["patch", "-p1", "--dry-run", "-i", str(PATCHES / name)], cwd=root,
-                              capture_output=True, text=True)
+        proc = subprocess.run(["patch", "-p1", "--dry-run", "-i", str(_patch(release, name))],
+                              cwd=root, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_patched_modules_come_from_the_patched_tree(checkout, patched):
-    root, _ = checkout
+    root, _, _ = checkout
     for path in patched["_files"].values():
         assert Path(path).resolve().is_relative_to(root.resolve()), path
 
@@ -318,7 +395,8 @@ def test_missing_plugin_is_a_clear_error(patched):
 
 
 def test_unpatched_bad_spec_is_silently_ignored(unpatched):
-    """The bug the patch fixes: the 0.19 wheel logs and trains the default (Pre-LN) layer spec."""
+    """The bug the patch fixes: every release logs one line and returns no spec (0.19 then trains
+    the default Pre-LN layer spec; 0.17 / 0.18 hand None to GPTModel, which fails much later)."""
     res = unpatched["spec_bad_module"]
     assert "error" not in res, res
     assert res["spec"] is None
@@ -360,12 +438,18 @@ def test_import_error_inside_the_spec_module_is_reported(patched):
 
 
 def test_patches_apply_to_a_megatron_lm_checkout():
-    """Set MEGATRON_LM_DIR to a Megatron-LM checkout (core_r0.19.x) to check it directly."""
+    """Set MEGATRON_LM_DIR to a Megatron-LM checkout (core_r0.17/0.18/0.19) to check it directly;
+    the release is recognised from the blob of its megatron/training/arguments.py."""
     path = os.environ.get("MEGATRON_LM_DIR")
     if not path:
-        pytest.skip("MEGATRON_LM_DIR is not set (a Megatron-LM core_r0.19.x checkout)")
+        pytest.skip("MEGATRON_LM_DIR is not set (a Megatron-LM core_r0.17/0.18/0.19 checkout)")
+    (rel_path,) = PATCH_FILES["0001-mixln-cli-flags.patch"]
+    blob = _git("hash-object", str(Path(path) / rel_path), cwd=REPO).stdout.strip()
+    found = [r for r in RELEASES if blob in _index_blobs(_patch(r, "0001-mixln-cli-flags.patch"))]
+    assert found, f"{path}/{rel_path} is from none of the releases {sorted(RELEASES)}"
     for name in sorted(PATCH_FILES):
-        proc = _git("apply", "--check", str(PATCHES / name), cwd=path)
+        patch = str(_patch(found[0], name))
+        proc = _git("apply", "--check", patch, cwd=path)
         if proc.returncode != 0:  # fine if it is already applied there
-            undo = _git("apply", "-R", "--check", str(PATCHES / name), cwd=path)
+            undo = _git("apply", "-R", "--check", patch, cwd=path)
             assert undo.returncode == 0, f"{name} neither applies nor is applied: {proc.stderr}"

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Usage: scripts/compat_env.sh RELEASE   (RELEASE: 0.17 or 0.18)
+#
+# Lays an older megatron-core wheel over the main venv without a second torch: the wheel alone
+# (pip --no-deps) goes into .compat/RELEASE, which goes first on PYTHONPATH; torch, numpy and the
+# rest come from .venv. Prints the overlay directory on stdout (diagnostics go to stderr) after
+# checking that `import megatron.core` resolves to the overlay with the pinned version and that
+# every requirement of the wheel is met by the venv (an unmet one is installed into the overlay).
+# Idempotent: an overlay that already holds the pinned version is reused.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+release=${1:?usage: scripts/compat_env.sh RELEASE (0.17 or 0.18)}
+case "$release" in
+  0.17) pin=0.17.1 ;;
+  0.18) pin=0.18.2 ;;
+  *) echo "compat_env.sh: unknown release '$release' (known: 0.17, 0.18)" >&2; exit 2 ;;
+esac
+overlay=.compat/$release
+[ -x "$PY" ] || { echo "compat_env.sh: $PY not found; run 'make setup' first" >&2; exit 1; }
+
+if [ ! -d "$overlay/megatron_core-$pin.dist-info" ]; then
+  echo "compat_env.sh: installing megatron-core==$pin into $overlay (no dependencies)" >&2
+  rm -rf "$overlay"
+  "$PY" -m pip install -q --no-deps --no-compile --target "$overlay" "megatron-core==$pin" >&2
+fi
+
+# The overlay's own requirements (without extras) must be satisfied by overlay + venv.
+missing=$(PYTHONPATH="$overlay" "$PY" - "$pin" <<'EOF'
+import importlib.metadata as md, sys
+from packaging.requirements import Requirement
+dist = md.distribution("megatron-core")
+assert dist.version == sys.argv[1], (dist.version, sys.argv[1])
+for text in dist.requires or []:
+    req = Requirement(text)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    try:
+        have = md.version(req.name)
+    except md.PackageNotFoundError:
+        print(text); continue
+    if not req.specifier.contains(have, prereleases=True):
+        print(text)
+EOF
+)
+if [ -n "$missing" ]; then
+  echo "compat_env.sh: installing into $overlay what the venv lacks: $missing" >&2
+  # shellcheck disable=SC2086
+  "$PY" -m pip install -q --no-deps --target "$overlay" $missing >&2
+fi
+
+PYTHONPATH="$overlay" "$PY" - "$pin" "$overlay" <<'EOF' >&2
+import os, sys, warnings
+warnings.simplefilter("ignore")
+import megatron.core, megatron.training, torch
+pin, overlay = sys.argv[1], os.path.realpath(sys.argv[2])
+version = megatron.core.__version__
+assert version.split("+")[0] == pin, f"megatron.core reports {version}, expected {pin}"
+for mod in (megatron.core, megatron.training):
+    assert os.path.realpath(mod.__file__).startswith(overlay + os.sep), mod.__file__
+assert not os.path.realpath(torch.__file__).startswith(overlay + os.sep), "a second torch"
+print(f"compat_env.sh: megatron-core {version} from {overlay}, torch {torch.__version__} from the venv")
+EOF
+echo "$overlay"
