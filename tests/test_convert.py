@@ -91,6 +91,7 @@ def no_leftovers(path):
 # --------------------------------------------------------------------------------- parity (torchrun)
 @pytest.mark.mp
 @pytest.mark.parametrize("fmt,tp,pp", [("torch_dist", 2, 2), ("torch", 2, 1)], ids=["torch_dist-tp2pp2", "legacy-tp2"])
+@pytest.mark.compat
 def test_megatron_hf_parity(tmp_path, fmt, tp, pp):
     import importlib.util
 

@@ -42,6 +42,7 @@ POST_LN_4 = [[True, True, False, False], [1, 2, 3, 4]]
 POST_LN_6 = [[True, True, True, False, False, False], [1, 2, 3, 4, 5, 6]]
 
 
+@pytest.mark.compat
 def test_reference_reruns_and_distributed_optimizer(workdir):
     ref = load(workdir, "reference")
     assert ref["tp1pp1_rerun"] == ref["tp1pp1"]  # bitwise identical within one layout
@@ -49,6 +50,7 @@ def test_reference_reruns_and_distributed_optimizer(workdir):
     assert ref["kinds_pp1"] == POST_LN_4
 
 
+@pytest.mark.compat
 def test_settings_mismatch_is_a_clear_error(workdir):
     ref = load(workdir, "reference")
     for key in ("mismatch_metadata", "mismatch_sharded"):
@@ -64,6 +66,7 @@ def test_alpha_zero_is_interchangeable_with_the_stock_spec(workdir):
     assert abs(ref["p0_into_stock_eval"] - ref["stock_eval"]) <= 1e-6 * abs(ref["stock_eval"])
 
 
+@pytest.mark.compat
 def test_two_process_layouts_match_tp1pp1(workdir):
     torchrun(WORKER, 2, "--phase", "world2", "--workdir", workdir)
     ref = load(workdir, "reference")["tp1pp1"]
@@ -79,6 +82,7 @@ def test_two_process_layouts_match_tp1pp1(workdir):
     assert_close(got["lns_pp2"], lns_ref, "mixln+lns pp2")
 
 
+@pytest.mark.compat
 def test_four_process_layouts_and_resharding(workdir):
     torchrun(WORKER, 4, "--phase", "world4", "--workdir", workdir)
     ref = load(workdir, "reference")["tp1pp1"]

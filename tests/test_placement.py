@@ -18,6 +18,7 @@ NO_ENV = {}
 
 
 @pytest.mark.parametrize("alpha", ["0", "0.0625", "0.125", "0.25", "0.29", "1/3", "0.5", "0.75", "1"])
+@pytest.mark.compat
 def test_rule_grid_matches_exact_floor(alpha):
     frac = Fraction(alpha)
     for layers in range(1, 129):

@@ -82,6 +82,7 @@ def megatron_logged(out):
 
 
 # ------------------------------------------------------------------ train, save, resume
+@pytest.mark.compat
 def test_train_save_resume_equals_uninterrupted(tmp_path):
     """6 iterations at once == 3, torch_dist save, exit, load, 3 more: per-iteration and validation."""
     ckpt = tmp_path / "ckpt"
@@ -212,6 +213,7 @@ def test_prebuilt_helpers_premise_and_no_patch_at_import(tmp_path):
         (dict(mixln_alpha="0"), [False, False, False, False]),
     ],
 )
+@pytest.mark.compat
 def test_model_provider_builds_post_ln_layers_as_configured(mcore_single, monkeypatch, flags, post_ln):
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.training import global_vars

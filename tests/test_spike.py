@@ -421,6 +421,7 @@ def test_steps_without_spikes_are_bit_identical(world2):
 
 
 @pytest.mark.mp
+@pytest.mark.compat
 def test_ddp_and_distributed_optimizer_agree_exactly(world2):
     for ddp, dist in zip(world2["ddp"], world2["distopt"]):
         assert dist["digests"] == ddp["digests"]
