@@ -9,6 +9,11 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_submodules,
     get_gpt_layer_with_transformer_engine_submodules,
@@ -43,24 +48,150 @@ def require_te(what: str) -> None:
 
 
 def check_backend(backend: str) -> str:
+    """`backend` if it is one of BACKENDS."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     return backend
 
 
-def layer_submodules(backend: str, normalization: str = "RMSNorm", qk_layernorm: bool = False) -> TransformerLayerSubmodules:
-    """The Pre-LN submodules for `backend` (Post-LN layers derive theirs from these)."""
+@dataclass(frozen=True)
+class BuilderFlag:
+    """How one argument of megatron's layer-submodule builder is filled.
+
+    field: the TransformerConfig field its value comes from (every flag megatron's own
+           get_gpt_decoder_layer_specs passes comes from the config); None: never passed.
+    note:  why, in a few words (rejections live in support.TABLE, keyed on the same field).
+    """
+
+    field: Optional[str]
+    note: str = ""
+
+
+# Every argument of megatron 0.19's get_gpt_layer_with_transformer_engine_submodules ("te") and
+# get_gpt_layer_local_submodules ("local"). tests/test_spec_drift.py compares these keys with the
+# builders' signatures, so a release with a new flag fails until it is handled here; a
+# release-compatibility module extends this table for other releases.
+_COMMON_FLAGS = {
+    "num_experts": BuilderFlag("num_moe_experts", "MoE: rejected by support.TABLE"),
+    "moe_grouped_gemm": BuilderFlag("moe_grouped_gemm", "only read with experts"),
+    "qk_layernorm": BuilderFlag("qk_layernorm", "passed through"),
+    "multi_latent_attention": BuilderFlag("multi_latent_attention", "MLA: rejected by support.TABLE"),
+    "fp8": BuilderFlag(None, "deprecated by megatron, unused"),
+    "qk_l2_norm": BuilderFlag("qk_l2_norm", "passed through (q/k L2Norm)"),
+    "use_kitchen": BuilderFlag("use_kitchen", "passed through; Post-LN rejected by support.TABLE"),
+    "use_kitchen_attention": BuilderFlag("use_kitchen_attention", "passed through (with use_kitchen)"),
+    "kitchen_attention_backend": BuilderFlag("kitchen_attention_backend", "passed through (with use_kitchen)"),
+}
+BUILDER_FLAGS = {
+    "te": {
+        **_COMMON_FLAGS,
+        "use_te_op_fuser": BuilderFlag("use_transformer_engine_op_fuser", "rejected by support.TABLE"),
+        "use_te_activation_func": BuilderFlag("use_te_activation_func", "passed through (TE activation)"),
+        "mla_down_proj_fusion": BuilderFlag("mla_down_proj_fusion", "only read with MLA (MLATransformerConfig)"),
+        "use_grouped_gemm_for_dense_mlp": BuilderFlag(
+            "use_grouped_gemm_for_dense_mlp", "only read with use_te_op_fuser"),
+    },
+    "local": {
+        **_COMMON_FLAGS,
+        "normalization": BuilderFlag("normalization", "passed through (norms replaced by MixLNNorm)"),
+    },
+}
+
+
+def builder(backend: str):
+    """megatron's layer-submodule builder for `backend`."""
     check_backend(backend)
+    return get_gpt_layer_with_transformer_engine_submodules if backend == "te" else get_gpt_layer_local_submodules
+
+
+def builder_kwargs(backend: str, config) -> dict:
+    """The builder's arguments, each from its TransformerConfig field (absent fields: the default)."""
+    return {flag: getattr(config, h.field) for flag, h in BUILDER_FLAGS[check_backend(backend)].items()
+            if h.field is not None and hasattr(config, h.field)}
+
+
+def layer_submodules(backend: str, normalization: str = "RMSNorm", qk_layernorm: bool = False,
+                     config=None) -> TransformerLayerSubmodules:
+    """The Pre-LN submodules for `backend`: megatron's stock builder called with the config's flags
+    (Post-LN layers derive theirs from these). Without a config only normalization and
+    qk_layernorm are set, the rest keep megatron's defaults."""
+    check_backend(backend)
+    if config is not None:
+        config = getattr(config, "transformer", config)
+        normalization = getattr(config, "normalization", normalization)
+        kwargs = builder_kwargs(backend, config)
+    else:
+        kwargs = {"qk_layernorm": qk_layernorm}
     if normalization not in ("RMSNorm", "LayerNorm"):
         raise ValueError(f"Mix-LN supports normalization RMSNorm or LayerNorm, got {normalization!r}")
     if backend == "te":
         require_te("The Mix-LN TE spec")
         # TE's norms read config.normalization themselves (RMSNorm or LayerNorm).
-        return get_gpt_layer_with_transformer_engine_submodules(qk_layernorm=qk_layernorm)
-    subs = get_gpt_layer_local_submodules(normalization=normalization, qk_layernorm=qk_layernorm)
+        return builder("te")(**kwargs)
+    kwargs["normalization"] = normalization
+    subs = builder("local")(**kwargs)
+    # megatron's local norm refuses sequence parallelism; MixLNNorm supports it (same keys).
     subs.input_layernorm = MixLNNorm
     subs.pre_mlp_layernorm = MixLNNorm
     return subs
+
+
+def backend_of_norm(norm_cls) -> Optional[str]:
+    """"local" or "te" for the norm class a Mix-LN spec uses for N1/N2 (None: neither)."""
+    if isinstance(norm_cls, type) and issubclass(norm_cls, MixLNNorm):
+        return "local"
+    if have_te():
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        if norm_cls is TENorm:
+            return "te"
+    return None
+
+
+# ---------------------------------------------------------------- Post-LN linears (TE)
+def post_ln_linear(linear_cls):
+    """The Post-LN counterpart of a fused norm+linear class: the norm moves after the residual
+    add, so TE's LayerNorm+Linear becomes its plain column-parallel linear (which honours the
+    tp_comm_overlap_disable_* switches, see overlap_config). Other classes stay as they are."""
+    try:
+        from megatron.core.extensions import transformer_engine as te_ext
+    except ImportError:  # pragma: no cover - megatron without the TE extension module
+        return linear_cls
+    if te_ext.HAVE_TE and isinstance(linear_cls, type) and issubclass(
+        linear_cls, te_ext.TELayerNormColumnParallelLinear
+    ):
+        return _honouring_overlap_switches(te_ext.TEColumnParallelLinear)
+    return linear_cls
+
+
+def overlap_config(config, tp_comm_buffer_name: Optional[str]):
+    """The config a Post-LN qkv / fc1 linear is built with.
+
+    megatron's fused TELayerNormColumnParallelLinear turns its userbuffer overlap off when
+    tp_comm_overlap_disable_qkv / _fc1 says so; the plain TE linear ignores those switches. A
+    shallow copy with tp_comm_overlap off gives the plain linear the same answer (no userbuffer
+    overlap for that GEMM) without touching the config other modules share.
+    """
+    if (
+        getattr(config, "tp_comm_overlap", False)
+        and tp_comm_buffer_name in ("qkv", "fc1")
+        and getattr(config, f"tp_comm_overlap_disable_{tp_comm_buffer_name}", False)
+    ):
+        config = copy.copy(config)
+        config.tp_comm_overlap = False
+    return config
+
+
+@functools.lru_cache(maxsize=None)
+def _honouring_overlap_switches(base: type) -> type:
+    class MixLNPostLNColumnParallelLinear(base):
+        """Post-LN qkv / fc1: the plain TE column-parallel linear, overlap switches honoured."""
+
+        def __init__(self, *args, config, tp_comm_buffer_name=None, **kwargs):
+            super().__init__(*args, config=overlap_config(config, tp_comm_buffer_name),
+                             tp_comm_buffer_name=tp_comm_buffer_name, **kwargs)
+
+    return MixLNPostLNColumnParallelLinear
 
 
 def norm_class(backend: str):

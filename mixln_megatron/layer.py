@@ -46,6 +46,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.utils import get_pg_rank, make_viewless_tensor
 
 from . import advice, backends
+from .support import MixLNUnsupportedError, check_supported  # noqa: F401  (re-exported)
 from . import checkpoint as mixln_checkpoint
 from .placement import MixLNSettings, Placement, resolve_placement
 
@@ -66,63 +67,13 @@ POST_LN_KEYS_MAP = {
 POST_LN_NORM_NAMES = ("post_attention_layernorm", "post_mlp_layernorm")
 
 
-class MixLNUnsupportedError(NotImplementedError):
-    """A configuration the Mix-LN layer does not support (yet); the message says why."""
-
-
-def check_supported(config) -> None:
-    """Reject, with the reason, configurations the Mix-LN layer would build wrongly."""
-    if getattr(config, "num_moe_experts", None):
-        raise MixLNUnsupportedError(
-            "Mix-LN layers do not support MoE yet (num_moe_experts is set): the MoE layer owns its "
-            "pre-MLP norm and routing, and a Post-LN MoE layer is not defined by the paper"
-        )
-    if getattr(config, "multi_latent_attention", False):
-        raise MixLNUnsupportedError(
-            "Mix-LN layers do not support multi-latent attention (MLA) yet: MLA fuses the input "
-            "norm into its down-projections, so a Post-LN MLA layer needs its own design"
-        )
-    if getattr(config, "experimental_attention_variant", None):
-        raise MixLNUnsupportedError(
-            f"Mix-LN layers do not support experimental_attention_variant="
-            f"{config.experimental_attention_variant!r}"
-        )
-    if getattr(config, "use_te_op_fuser", False):
-        raise MixLNUnsupportedError(
-            "use_te_op_fuser is not supported: TE's fused MLP owns the pre-MLP norm, which a "
-            "Post-LN layer must apply after the residual add instead"
-        )
-    if getattr(config, "inference_fuse_tp_communication", False):
-        raise MixLNUnsupportedError(
-            "inference_fuse_tp_communication is not supported: it fuses the residual add with the "
-            "next layer's input norm, which does not exist in a Post-LN layer"
-        )
-    if getattr(config, "heterogeneous_block_specs", False):
-        raise MixLNUnsupportedError("heterogeneous block specs are not supported by Mix-LN layers")
-
-
-def _plain_linear_for(linear_cls):
-    """The Post-LN counterpart of a fused norm+linear class (the norm moves after the add)."""
-    try:
-        from megatron.core.extensions.transformer_engine import (
-            HAVE_TE,
-            TEColumnParallelLinear,
-            TELayerNormColumnParallelLinear,
-        )
-    except ImportError:  # pragma: no cover - megatron without the TE extension module
-        return linear_cls
-    if HAVE_TE and isinstance(linear_cls, type) and issubclass(linear_cls, TELayerNormColumnParallelLinear):
-        return TEColumnParallelLinear
-    return linear_cls
-
-
 def _without_fused_norm(spec):
     """Copy of an attention / MLP spec with any fused norm+linear replaced by a plain linear."""
     if isinstance(spec, functools.partial):  # MLP.as_mlp_submodule builders (megatron 0.19)
         subs = spec.keywords.get("submodules")
         if subs is None or not hasattr(subs, "linear_fc1"):
             return spec
-        new_subs = dataclasses.replace(subs, linear_fc1=_plain_linear_for(subs.linear_fc1))
+        new_subs = dataclasses.replace(subs, linear_fc1=backends.post_ln_linear(subs.linear_fc1))
         return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": new_subs})
     if isinstance(spec, ModuleSpec) and spec.submodules is not None and dataclasses.is_dataclass(spec.submodules):
         field = "linear_qkv" if hasattr(spec.submodules, "linear_qkv") else (
@@ -130,9 +81,10 @@ def _without_fused_norm(spec):
         if field is None:
             return spec
         new_subs = dataclasses.replace(
-            spec.submodules, **{field: _plain_linear_for(getattr(spec.submodules, field))}
+            spec.submodules, **{field: backends.post_ln_linear(getattr(spec.submodules, field))}
         )
-        return ModuleSpec(module=spec.module, params=dict(spec.params), submodules=new_subs)
+        # replace() keeps every other field of the spec (metainfo included)
+        return dataclasses.replace(spec, params=dict(spec.params), submodules=new_subs)
     return spec
 
 
@@ -145,6 +97,22 @@ def post_ln_submodules(submodules: TransformerLayerSubmodules) -> TransformerLay
         self_attention=_without_fused_norm(submodules.self_attention),
         mlp=_without_fused_norm(submodules.mlp),
         sharded_state_dict_keys_map=dict(POST_LN_KEYS_MAP),
+    )
+
+
+def _check_extra_state_empty(key: str, item) -> None:
+    """A Post-LN norm's `_extra_state` is dropped from sharded checkpoints; refuse to drop state."""
+    state = getattr(item, "data", item)
+    if state is None or (torch.is_tensor(state) and state.numel() == 0):
+        return
+    if isinstance(state, (bytes, bytearray, dict, list, tuple)) and len(state) == 0:
+        return
+    if hasattr(state, "getbuffer") and state.getbuffer().nbytes == 0:  # io.BytesIO
+        return
+    raise RuntimeError(
+        f"{key} is not empty ({type(state).__name__}); Mix-LN drops a Post-LN norm's extra state "
+        "from sharded checkpoints (torch_dist stacks it over all layers), which would lose it. "
+        "Save without fp8 state in the norms, or report this configuration to mixln_megatron"
     )
 
 
@@ -170,7 +138,6 @@ class MixLNTransformerLayer(TransformerLayer):
         post_ln_norm=None,
         **kwargs,
     ):
-        check_supported(config)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         # Same global numbering TransformerLayer computes, needed before its __init__ builds modules.
@@ -185,6 +152,7 @@ class MixLNTransformerLayer(TransformerLayer):
         # reaches this class it stays Pre-LN rather than being numbered into the Post-LN group.
         self.is_post_ln = (not is_mtp_layer) and self.placement.is_post_ln(global_number)
         self.norm_output_scale = 1.0 if is_mtp_layer else self.placement.norm_output_scale(global_number)
+        check_supported(config, backend=backends.backend_of_norm(post_ln_norm), post_ln=self.is_post_ln)
         if self.is_post_ln:
             if post_ln_norm is None:
                 raise ValueError(
@@ -241,6 +209,26 @@ class MixLNTransformerLayer(TransformerLayer):
         # Pipeline send and activation checkpointing need a view-less tensor.
         return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
 
+    # ---------------------------------------------------------------- CUDA graphs
+    def _get_submodules_under_cudagraphs(self):
+        """Add N1 / N2 to the modules a scoped CUDA graph covers.
+
+        megatron lists the input, attention, pre-MLP norm and MLP per scope; a Post-LN layer runs
+        N1 inside the attention path and N2 inside the MLP path, so their parameters must be in
+        the list too (DDP's pre-replay hooks wait for their all-gather only if they are).
+        """
+        submodules = super()._get_submodules_under_cudagraphs()
+        if not self.is_post_ln or not self.config.cuda_graph_modules:
+            return submodules  # unscoped: megatron lists the whole layer
+        scoped = [
+            (self.self_attention, self.post_attention_layernorm),  # N1 follows attention
+            (self.mlp, self.post_mlp_layernorm),  # N2 follows the MLP
+        ]
+        return submodules + [
+            norm for block, norm in scoped
+            if any(m is block for m in submodules) and not any(m is norm for m in submodules)
+        ]
+
     # ---------------------------------------------------------------- checkpoints
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
@@ -249,6 +237,7 @@ class MixLNTransformerLayer(TransformerLayer):
             # and torch_dist stacks every per-layer key over all layers, so it must not appear.
             for key in [k for k in sharded if k.endswith("_extra_state")]:
                 if any(key.startswith(f"{prefix}{name}.") for name in POST_LN_NORM_NAMES):
+                    _check_extra_state_empty(key, sharded[key])
                     del sharded[key]
         mixln_checkpoint.add_settings_record(self, sharded, prefix, metadata)
         return sharded

@@ -41,6 +41,7 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .. import support
 from . import UnsupportedModelError
 
 # ---------------------------------------------------------------------------------------- keys
@@ -260,39 +261,9 @@ def _arg(args, *names, default=None):
     return default
 
 
-# (argument, predicate on its value, what is rejected): each names a feature Llama cannot express
-# or this conversion does not handle.
-_UNSUPPORTED_ARGS = (
-    ("num_experts", lambda v: bool(v), "MoE (--num-experts): Llama has no experts"),
-    ("multi_latent_attention", bool, "multi-latent attention (MLA, --multi-latent-attention)"),
-    ("mtp_num_layers", lambda v: bool(v), "multi-token prediction layers (--mtp-num-layers)"),
-    ("experimental_attention_variant", lambda v: v is not None, "an experimental attention variant"),
-    ("hybrid_layer_pattern", lambda v: bool(v), "a hybrid (Mamba) layer pattern"),
-    ("hybrid_override_pattern", lambda v: bool(v), "a hybrid (Mamba) layer pattern"),
-    ("heterogeneous_layers_config_path", lambda v: v is not None, "heterogeneous layers"),
-    ("heterogeneous_layers_config_encoded_json", lambda v: v is not None, "heterogeneous layers"),
-    ("qk_layernorm", bool, "QK layernorm (--qk-layernorm): Llama has no q/k norms"),
-    ("qk_l2_norm", bool, "QK L2 norm (--qk-l2-norm)"),
-    ("attention_output_gate", bool, "a gated attention output (--attention-output-gate)"),
-    ("softmax_type", lambda v: v not in (None, "vanilla"), "a non-vanilla softmax (--softmax-type)"),
-    ("window_size", lambda v: v is not None, "sliding-window attention (--window-size)"),
-    ("no_rope_freq", lambda v: v is not None, "NoPE layers (--no-rope-freq)"),
-    ("mrope_section", lambda v: v is not None, "multimodal RoPE (--mrope-section)"),
-    ("squared_relu", bool, "squared-ReLU MLP (--squared-relu): Llama uses SwiGLU"),
-    ("quick_geglu", bool, "quick-GeGLU MLP: Llama uses SwiGLU"),
-    ("mup_base_hidden_size", lambda v: v is not None, "muP scaling (--mup-base-hidden-size)"),
-    ("activation_func_clamp_value", lambda v: v is not None, "a clamped activation"),
-    ("apply_residual_connection_post_layernorm", bool,
-     "apply_residual_connection_post_layernorm (BERT-style residual)"),
-)
-
-
 def check_megatron_args_supported(args) -> None:
     """Raise UnsupportedModelError naming every feature of `args` that Llama cannot express."""
-    problems = []
-    for name, bad, what in _UNSUPPORTED_ARGS:
-        if hasattr(args, name) and bad(getattr(args, name)):
-            problems.append(f"{what} [{name}={getattr(args, name)!r}]")
+    problems = support.problems(args, support.CONVERT)  # the features in mixln_megatron.support.TABLE
     normalization = _arg(args, "normalization", default="LayerNorm")
     if normalization != "RMSNorm":
         problems.append(f"normalization {normalization!r}: Llama uses RMSNorm [--normalization RMSNorm]")

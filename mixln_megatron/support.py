@@ -1,0 +1,142 @@
+"""Which configurations Mix-LN does not support, and why: one declarative table.
+
+Each row names a TransformerConfig field followed by its Megatron-LM argument aliases (a config
+and an argparse Namespace are both checked by name), the reason, and who rejects it:
+
+    layer     the Mix-LN layer and the decoder spec, at model build (`post_ln_only` rows only for
+              Post-LN layers, which are the ones that cannot honour them)
+    pretrain  the `mixln-megatron pretrain` entry point, on the parsed arguments, before building
+    convert   the Megatron -> Hugging Face converter (Llama cannot express the feature)
+    analysis  the checkpoint loader of the analysis tools
+
+A row with `backend` applies only with that backend ("te" or "local"); callers that do not know
+the backend (converter, analysis) skip such rows. Megatron releases with other field names extend
+the aliases here, not the callers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from .errors import MixLNError
+
+LAYER, PRETRAIN, CONVERT, ANALYSIS = "layer", "pretrain", "convert", "analysis"
+_BUILD = frozenset({LAYER, PRETRAIN, CONVERT, ANALYSIS})
+_TRAIN = frozenset({LAYER, PRETRAIN})
+
+
+class MixLNUnsupportedError(MixLNError, NotImplementedError):
+    """A configuration the Mix-LN layer does not support (yet); the message says why."""
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    names: tuple  # TransformerConfig field first, then Megatron-LM argument aliases
+    what: str  # the feature, with its Megatron-LM flag
+    why: str  # the reason, and what to do instead
+    where: frozenset
+    off: tuple = (None, False, 0)  # values that mean "feature not used"
+    backend: Optional[str] = None
+    post_ln_only: bool = False
+
+    def message(self, name: str, value) -> str:
+        scope = f" with the {self.backend} backend" if self.backend else ""
+        scope += " in Post-LN layers" if self.post_ln_only else ""
+        return f"{self.what} is not supported{scope}: {self.why} [{name}={value!r}]"
+
+
+def _row(names, what, why, where, **kw) -> Unsupported:
+    return Unsupported(tuple(names.split()), what, why, frozenset(where), **kw)
+
+
+_LLAMA = "the Hugging Face Llama export cannot express it"
+TABLE: tuple = (
+    _row("num_moe_experts num_experts", "MoE (--num-experts)",
+         "the MoE layer owns its pre-MLP norm and routing, a Post-LN MoE layer is not defined by "
+         "Mix-LN, and Llama has no experts; train a dense model", _BUILD),
+    _row("multi_latent_attention", "multi-latent attention (MLA, --multi-latent-attention)",
+         "MLA fuses the input norm into its down-projections, so a Post-LN MLA layer needs its "
+         "own design", _BUILD),
+    _row("experimental_attention_variant", "an experimental attention variant",
+         "Mix-LN layers are built on megatron's SelfAttention", _BUILD),
+    _row("heterogeneous_block_specs heterogeneous_layers_config_path "
+         "heterogeneous_layers_config_encoded_json", "heterogeneous layers",
+         "every Mix-LN layer is built from one spec", _BUILD),
+    _row("use_transformer_engine_op_fuser use_te_op_fuser",
+         "TE's op fuser (--use-transformer-engine-op-fuser)",
+         "TE's fused MLP owns the pre-MLP norm, which a Post-LN layer applies after the residual "
+         "add instead", _TRAIN),
+    _row("inference_fuse_tp_communication", "inference_fuse_tp_communication",
+         "it fuses the residual add with the next layer's input norm, which a Post-LN layer does "
+         "not have", _TRAIN),
+    _row("context_parallel_size", "context parallelism (--context-parallel-size > 1)",
+         "it needs TransformerEngine's attention; use the TE spec (mixln_layer_spec, "
+         "--transformer-impl transformer_engine)", _TRAIN, off=(None, 0, 1), backend="local"),
+    _row("use_te_activation_func", "use_te_activation_func (--use-te-activation-func)",
+         "megatron's local MLP has no TE activation module and would apply the plain activation "
+         "to the gated width; use the TE spec or drop the flag", _TRAIN, backend="local"),
+    _row("fp32_residual_connection", "fp32_residual_connection (--fp32-residual-connection)",
+         "the TE norm and plain TE linear of a Post-LN layer receive the fp32 residual stream "
+         "against bf16/fp16 weights, which TE refuses; drop the flag or use the local spec",
+         {LAYER}, backend="te", post_ln_only=True),
+    _row("use_kitchen", "use_kitchen (--kitchen-config-file / --use-kitchen)",
+         "Mix-LN maps only TransformerEngine's fused norm+linear to a plain linear, so a kitchen "
+         "Post-LN layer would keep a norm before attention", {LAYER}, post_ln_only=True),
+    _row("mtp_num_layers", "multi-token prediction (--mtp-num-layers)",
+         "the entry point and the converter build and map the decoder only", {PRETRAIN, CONVERT}),
+    _row("use_megatron_fsdp", "Megatron-FSDP (--use-megatron-fsdp)",
+         "use Megatron's DDP, optionally with --use-distributed-optimizer", {PRETRAIN}),
+    _row("hybrid_layer_pattern hybrid_override_pattern", "a hybrid (Mamba) layer pattern",
+         "Mix-LN models are GPT decoders", {CONVERT, ANALYSIS}, off=(None, False, 0, "")),
+    # Features the Mix-LN layer handles but the Llama export cannot express.
+    _row("qk_layernorm", "QK layernorm (--qk-layernorm)", "Llama has no q/k norms", {CONVERT}),
+    _row("qk_l2_norm", "QK L2 norm (--qk-l2-norm)", "Llama has no q/k norms", {CONVERT}),
+    _row("attention_output_gate", "a gated attention output (--attention-output-gate)", _LLAMA, {CONVERT}),
+    _row("softmax_type", "a non-vanilla softmax (--softmax-type)", _LLAMA, {CONVERT},
+         off=(None, "vanilla")),
+    _row("window_size", "sliding-window attention (--window-size)", _LLAMA, {CONVERT}, off=(None,)),
+    _row("no_rope_freq", "NoPE layers (--no-rope-freq)", _LLAMA, {CONVERT}, off=(None,)),
+    _row("mrope_section", "multimodal RoPE (--mrope-section)", _LLAMA, {CONVERT}, off=(None,)),
+    _row("squared_relu", "a squared-ReLU MLP (--squared-relu)", "Llama uses SwiGLU", {CONVERT}),
+    _row("quick_geglu", "a quick-GeGLU MLP", "Llama uses SwiGLU", {CONVERT}),
+    _row("mup_base_hidden_size", "muP scaling (--mup-base-hidden-size)", _LLAMA, {CONVERT}, off=(None,)),
+    _row("activation_func_clamp_value", "a clamped activation", _LLAMA, {CONVERT}, off=(None,)),
+    _row("apply_residual_connection_post_layernorm",
+         "apply_residual_connection_post_layernorm (BERT-style residual)", _LLAMA, {CONVERT}),
+)
+
+
+def _is_on(value, off: Sequence) -> bool:
+    try:
+        return value not in off  # `in` compares by ==, so 0 / False / 1 match as numbers
+    except Exception:  # a value that cannot be compared (e.g. a tensor) counts as set
+        return True
+
+
+def problems(obj, where: str, backend: Optional[str] = None, post_ln: bool = False) -> list:
+    """`<feature> is not supported...: <why> [name=value]` for every row of `where` that `obj` (config or arguments) turns on."""
+    found = []
+    for row in TABLE:
+        if where not in row.where or (row.post_ln_only and not post_ln):
+            continue
+        if row.backend is not None and row.backend != backend:
+            continue
+        for name in row.names:
+            if hasattr(obj, name) and _is_on(getattr(obj, name), row.off):
+                found.append(row.message(name, getattr(obj, name)))
+                break
+    return found
+
+
+def check(obj, where: str, backend: Optional[str] = None, post_ln: bool = False,
+          error=MixLNUnsupportedError) -> None:
+    """Raise `error` naming every unsupported feature of `obj`, in one line."""
+    found = problems(obj, where, backend=backend, post_ln=post_ln)
+    if found:
+        raise error("; ".join(found))
+
+
+def check_supported(config, backend: Optional[str] = None, post_ln: bool = False) -> None:
+    """The model-build check (layer and decoder spec); see TABLE."""
+    check(getattr(config, "transformer", config), LAYER, backend=backend, post_ln=post_ln)
