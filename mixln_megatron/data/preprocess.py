@@ -101,7 +101,10 @@ BAD_LINE_REASONS = {
 _MAX_EXAMPLES = 5
 
 
-class PreprocessError(Exception):
+from ..errors import MixLNError  # noqa: E402  (cli.main prints it in one line, exit 2)
+
+
+class PreprocessError(MixLNError):
     """A user-facing error (missing input, existing output, bad option...)."""
 
 
@@ -400,6 +403,17 @@ def _check_output(prefix: str, overwrite: bool) -> None:
             )
 
 
+def _sweep_stale(prefix: str) -> None:
+    """Remove what killed runs into `prefix` left; a run killed between its two renames left its
+    .idx temporary and a lone <prefix>.bin, which goes too (a .bin without .idx is unusable)."""
+    handled = sweep_stale(prefix, suffixes=(".bin", ".idx"))
+    bin_path, idx_path = _paths(prefix)
+    half = [n for n in handled if n.endswith(".idx") and n[:-4] + ".bin" not in handled]
+    if half and os.path.exists(bin_path) and not os.path.lexists(idx_path):
+        os.remove(bin_path)
+        print(f"[mixln_megatron] removed {bin_path}: the run that wrote it was killed before its .idx", file=sys.stderr)
+
+
 def _remove(path: str) -> None:
     try:
         os.remove(path)
@@ -591,8 +605,8 @@ def preprocess_files(
         raise PreprocessError("workers and chunk size must be at least 1")
     output_prefix = os.fspath(output_prefix)
     check_separate(inputs, _paths(output_prefix), PreprocessError)  # never write over an input file
+    _sweep_stale(output_prefix)
     _check_output(output_prefix, overwrite)
-    sweep_stale(output_prefix, suffixes=(".bin", ".idx"))
     spec = _resolve_tokenizer(tokenizer)
     stats = PreprocessStats(output_prefix=output_prefix)
     total = sum(os.path.getsize(p) for p in inputs)
@@ -618,8 +632,8 @@ def build_from_documents(
 ) -> PreprocessStats:
     """In-memory documents (one str each, used as they are) -> `<output_prefix>.bin/.idx`."""
     output_prefix = os.fspath(output_prefix)
+    _sweep_stale(output_prefix)
     _check_output(output_prefix, overwrite)
-    sweep_stale(output_prefix, suffixes=(".bin", ".idx"))
     spec = _resolve_tokenizer(tokenizer)
     stats = PreprocessStats(output_prefix=output_prefix)
 
