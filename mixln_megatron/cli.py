@@ -6,13 +6,17 @@
     mixln-megatron analyze grad-norms | angular-distance | layer-drop | train-health ...
     mixln-megatron placement --num-layers L [--alpha A | --post-ln-layers P]
 
-Each sub-command's module is imported only when it runs, so `--help` stays fast.
+Each sub-command's module is imported only when it runs, so `--help` stays fast. A user error
+(any mixln_megatron.errors.MixLNError: a bad setting, an unsupported configuration, a refused
+conversion) ends the command with one line on stderr and exit status 2, never a traceback.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+
+from .errors import MixLNError, one_line
 
 COMMANDS = {
     "pretrain": ("mixln_megatron.pretrain", "Pretrain with Megatron-LM's training loop (Mix-LN spec, --mixln-* flags)."),
@@ -32,7 +36,8 @@ def _usage() -> str:
 def placement_main(argv=None) -> int:
     import argparse
 
-    from .placement import MixLNSettings, resolve_placement
+    from .placement import resolve_placement
+    from .settings import MixLNSettings
 
     parser = argparse.ArgumentParser(prog="mixln-megatron placement", description="Show the Post-LN layers.")
     parser.add_argument("--num-layers", type=int, required=True)
@@ -41,7 +46,8 @@ def placement_main(argv=None) -> int:
     group.add_argument("--post-ln-layers", type=int)
     parser.add_argument("--scheme", type=str)
     args = parser.parse_args(argv)
-    settings = MixLNSettings(alpha=args.alpha, post_ln_layers=args.post_ln_layers, scheme=args.scheme)
+    settings = MixLNSettings(alpha=args.alpha, post_ln_layers=args.post_ln_layers, scheme=args.scheme,
+                             sources={"alpha": "--alpha", "post_ln_layers": "--post-ln-layers", "scheme": "--scheme"})
     print(resolve_placement(args.num_layers, settings).describe())
     return 0
 
@@ -55,6 +61,14 @@ def main(argv=None) -> int:
     if command not in COMMANDS:
         print(f"mixln-megatron: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    try:
+        return _run(command, rest)
+    except MixLNError as error:
+        print(f"mixln-megatron {command}: error: {one_line(error)}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _run(command: str, rest: list) -> int:
     if command == "placement":
         return placement_main(rest)
     module = importlib.import_module(COMMANDS[command][0])

@@ -205,7 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)  # each run is its own single-process group
     for var in [v for v in env if v.startswith("MIXLN_")]:
-        env.pop(var)  # the flags below are the whole Mix-LN configuration
+        env.pop(var)  # the flags below are the whole Mix-LN configuration (the entry point reads no MIXLN_*)
 
     common = [*MODEL_FLAGS, *training_flags(args.iters, args.eval_interval)]
     commands, loss_logs, telemetry = {}, {}, {}
@@ -215,10 +215,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if os.path.exists(loss_logs[name]):
             os.remove(loss_logs[name])
         data = data_flags(prefix, tokenizer_dir(), os.path.join(out, name, "cache"))
+        telemetry[name] = os.path.join(out, name, "mixln_telemetry.jsonl")
         commands[name] = [sys.executable, "-m", "mixln_megatron.pretrain", "--cpu", *common, *data,
                           "--mixln-alpha", alpha, "--loss-log", loss_logs[name],
-                          "--mixln-telemetry-interval", str(telemetry_interval)]
-        telemetry[name] = os.path.join(out, name, "mixln_telemetry.jsonl")
+                          "--mixln-telemetry-interval", str(telemetry_interval),
+                          "--mixln-telemetry-path", telemetry[name]]
         if os.path.exists(telemetry[name]):
             os.remove(telemetry[name])  # records are appended
     timings = {}
@@ -226,14 +227,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.sequential:
         for name, alpha in RUNS:
             print(f"demo: training {name} (--mixln-alpha {alpha}), {args.iters} iterations ...", flush=True)
-            timings[name] = _Run(name, commands[name], os.path.join(out, name, "train.log"),
-                                 {**env, "MIXLN_TELEMETRY_PATH": telemetry[name]}).wait()
+            timings[name] = _Run(name, commands[name], os.path.join(out, name, "train.log"), env).wait()
     else:
         # Both runs at once, one core each: on a small CPU this beats two threads per run in turn.
         print(f"demo: training {' and '.join(f'{n} (--mixln-alpha {a})' for n, a in RUNS)} side by side, "
               f"{args.iters} iterations each ...", flush=True)
-        runs = [_Run(name, commands[name], os.path.join(out, name, "train.log"),
-                     {**env, "MIXLN_TELEMETRY_PATH": telemetry[name]}) for name, _ in RUNS]
+        runs = [_Run(name, commands[name], os.path.join(out, name, "train.log"), env) for name, _ in RUNS]
         for run in runs:
             timings[run.name] = run.wait()
     cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -8,10 +8,11 @@ How it plugs in
 
   * megatron-core users: `install_spike_scaler(model_chunks, config, optimizer)`.
   * stock Megatron-LM (core 0.19+, whose training.py keeps a finalize hook that is already set):
-    MIXLN_SPIKE_SCALER=1 (or --mixln-spike-scaler through megatron_args) and the Mix-LN spec.
-    `install_from_spec`, called by spec.get_mixln_decoder_block_spec, installs the hook on the
-    model's config and swaps the layer class for SpikeScalerLayer, which only adds the state
-    holder (for checkpoints) to each layer. Megatron-LM itself is not patched. The optimizer is
+    MIXLN_SPIKE_SCALER=1 (or --mixln-spike-scaler) and the Mix-LN spec. The settings enable
+    SpikeScalerLayer in the spec (plain data), and `install_on_config`, called by
+    training_hooks.install_training_hooks before the model is built, installs the hook on the
+    model's config; each SpikeScalerLayer then adds the state holder (for checkpoints) to
+    itself. Megatron-LM itself is not patched. The optimizer is
     found at the hook's first call through `config.grad_scale_func` (Megatron-LM sets it to the
     optimizer's bound `scale_loss`).
 
@@ -82,7 +83,8 @@ import torch
 
 from .ddp_shards import owned_range
 from .layer import MixLNTransformerLayer
-from .placement import Placement, resolve_placement
+from .placement import Placement
+from .settings import SPIKE_FIELDS
 from .spike import ResolvedSpikeSettings, SpikeSettings, SpikeState, resolve_spike_settings, target_layers
 
 logger = logging.getLogger(__name__)
@@ -98,7 +100,7 @@ __all__ = [
     "SpikeScalerLayer",
     "SpikeStateHolder",
     "get_spike_scaler",
-    "install_from_spec",
+    "install_on_config",
     "install_spike_scaler",
     "norm_parameters",
     "remove_spike_scaler",
@@ -729,8 +731,8 @@ def install_spike_scaler(model_chunks, config=None, optimizer=None, settings=Non
     """Enable the gradient-spike scaler on a megatron-core model (list of DDP-wrapped chunks).
 
     settings: a mixln_megatron.spike.SpikeSettings or dict (threshold, beta, warmup_steps, targets,
-    log_interval); unset fields come from MIXLN_SPIKE_* variables, then the defaults. Keyword
-    overrides are merged into it. Calling this enables the scaler whatever MIXLN_SPIKE_SCALER says.
+    log_interval); unset fields take the defaults. Keyword overrides are merged into it. Calling
+    this enables the scaler whatever settings.enabled says.
     optimizer: the megatron optimizer whose step() decides whether a step's decisions are kept;
     without it the scaler looks for `config.grad_scale_func.__self__` at its first call.
     Install before loading a checkpoint, so the state is restored. Returns None (and installs
@@ -741,9 +743,7 @@ def install_spike_scaler(model_chunks, config=None, optimizer=None, settings=Non
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     config = getattr(config, "transformer", config) if config is not None else get_model_config(chunks[0])
     if isinstance(settings, SpikeSettings):
-        import dataclasses
-
-        settings = dataclasses.asdict(settings)
+        settings = {name: getattr(settings, name) for name in SPIKE_FIELDS}
     merged = {**(settings or {}), **overrides, "enabled": True}
     resolved = resolve_spike_settings(SpikeSettings(**merged))
     layers = list(_iter_mixln_layers(chunks))
@@ -771,31 +771,28 @@ def install_spike_scaler(model_chunks, config=None, optimizer=None, settings=Non
     return scaler
 
 
-def install_from_spec(config, layer_spec):
-    """Called by spec.get_mixln_decoder_block_spec. With MIXLN_SPIKE_SCALER=1 installs the hook on
-    the model's config (once) and returns the layer spec with SpikeScalerLayer; else `layer_spec`."""
-    settings = resolve_spike_settings(None)
-    if not settings.enabled:
-        return layer_spec
+def install_on_config(config, placement: Placement, settings: ResolvedSpikeSettings) -> Optional[SpikeScaler]:
+    """Install the hook on a model's config before the model is built (Megatron-LM's path; called
+    by training_hooks.install_training_hooks). Layers built from a spec with the scaler enabled
+    (SpikeScalerLayer) then attach their checkpoint holders. Idempotent (one call per VPP chunk).
+    Returns None, and announces it once, when the targets are the boundary and there is none."""
     config = getattr(config, "transformer", config)
-    placement = resolve_placement(config.num_layers, layer_spec.params.get("mixln_settings"))
     if not target_layers(settings.targets, placement):
         if not getattr(config, "_mixln_spike_disabled_announced", False):
             _announce(f"[mixln_megatron] gradient-spike scaler disabled: the model has no Post/Pre-LN "
                       f"boundary (P={placement.post_ln_layers}, L={placement.num_layers})")
             config._mixln_spike_disabled_announced = True
-        return layer_spec
-    if get_spike_scaler(config) is None:
+        return None
+    scaler = get_spike_scaler(config)
+    if scaler is None:
         scaler = SpikeScaler(settings, placement, config)
         _install_hook(config, scaler)
         _announce(scaler.describe())
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    return ModuleSpec(module=SpikeScalerLayer, params=dict(layer_spec.params), submodules=layer_spec.submodules)
+    return scaler
 
 
 class SpikeScalerLayer(MixLNTransformerLayer):
-    """MixLNTransformerLayer plus the spike-scaler state holder (from install_from_spec)."""
+    """MixLNTransformerLayer that joins the spike scaler installed on its config (install_on_config)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

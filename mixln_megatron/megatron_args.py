@@ -1,34 +1,39 @@
-"""The `--mixln-*` command-line flags for Megatron-LM's argument parser.
+"""The `--mixln-*` command-line flags for Megatron-LM's argument parser, and the settings they make.
 
 Used by the project's entry point (`mixln-megatron pretrain`, as an `extra_args_provider`) and by
-the patch in patches/ that adds the same flags to a Megatron-LM checkout. After parsing,
-`apply_mixln_args(args)` validates the values and hands them to the plugin through the same
-MIXLN_* environment the spec reads, so a flag always wins over a variable inherited from the
-launcher and every rank resolves the same settings.
+the patch in patches/ that adds the same flags to a Megatron-LM checkout. `settings_from_args`
+turns parsed flags into a MixLNSettings whose sources are the flags' names (`--mixln-alpha`);
+nothing is exported to the environment. The entry point passes that object to the spec it
+builds; on a patched checkout the `--spec` functions read the flags from Megatron-LM's global
+args (see spec.settings_for_spec).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-from typing import MutableMapping, Optional
+from typing import Optional
 
-from .placement import (
-    ENV_ALPHA,
-    ENV_POST_LN_LAYERS,
-    ENV_SCHEME,
-    SCHEMES,
-    MixLNConfigError,
-    MixLNSettings,
-)
+from .errors import MixLNConfigError
+from .settings import CHECKPOINT, SCHEMES, MixLNSettings, SpikeSettings, TelemetrySettings
 
-# Spike scaler (mixln_megatron.spike): environment names shared with the flags below.
-ENV_SPIKE = "MIXLN_SPIKE_SCALER"
-ENV_SPIKE_THRESHOLD = "MIXLN_SPIKE_THRESHOLD"
-ENV_SPIKE_BETA = "MIXLN_SPIKE_BETA"
-ENV_SPIKE_WARMUP = "MIXLN_SPIKE_WARMUP_STEPS"
-ENV_SPIKE_TARGETS = "MIXLN_SPIKE_TARGETS"
-ENV_TELEMETRY_INTERVAL = "MIXLN_TELEMETRY_INTERVAL"
+# settings field -> the flag that sets it (the name the build line and errors show)
+PLACEMENT_FLAGS = {
+    "alpha": "--mixln-alpha",
+    "post_ln_layers": "--mixln-post-ln-layers",
+    "scheme": "--mixln-scheme",
+}
+SPIKE_FLAGS = {
+    "enabled": "--mixln-spike-scaler",
+    "threshold": "--mixln-spike-threshold",
+    "beta": "--mixln-spike-beta",
+    "warmup_steps": "--mixln-spike-warmup-steps",
+    "targets": "--mixln-spike-targets",
+}
+TELEMETRY_FLAGS = {"interval": "--mixln-telemetry-interval", "path": "--mixln-telemetry-path"}
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
 
 
 def add_mixln_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -69,41 +74,57 @@ def add_mixln_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "mixln_megatron.telemetry). Written to TensorBoard/W&B when configured and to "
         "<save>/mixln_telemetry.jsonl.",
     )
+    group.add_argument(
+        "--mixln-telemetry-path", type=str, default=None,
+        help="Write the telemetry JSONL here instead of <save>/mixln_telemetry.jsonl.",
+    )
     return parser
 
 
-def apply_mixln_args(args, environ: Optional[MutableMapping[str, str]] = None) -> MixLNSettings:
-    """Validate the parsed flags and export them to the MIXLN_* environment. Returns the settings.
+def has_mixln_args(args) -> bool:
+    """Whether `args` came from a parser with the --mixln-* flags (entry point or patch 0001)."""
+    return hasattr(args, "mixln_alpha")
 
-    Flags win over inherited variables: giving --mixln-alpha clears MIXLN_POST_LN_LAYERS and the
-    other way round.
-    """
-    env = os.environ if environ is None else environ
+
+def settings_from_args(args) -> MixLNSettings:
+    """MixLNSettings from parsed --mixln-* flags; each value's source is its flag's name."""
     alpha = getattr(args, "mixln_alpha", None)
     post = getattr(args, "mixln_post_ln_layers", None)
-    scheme = getattr(args, "mixln_scheme", None)
     if alpha is not None and post is not None:
         raise MixLNConfigError(
             f"--mixln-alpha {alpha} and --mixln-post-ln-layers {post} were both given; pass one"
         )
-    settings = MixLNSettings(alpha=alpha, post_ln_layers=post, scheme=scheme)  # validates
-    if alpha is not None:
-        env[ENV_ALPHA] = str(alpha)
-        env.pop(ENV_POST_LN_LAYERS, None)
-    if post is not None:
-        env[ENV_POST_LN_LAYERS] = str(post)
-        env.pop(ENV_ALPHA, None)
-    if scheme is not None:
-        env[ENV_SCHEME] = scheme
-    spike_flags = {
-        ENV_SPIKE: getattr(args, "mixln_spike_scaler", None),
-        ENV_SPIKE_THRESHOLD: getattr(args, "mixln_spike_threshold", None),
-        ENV_SPIKE_BETA: getattr(args, "mixln_spike_beta", None),
-        ENV_SPIKE_WARMUP: getattr(args, "mixln_spike_warmup_steps", None),
-        ENV_SPIKE_TARGETS: getattr(args, "mixln_spike_targets", None),
-        ENV_TELEMETRY_INTERVAL: getattr(args, "mixln_telemetry_interval", None),
-    }
-    for name, value in spike_flags.items():
-        if value is not None:
-            env[name] = "1" if value is True else str(value)
-    return settings
+    spike = {name: getattr(args, _dest(flag), None) for name, flag in SPIKE_FLAGS.items()}
+    return MixLNSettings(
+        **{name: getattr(args, _dest(flag), None) for name, flag in PLACEMENT_FLAGS.items()},
+        spike=SpikeSettings(**spike, sources=SPIKE_FLAGS),
+        telemetry=TelemetrySettings(
+            **{name: getattr(args, _dest(flag), None) for name, flag in TELEMETRY_FLAGS.items()},
+            sources=TELEMETRY_FLAGS,
+        ),
+        sources=PLACEMENT_FLAGS,
+    )
+
+
+def settings_from_checkpoint_args(checkpoint_args) -> Optional[MixLNSettings]:
+    """The placement a checkpoint's saved args carry (from-hf writes mixln_post_ln_layers), or None."""
+    if checkpoint_args is None:
+        return None
+    post = getattr(checkpoint_args, "mixln_post_ln_layers", None)
+    alpha = None if post is not None else getattr(checkpoint_args, "mixln_alpha", None)
+    scheme = getattr(checkpoint_args, "mixln_scheme", None)
+    if post is None and alpha is None and scheme is None:
+        return None
+    return MixLNSettings(
+        alpha=alpha, post_ln_layers=post, scheme=scheme,
+        sources={"alpha": CHECKPOINT, "post_ln_layers": CHECKPOINT, "scheme": CHECKPOINT},
+    )
+
+
+def apply_mixln_args(args) -> MixLNSettings:
+    """Check the parsed flags (patch 0001 calls this right after parsing). Returns the settings.
+
+    Exports nothing: the settings reach the spec as an object (entry point) or through
+    Megatron-LM's global args (patched checkout, spec.settings_for_spec).
+    """
+    return settings_from_args(args)

@@ -3,8 +3,9 @@
 Megatron-LM's own training loop (`megatron.training.pretrain`, shipped in the megatron-core
 wheel) with this project's pieces plugged in:
   - arguments: every Megatron-LM flag, plus the --mixln-* flags (megatron_args.add_mixln_args,
-    exported to the MIXLN_* environment by apply_mixln_args) and the few flags of this entry
-    point (--cpu, --loss-log);
+    turned into one MixLNSettings by run_settings: flags > the checkpoint's args with
+    --use-checkpoint-args > defaults; the MIXLN_* environment is not read here) and the few
+    flags of this entry point (--cpu, --loss-log);
   - model: megatron.core's GPTModel over get_mixln_decoder_block_spec (TransformerEngine modules
     with --transformer-impl transformer_engine, megatron's local modules otherwise);
   - data: GPTDataset over Megatron indexed datasets (--data-path / --split, or the per-split
@@ -54,13 +55,15 @@ from typing import Optional, Sequence
 
 import torch
 
-from .megatron_args import add_mixln_args, apply_mixln_args
-
-ENV_CPU = "MIXLN_CPU"
+from . import env_settings, support
+from .errors import MixLNError, one_line
+from .megatron_args import add_mixln_args, settings_from_args, settings_from_checkpoint_args
+from .placement import resolve_placement
+from .settings import MixLNSettings, layered
 HELPERS_MODULE = "megatron.core.datasets.helpers_cpp"
 
 
-class MixLNPretrainUnsupported(ValueError):
+class MixLNPretrainUnsupported(MixLNError, ValueError):
     """A run configuration this entry point does not support with Mix-LN (yet)."""
 
 
@@ -124,8 +127,7 @@ def _cpu_flags_text():
 
 
 def cpu_requested(argv: Sequence[str], environ=None) -> bool:
-    env = os.environ if environ is None else environ
-    return "--cpu" in argv or env.get(ENV_CPU, "").strip().lower() in ("1", "true", "yes", "on")
+    return "--cpu" in argv or env_settings.cpu_requested(environ)
 
 
 def with_cpu_flags(argv: Sequence[str]) -> list:
@@ -137,23 +139,7 @@ def with_cpu_flags(argv: Sequence[str]) -> list:
 
 def check_supported_args(args) -> None:
     """Reject the configurations Mix-LN does not support yet, before anything is built."""
-    if getattr(args, "use_megatron_fsdp", False):
-        raise MixLNPretrainUnsupported(
-            "Megatron-FSDP (--use-megatron-fsdp) is not supported with Mix-LN yet; use Megatron's "
-            "DDP, optionally with --use-distributed-optimizer"
-        )
-    if getattr(args, "context_parallel_size", 1) > 1 and backend_from_args(args) == "local":
-        raise MixLNPretrainUnsupported(
-            "context parallelism (--context-parallel-size > 1) is not supported with the local "
-            "backend (--transformer-impl local) yet: it needs TransformerEngine's attention; use "
-            "--transformer-impl transformer_engine"
-        )
-    if getattr(args, "mtp_num_layers", None):
-        raise MixLNPretrainUnsupported(
-            "multi-token prediction (--mtp-num-layers) is not supported by mixln-megatron pretrain"
-        )
-    if getattr(args, "num_experts", None):
-        raise MixLNPretrainUnsupported("MoE (--num-experts) is not supported with Mix-LN yet")
+    support.check(args, support.PRETRAIN, backend=backend_from_args(args), error=MixLNPretrainUnsupported)
     if getattr(args, "spec", None):
         raise MixLNPretrainUnsupported(
             f"--spec {' '.join(args.spec)}: this entry point always builds the Mix-LN spec (configure it "
@@ -256,22 +242,49 @@ RECORDER = LossRecorder()
 
 
 # ------------------------------------------------------------------ model
-def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
-    """Megatron-LM's model-provider contract: GPTModel with the Mix-LN decoder block spec."""
+def run_settings(args, checkpoint_args=None) -> MixLNSettings:
+    """This run's settings: the --mixln-* flags, then the resumed checkpoint's args, then defaults."""
+    return layered(settings_from_args(args), settings_from_checkpoint_args(checkpoint_args))
+
+
+def _checkpoint_args(args):
+    """With --use-checkpoint-args: the args saved in the checkpoint (Megatron-LM copies only its
+    own shape flags from them, not the Mix-LN placement that from-hf records)."""
+    if not getattr(args, "use_checkpoint_args", False) or not getattr(args, "load", None):
+        return None
+    import copy
+
+    from megatron.training.checkpointing import load_args_from_checkpoint
+
+    loaded = load_args_from_checkpoint(copy.deepcopy(args))
+    return loaded[1] if isinstance(loaded, tuple) else None
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None,
+                   settings: Optional[MixLNSettings] = None):
+    """Megatron-LM's model-provider contract: GPTModel with the Mix-LN decoder block spec.
+
+    `settings` (main binds it) defaults to the --mixln-* flags in Megatron-LM's global args.
+    The spike scaler / telemetry they ask for are installed on the config here, before the build.
+    """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.utils import get_pg_rank
     from megatron.training import get_args, print_rank_0
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     from .spec import get_mixln_decoder_block_spec
+    from .training_hooks import install_training_hooks
 
     args = get_args()
     if config is None:
         config = core_transformer_config_from_args(args)
     pp_rank = get_pg_rank(pg_collection.pp) if pg_collection is not None else None
+    if settings is None:
+        settings = run_settings(args)
     block_spec = get_mixln_decoder_block_spec(
-        config, backend=backend_from_args(args), vp_stage=vp_stage, pp_rank=pp_rank
+        config, backend=backend_from_args(args), vp_stage=vp_stage, pp_rank=pp_rank, settings=settings
     )
+    install_training_hooks(config, settings)
     print_rank_0(f"> building Mix-LN GPT model (backend {backend_from_args(args)}) ...")
     return GPTModel(
         config=config,
@@ -442,7 +455,7 @@ train_valid_test_datasets_provider.is_distributed = True
 
 
 # ------------------------------------------------------------------ entry point
-def _write_loss_log(args) -> None:
+def _write_loss_log(args, settings: MixLNSettings) -> None:
     """Reduce the recorded losses and write --loss-log from one rank of the last stage."""
     from megatron.core import mpu
 
@@ -455,9 +468,7 @@ def _write_loss_log(args) -> None:
         and mpu.get_data_parallel_rank(with_context_parallel=True) == 0
     )
     if writer:
-        from .placement import resolve_placement
-
-        placement = resolve_placement(args.num_layers)
+        placement = resolve_placement(args.num_layers, settings)
         record["mixln"] = {**placement.record(), "post_ln_layer_numbers": placement.post_ln_layer_numbers}
         record["num_layers"] = args.num_layers
         os.makedirs(os.path.dirname(os.path.abspath(args.loss_log)), exist_ok=True)
@@ -465,6 +476,15 @@ def _write_loss_log(args) -> None:
         with open(tmp, "w") as f:
             json.dump(record, f, indent=1)
         os.replace(tmp, args.loss_log)
+
+
+def _note_ignored_environment() -> None:
+    """The entry point takes its settings from flags; say so when MIXLN_* settings are exported."""
+    names = env_settings.settings_variables_set()
+    if names and os.environ.get("RANK", "0") == "0":
+        print(f"[mixln_megatron] WARNING: {', '.join(names)} ignored: mixln-megatron pretrain takes its "
+              "settings from its --mixln-* flags (MIXLN_* is for Megatron-LM's own pretrain_gpt.py "
+              "with --spec)", file=sys.stderr, flush=True)
 
 
 def print_help(file=None) -> None:
@@ -506,8 +526,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args, parse_args
 
-    from .placement import MixLNConfigError
-
     saved_argv = sys.argv
     sys.argv = [saved_argv[0] if saved_argv else "mixln-megatron-pretrain", *argv]
     try:
@@ -515,12 +533,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_supported_args(parse_args(add_pretrain_args))
         args = parse_and_validate_args(add_pretrain_args)
         check_supported_args(args)
-        apply_mixln_args(args)
-    except (MixLNPretrainUnsupported, MixLNConfigError) as error:
-        print(f"mixln-megatron pretrain: error: {error}", file=sys.stderr, flush=True)
+        settings = run_settings(args, _checkpoint_args(args))
+        resolve_placement(args.num_layers, settings)  # a bad setting stops here, in one line
+    except MixLNError as error:
+        print(f"mixln-megatron pretrain: error: {one_line(error)}", file=sys.stderr, flush=True)
         return 2
     finally:
         sys.argv = saved_argv
+    _note_ignored_environment()
     RECORDER.reset()
     RECORDER.enabled = bool(args.loss_log)
 
@@ -535,16 +555,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             train_valid_test_datasets_provider,
             ModelType.encoder_or_decoder,
             forward_step,
-            model_provider=model_provider,
+            model_provider=partial(model_provider, settings=settings),
             non_loss_data_func=close_eval_pass,
         )
     except SystemExit as exit_:
         # --exit-interval / --exit-duration-in-mins / signals end pretrain() with sys.exit on
         # every rank alike (after a barrier): the losses so far still get written.
         if exit_.code in (0, None):
-            _write_loss_log(args)
+            _write_loss_log(args, settings)
         raise
-    _write_loss_log(args)
+    _write_loss_log(args, settings)
     print_rank_0(f"mixln-megatron pretrain: done in {time.time() - t0:.1f} s")
     return 0
 

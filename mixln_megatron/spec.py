@@ -2,12 +2,15 @@
 
 Megatron-LM (core 0.19):   --spec mixln_megatron.spec mixln_layer_spec         (TransformerEngine)
                            --spec mixln_megatron.spec mixln_local_layer_spec   (local modules)
-  Settings come from MIXLN_ALPHA / MIXLN_POST_LN_LAYERS / MIXLN_SCHEME. The builder calls these
-  objects as `spec(model_config, vp_stage=...)`; they return the whole decoder's submodules, so
-  the final norm is the backend's norm too (megatron's default for a layer spec is LayerNormImpl,
-  which on the local path refuses sequence parallelism).
+  The builder calls these objects as `spec(model_config, vp_stage=...)` and passes nothing else,
+  so they are an edge: they build the settings (a patched checkout's --mixln-* flags from
+  Megatron-LM's global args, then MIXLN_*, then defaults), install the training hooks the
+  settings ask for (the only place stock Megatron-LM gives a plugin), and return the whole
+  decoder's submodules, so the final norm is the backend's norm too (megatron's default for a
+  layer spec is LayerNormImpl, which on the local path refuses sequence parallelism). A bad
+  setting is printed as one `[mixln_megatron] ERROR:` line on rank 0 before the traceback.
 
-megatron-core:
+megatron-core (plain data, installs nothing; then call mixln_megatron.install_training_hooks):
   MixLNTransformerLayerSpec(backend="te", alpha=0.25)           -> ModuleSpec (one layer)
   get_mixln_decoder_block_spec(config, backend="te", alpha=...)  -> TransformerBlockSubmodules
 
@@ -26,9 +29,13 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
-from . import backends, grads_hook, telemetry
+from . import backends, env_settings, megatron_args
+from .errors import MixLNError, report_once
+from .grads_hook import SpikeScalerLayer
 from .layer import MixLNTransformerLayer, MixLNUnsupportedError, check_supported
-from .placement import MixLNSettings
+from .placement import resolve_placement
+from .settings import MixLNSettings, layered
+from .training_hooks import install_training_hooks
 
 __all__ = [
     "MixLNTransformerLayerSpec",
@@ -38,6 +45,12 @@ __all__ = [
 ]
 
 
+def _with_arguments(settings: Optional[MixLNSettings], alpha, post_ln_layers, scheme) -> MixLNSettings:
+    """The factory's keyword arguments over `settings` (arguments win, as everywhere)."""
+    given = MixLNSettings(alpha=alpha, post_ln_layers=post_ln_layers, scheme=scheme)
+    return given if settings is None else layered(given, settings)
+
+
 def MixLNTransformerLayerSpec(
     backend: str = "te",
     alpha=None,
@@ -45,16 +58,20 @@ def MixLNTransformerLayerSpec(
     scheme: Optional[str] = None,
     normalization: str = "RMSNorm",
     qk_layernorm: bool = False,
+    settings: Optional[MixLNSettings] = None,
+    config=None,
 ) -> ModuleSpec:
     """A layer ModuleSpec; each layer picks Post-LN or Pre-LN from its global layer_number.
 
-    alpha / post_ln_layers / scheme left as None fall back to the MIXLN_* environment, then to the
-    default (alpha 0.25, only for models of at most 24 layers).
+    alpha / post_ln_layers / scheme override `settings`; left unset, the default applies (alpha
+    0.25, only for models of at most 24 layers). With the spike scaler enabled in the settings
+    the layer class also carries the scaler's checkpoint holder (it joins a scaler installed on
+    its config by install_training_hooks, and does nothing without one).
     """
-    settings = MixLNSettings(alpha=alpha, post_ln_layers=post_ln_layers, scheme=scheme)
+    settings = _with_arguments(settings, alpha, post_ln_layers, scheme)
     return ModuleSpec(
-        module=MixLNTransformerLayer,
-        submodules=backends.layer_submodules(backend, normalization, qk_layernorm),
+        module=SpikeScalerLayer if settings.spike.enabled else MixLNTransformerLayer,
+        submodules=backends.layer_submodules(backend, normalization, qk_layernorm, config=config),
         params={"mixln_settings": settings, "post_ln_norm": backends.norm_class(backend)},
     )
 
@@ -67,32 +84,60 @@ def get_mixln_decoder_block_spec(
     scheme: Optional[str] = None,
     vp_stage: Optional[int] = None,
     pp_rank: Optional[int] = None,
+    settings: Optional[MixLNSettings] = None,
 ) -> TransformerBlockSubmodules:
-    """Submodules of the whole decoder on this pipeline stage, final norm included."""
+    """Submodules of the whole decoder on this pipeline stage, final norm included. Plain data:
+    nothing is installed on `config` (see install_training_hooks)."""
     config = getattr(config, "transformer", config)  # Megatron-LM's GPTModelConfig wraps it
-    check_supported(config)
-    if backend == "local" and getattr(config, "context_parallel_size", 1) > 1:
-        raise MixLNUnsupportedError(
-            "context parallelism needs TransformerEngine's attention; use the TE spec (mixln_layer_spec)"
-        )
+    check_supported(config, backend=backend)  # mixln_megatron.support.TABLE
+    settings = _with_arguments(settings, alpha, post_ln_layers, scheme)
+    resolve_placement(config.num_layers, settings)  # a bad setting fails here, not inside a layer
     layer = MixLNTransformerLayerSpec(
-        backend=backend, alpha=alpha, post_ln_layers=post_ln_layers, scheme=scheme,
+        backend=backend, settings=settings,
         normalization=config.normalization, qk_layernorm=getattr(config, "qk_layernorm", False),
+        config=config,  # every flag megatron's builder takes, from the config (backends.BUILDER_FLAGS)
     )
-    layer = grads_hook.install_from_spec(config, layer)  # spike scaler, only with MIXLN_SPIKE_SCALER=1
-    # per-layer grad norms, only with MIXLN_TELEMETRY_INTERVAL=N; after the scaler, to see its output
-    telemetry.install_from_env(config)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(
         layer_specs=[layer] * num_layers, layer_norm=backends.norm_class(backend)
     )
 
 
+# ------------------------------------------------------------------ the stock Megatron-LM edge
+def _megatron_global_args():
+    """Megatron-LM's parsed args when a training run set them, else None (never imports training)."""
+    import sys
+
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    return getattr(global_vars, "_GLOBAL_ARGS", None) if global_vars is not None else None
+
+
+def settings_for_spec(environ=None, args=None) -> MixLNSettings:
+    """The settings a `--spec` function uses: a patched checkout's --mixln-* flags (Megatron-LM's
+    global args, or `args`), then the MIXLN_* environment (os.environ, or `environ`)."""
+    args = _megatron_global_args() if args is None else args
+    flags = megatron_args.settings_from_args(args) if megatron_args.has_mixln_args(args) else None
+    return layered(flags, env_settings.settings_from_environ(environ))
+
+
+def stock_decoder_spec(config, backend: str, vp_stage: Optional[int] = None, environ=None,
+                       args=None) -> TransformerBlockSubmodules:
+    """What the two --spec functions do: settings from the edge, spec, hooks; errors in one line."""
+    try:
+        settings = settings_for_spec(environ, args)
+        spec = get_mixln_decoder_block_spec(config, backend=backend, vp_stage=vp_stage, settings=settings)
+        install_training_hooks(config, settings)
+    except (MixLNError, MixLNUnsupportedError) as error:
+        report_once(error)  # one clear line before Megatron-LM's traceback
+        raise
+    return spec
+
+
 def mixln_layer_spec(config, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
     """`--spec mixln_megatron.spec mixln_layer_spec`: Mix-LN with TransformerEngine."""
-    return get_mixln_decoder_block_spec(config, backend="te", vp_stage=vp_stage)
+    return stock_decoder_spec(config, "te", vp_stage)
 
 
 def mixln_local_layer_spec(config, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
     """`--spec mixln_megatron.spec mixln_local_layer_spec`: Mix-LN with megatron's local modules."""
-    return get_mixln_decoder_block_spec(config, backend="local", vp_stage=vp_stage)
+    return stock_decoder_spec(config, "local", vp_stage)

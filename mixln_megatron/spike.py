@@ -40,8 +40,8 @@ computation, and scaling to the momentum removes the spike's energy rather than 
 sqrt(5000) ~ 71x of it. `ReferenceSpikeRule` below is the rule as plain Python, element by element:
 the tensor code is tested against it.
 
-Settings (arguments > MIXLN_SPIKE_* environment > defaults): see SpikeSettings and
-resolve_spike_settings. Defaults: threshold 50 (the Mix-LN authors' value), beta 0.99 (a ~100-step
+Settings: SpikeSettings (settings.py, with where each value came from; flags --mixln-spike-*, or
+MIXLN_SPIKE_* on the stock --spec path) and resolve_spike_settings. Defaults: threshold 50 (the Mix-LN authors' value), beta 0.99 (a ~100-step
 memory, so one unlucky step does not define "typical"), warm-up 100 steps (one such memory span). Targets: "boundary" (default), "all" (both norms of every transformer
 layer; the decoder's final norm is not included), or a list of global 1-based layer numbers.
 """
@@ -50,133 +50,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import types
 from typing import Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .megatron_args import (  # the names the --mixln-spike-* flags export to
-    ENV_SPIKE,
-    ENV_SPIKE_BETA,
-    ENV_SPIKE_TARGETS,
-    ENV_SPIKE_THRESHOLD,
-    ENV_SPIKE_WARMUP,
+# The settings themselves (validation, sources) are settings.py's; re-exported for callers.
+from .settings import (  # noqa: F401
+    DEFAULT_BETA,
+    DEFAULT_TARGETS,
+    DEFAULT_THRESHOLD,
+    DEFAULT_WARMUP_STEPS,
+    SpikeConfigError,
+    SpikeSettings,
+    parse_targets,
 )
-
-DEFAULT_THRESHOLD = 50.0  # the Mix-LN authors' value
-DEFAULT_BETA = 0.99
-DEFAULT_WARMUP_STEPS = 100
-DEFAULT_TARGETS = "boundary"
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
-
-
-class SpikeConfigError(ValueError):
-    """A spike-scaler setting is invalid; the message names it and the accepted values."""
-
-
-# --------------------------------------------------------------------------------------- settings
-def _parse_targets(value, source: str) -> Union[str, Tuple[int, ...]]:
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in ("boundary", "all"):
-            return text
-        parts = [p for p in text.replace(" ", "").split(",") if p]
-        if not parts:
-            raise SpikeConfigError(
-                f"spike targets from {source} must be 'boundary', 'all' or a comma list of global "
-                f"layer numbers such as '6,7', got {value!r}"
-            )
-        value = parts
-    try:
-        layers = tuple(sorted({int(v) for v in value}))
-    except (TypeError, ValueError):
-        raise SpikeConfigError(
-            f"spike targets from {source} must be 'boundary', 'all' or a list of global layer "
-            f"numbers, got {value!r}"
-        ) from None
-    if not layers or layers[0] < 1:
-        raise SpikeConfigError(f"spike target layers from {source} are 1-based and non-empty, got {value!r}")
-    return layers
-
-
-@dataclasses.dataclass(frozen=True)
-class SpikeSettings:
-    """Spike-scaler settings. None means: not given here (the environment, then the default)."""
-
-    enabled: Optional[bool] = None
-    threshold: Optional[float] = None
-    beta: Optional[float] = None
-    warmup_steps: Optional[int] = None
-    targets: Optional[Union[str, Sequence[int]]] = None
-    log_interval: Optional[int] = None  # None: Megatron-LM's --log-interval when present, else 100
-
-    def __post_init__(self):
-        _validate(self, "the arguments")
-
-
-def _validate(s: SpikeSettings, source: str) -> None:
-    if s.threshold is not None:
-        if isinstance(s.threshold, bool) or not math.isfinite(float(s.threshold)) or float(s.threshold) < 1:
-            raise SpikeConfigError(
-                f"spike threshold from {source} must be a finite number >= 1 (default "
-                f"{DEFAULT_THRESHOLD:g}: a spike is |g| > threshold * momentum), got {s.threshold!r}"
-            )
-    if s.beta is not None:
-        if isinstance(s.beta, bool) or not 0 <= float(s.beta) < 1:
-            raise SpikeConfigError(
-                f"spike beta from {source} must lie in [0, 1) (EMA coefficient of |g|, default "
-                f"{DEFAULT_BETA}), got {s.beta!r}"
-            )
-    if s.warmup_steps is not None:
-        if isinstance(s.warmup_steps, bool) or int(s.warmup_steps) != s.warmup_steps or s.warmup_steps < 0:
-            raise SpikeConfigError(
-                f"spike warmup_steps from {source} must be an integer >= 0, got {s.warmup_steps!r}"
-            )
-    if s.targets is not None:
-        _parse_targets(s.targets, source)
-    if s.log_interval is not None and (isinstance(s.log_interval, bool) or int(s.log_interval) < 1):
-        raise SpikeConfigError(f"spike log_interval from {source} must be >= 1, got {s.log_interval!r}")
-
-
-def spike_settings_from_env(environ: Optional[Mapping[str, str]] = None) -> SpikeSettings:
-    """SpikeSettings from the MIXLN_SPIKE_* variables (empty strings count as unset)."""
-    env = os.environ if environ is None else environ
-
-    def get(name):
-        value = env.get(name, "")
-        return value.strip() or None
-
-    enabled = get(ENV_SPIKE)
-    if enabled is not None:
-        if enabled.lower() in _TRUE:
-            enabled = True
-        elif enabled.lower() in _FALSE:
-            enabled = False
-        else:
-            raise SpikeConfigError(f"{ENV_SPIKE} must be 1 or 0, got {enabled!r}")
-
-    def number(name, kind):
-        value = get(name)
-        if value is None:
-            return None
-        try:
-            return kind(value)
-        except ValueError:
-            raise SpikeConfigError(f"environment variable {name} must be a number, got {value!r}") from None
-
-    fields = dict(
-        enabled=enabled,
-        threshold=number(ENV_SPIKE_THRESHOLD, float),
-        beta=number(ENV_SPIKE_BETA, float),
-        warmup_steps=number(ENV_SPIKE_WARMUP, int),
-        targets=get(ENV_SPIKE_TARGETS),
-        log_interval=None,
-    )
-    _validate(types.SimpleNamespace(**fields), "the environment (MIXLN_SPIKE_*)")
-    return SpikeSettings(**fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,30 +83,23 @@ class ResolvedSpikeSettings:
         )
 
 
-def resolve_spike_settings(
-    settings: Optional[Union[SpikeSettings, Mapping]] = None,
-    environ: Optional[Mapping[str, str]] = None,
-) -> ResolvedSpikeSettings:
-    """Arguments > MIXLN_SPIKE_* environment > defaults. `enabled` defaults to False."""
+def resolve_spike_settings(settings: Optional[Union[SpikeSettings, Mapping]] = None) -> ResolvedSpikeSettings:
+    """The given settings with the defaults filled in. `enabled` defaults to False."""
     if settings is None:
         settings = SpikeSettings()
     elif isinstance(settings, Mapping):
         settings = SpikeSettings(**settings)
-    env = spike_settings_from_env(environ)
 
     def pick(name, default):
-        for source in (settings, env):
-            value = getattr(source, name)
-            if value is not None:
-                return value
-        return default
+        value = getattr(settings, name)
+        return default if value is None else value
 
     return ResolvedSpikeSettings(
         enabled=bool(pick("enabled", False)),
         threshold=float(pick("threshold", DEFAULT_THRESHOLD)),
         beta=float(pick("beta", DEFAULT_BETA)),
         warmup_steps=int(pick("warmup_steps", DEFAULT_WARMUP_STEPS)),
-        targets=_parse_targets(pick("targets", DEFAULT_TARGETS), "the settings"),
+        targets=parse_targets(pick("targets", DEFAULT_TARGETS), "the settings"),
         log_interval=settings.log_interval,
     )
 

@@ -15,7 +15,7 @@ reduced) and the shards are summed over the data-parallel group. One all-reduce 
 
 Where it goes: Megatron's TensorBoard / W&B writers when they exist (one scalar per layer and
 the group aggregates), and always a JSONL file (`mixln_telemetry.jsonl` next to the checkpoints,
-or MIXLN_TELEMETRY_PATH), which `mixln-megatron analyze train-health RUN_DIR` reads. The spike
+or TelemetrySettings.path, e.g. from MIXLN_TELEMETRY_PATH), which `mixln-megatron analyze train-health RUN_DIR` reads. The spike
 scaler's counts join the same records.
 """
 
@@ -35,23 +35,7 @@ from .layer import MixLNTransformerLayer
 
 logger = logging.getLogger(__name__)
 
-ENV_INTERVAL = "MIXLN_TELEMETRY_INTERVAL"
-ENV_PATH = "MIXLN_TELEMETRY_PATH"
 JSONL_NAME = "mixln_telemetry.jsonl"
-
-
-def interval_from_env(environ=None) -> int:
-    env = os.environ if environ is None else environ
-    text = env.get(ENV_INTERVAL, "").strip()
-    if not text:
-        return 0
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{ENV_INTERVAL} must be a non-negative integer (steps), got {text!r}") from None
-    if value < 0:
-        raise ValueError(f"{ENV_INTERVAL} must be >= 0, got {value}")
-    return value
 
 
 def norm_roles(layer) -> List[tuple]:
@@ -220,8 +204,7 @@ def _writers():
 
 
 def default_path() -> str:
-    if os.environ.get(ENV_PATH):
-        return os.environ[ENV_PATH]
+    """<save>/mixln_telemetry.jsonl in a Megatron-LM run, else runs/ (a path in the settings wins)."""
     try:
         from megatron.training.global_vars import get_args
 
@@ -279,8 +262,3 @@ def install_telemetry(config, interval: int, path: Optional[str] = None) -> Opti
     original = getattr(config, "finalize_model_grads_func", None) or finalize_model_grads
     config.finalize_model_grads_func = TelemetryHook(telemetry, original)
     return telemetry
-
-
-def install_from_env(config) -> Optional[GradTelemetry]:
-    """Called from the spec after the spike scaler: MIXLN_TELEMETRY_INTERVAL=N enables it."""
-    return install_telemetry(config, interval_from_env())

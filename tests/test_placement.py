@@ -5,16 +5,15 @@ from fractions import Fraction
 
 import pytest
 
+from mixln_megatron.env_settings import settings_from_environ
 from mixln_megatron.placement import (
     MixLNConfigError,
     MixLNSettings,
     Placement,
     post_ln_count,
     resolve_placement,
-    settings_from_env,
 )
-
-NO_ENV = {}
+from mixln_megatron.settings import layered
 
 
 @pytest.mark.parametrize("alpha", ["0", "0.0625", "0.125", "0.25", "0.29", "1/3", "0.5", "0.75", "1"])
@@ -23,7 +22,7 @@ def test_rule_grid_matches_exact_floor(alpha):
     frac = Fraction(alpha)
     for layers in range(1, 129):
         expected = (frac.numerator * layers) // frac.denominator  # integer floor, no floats
-        p = resolve_placement(layers, MixLNSettings(alpha=alpha), NO_ENV)
+        p = resolve_placement(layers, MixLNSettings(alpha=alpha))
         assert p.post_ln_layers == expected == post_ln_count(alpha, layers)
         assert [p.is_post_ln(l) for l in range(1, layers + 1)] == [l <= expected for l in range(1, layers + 1)]
 
@@ -45,29 +44,30 @@ def test_no_float_error():
 
 
 def test_recorded_integer_and_alpha_text():
-    p = resolve_placement(32, MixLNSettings(alpha=0.0625), NO_ENV)
+    p = resolve_placement(32, MixLNSettings(alpha=0.0625))
     assert p.post_ln_layers == 2 and p.alpha == "0.0625"
     rec = p.record()
     assert rec["post_ln_layers"] == 2 and rec["num_layers"] == 32 and rec["scheme"] == "mixln"
     assert "L=32 P=2" in p.describe() and "1, 2" in p.describe()
     assert p.boundary_layers == (2, 3)
-    assert resolve_placement(4, MixLNSettings(post_ln_layers=4), NO_ENV).boundary_layers == ()
+    assert resolve_placement(4, MixLNSettings(post_ln_layers=4)).boundary_layers == ()
 
 
 def test_precedence_arguments_env_default():
-    env = {"MIXLN_ALPHA": "0.5"}
-    assert resolve_placement(8, MixLNSettings(post_ln_layers=1), env).post_ln_layers == 1
-    assert resolve_placement(8, MixLNSettings(), env).post_ln_layers == 4
-    assert resolve_placement(8, MixLNSettings(), env).source == "environment"
-    assert resolve_placement(8, None, {"MIXLN_POST_LN_LAYERS": "3"}).post_ln_layers == 3
-    assert resolve_placement(12, None, NO_ENV).post_ln_layers == 3  # default alpha 0.25
-    assert resolve_placement(24, None, NO_ENV).post_ln_layers == 6
+    env = settings_from_environ({"MIXLN_ALPHA": "0.5"})
+    assert resolve_placement(8, layered(MixLNSettings(post_ln_layers=1), env)).post_ln_layers == 1
+    assert resolve_placement(8, layered(MixLNSettings(), env)).post_ln_layers == 4
+    assert resolve_placement(8, layered(MixLNSettings(), env)).source == "MIXLN_ALPHA"
+    assert resolve_placement(8, settings_from_environ({"MIXLN_POST_LN_LAYERS": "3"})).post_ln_layers == 3
+    assert resolve_placement(12, None).post_ln_layers == 3  # default alpha 0.25
+    assert resolve_placement(12, None).source == "default"
+    assert resolve_placement(24, None).post_ln_layers == 6
 
 
 def test_deep_model_without_setting_is_an_error():
     with pytest.raises(MixLNConfigError, match="32 layers and no Mix-LN setting"):
-        resolve_placement(32, None, NO_ENV)
-    assert resolve_placement(32, None, {"MIXLN_ALPHA": "0.0625"}).post_ln_layers == 2
+        resolve_placement(32, None)
+    assert resolve_placement(32, settings_from_environ({"MIXLN_ALPHA": "0.0625"})).post_ln_layers == 2
 
 
 @pytest.mark.parametrize(
@@ -92,7 +92,7 @@ def test_bad_arguments(kwargs, match):
 
 def test_post_ln_layers_above_num_layers():
     with pytest.raises(MixLNConfigError, match="exceeds the model's num_layers = 4"):
-        resolve_placement(4, MixLNSettings(post_ln_layers=5), NO_ENV)
+        resolve_placement(4, MixLNSettings(post_ln_layers=5))
 
 
 @pytest.mark.parametrize(
@@ -108,22 +108,24 @@ def test_post_ln_layers_above_num_layers():
 )
 def test_bad_environment(env, match):
     with pytest.raises(MixLNConfigError, match=match):
-        settings_from_env(env)
+        settings_from_environ(env)
 
 
 def test_empty_env_values_are_unset():
-    assert settings_from_env({"MIXLN_ALPHA": "", "MIXLN_POST_LN_LAYERS": " "}) == MixLNSettings()
+    empty = settings_from_environ({"MIXLN_ALPHA": "", "MIXLN_POST_LN_LAYERS": " "})
+    assert (empty.alpha, empty.post_ln_layers, empty.scheme) == (None, None, None)
+    assert empty.placement_source == "default"
 
 
 def test_lns_schemes():
-    lns = resolve_placement(4, MixLNSettings(scheme="lns"), NO_ENV)
+    lns = resolve_placement(4, MixLNSettings(scheme="lns"))
     assert lns.post_ln_layers == 0
     assert [lns.norm_output_scale(l) for l in (1, 4)] == [1.0, 0.5]
-    both = resolve_placement(4, MixLNSettings(scheme="mixln+lns", post_ln_layers=1), NO_ENV)
+    both = resolve_placement(4, MixLNSettings(scheme="mixln+lns", post_ln_layers=1))
     assert both.norm_output_scale(1) == 1.0 and both.norm_output_scale(4) == 0.5
     with pytest.raises(MixLNConfigError, match="mixln\\+lns"):
-        resolve_placement(4, MixLNSettings(scheme="lns", post_ln_layers=1), NO_ENV)
-    assert resolve_placement(4, MixLNSettings(post_ln_layers=1), NO_ENV).norm_output_scale(4) == 1.0
+        resolve_placement(4, MixLNSettings(scheme="lns", post_ln_layers=1))
+    assert resolve_placement(4, MixLNSettings(post_ln_layers=1)).norm_output_scale(4) == 1.0
 
 
 def test_layer_number_out_of_range():

@@ -23,11 +23,10 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
-DEFAULT_CACHE_ENV = "MIXLN_ANALYSIS_CACHE"
-
-
 def default_cache_dir() -> str:
-    return os.environ.get(DEFAULT_CACHE_ENV) or os.path.join(tempfile.gettempdir(), "mixln_megatron_data")
+    from ..env_settings import analysis_cache_dir  # MIXLN_ANALYSIS_CACHE
+
+    return analysis_cache_dir() or os.path.join(tempfile.gettempdir(), "mixln_megatron_data")
 
 
 def _read_indexed(prefix: str) -> np.ndarray:

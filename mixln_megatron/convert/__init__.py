@@ -31,7 +31,10 @@ from __future__ import annotations
 import os
 
 
-class ConversionError(RuntimeError):
+from ..errors import MixLNError  # noqa: E402  (cli.main prints it in one line, exit 2)
+
+
+class ConversionError(MixLNError, RuntimeError):
     """A conversion cannot proceed; the message says why and what to do."""
 
 

@@ -173,7 +173,7 @@ def resolve_settings(config: dict, num_layers: int, post_ln_layers=None, alpha=N
     explicit = post_ln_layers is not None or alpha is not None or scheme is not None
     try:
         asked = resolve_placement(num_layers, MixLNSettings(alpha=alpha, post_ln_layers=post_ln_layers,
-                                                            scheme=scheme), environ={}) if (
+                                                            scheme=scheme)) if (
             post_ln_layers is not None or alpha is not None) else None
     except MixLNConfigError as e:
         raise ConversionError(str(e)) from None

@@ -1,0 +1,42 @@
+"""The one place that installs Mix-LN's training hooks on a model's config.
+
+Specs are plain data; hooks are installed here and nowhere else, from a MixLNSettings:
+  * the gradient-spike scaler (settings.spike.enabled) wraps config.finalize_model_grads_func;
+  * the per-layer gradient telemetry (settings.telemetry.interval > 0) wraps it again, after
+    the scaler, so it sees the gradients the optimizer receives.
+Called by the two `--spec` functions (stock Megatron-LM gives a plugin no other place), by the
+entry point's model provider, and by megatron-core users after building the spec and before
+building the model:
+
+    settings = MixLNSettings(alpha=0.25, spike=SpikeSettings(enabled=True))
+    block_spec = get_mixln_decoder_block_spec(config, backend="te", settings=settings)
+    mixln_megatron.install_training_hooks(config, settings)
+    model = GPTModel(config=config, transformer_layer_spec=block_spec, ...)
+
+Idempotent: Megatron calls the spec / model provider once per virtual pipeline chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .placement import resolve_placement
+from .settings import MixLNSettings
+
+
+def install_training_hooks(config, settings: Optional[MixLNSettings] = None) -> dict:
+    """Install what `settings` asks for on `config`; returns {"spike_scaler": ..., "telemetry": ...}."""
+    from . import grads_hook, telemetry
+    from .spike import resolve_spike_settings
+
+    config = getattr(config, "transformer", config)  # Megatron-LM's GPTModelConfig wraps it
+    settings = settings or MixLNSettings()
+    installed = {"spike_scaler": None, "telemetry": None}
+    spike = resolve_spike_settings(settings.spike)
+    if spike.enabled:
+        placement = resolve_placement(config.num_layers, settings)
+        installed["spike_scaler"] = grads_hook.install_on_config(config, placement, spike)
+    interval = settings.telemetry.interval or 0
+    if interval > 0:
+        installed["telemetry"] = telemetry.install_telemetry(config, interval, settings.telemetry.path)
+    return installed

@@ -1,0 +1,113 @@
+"""The settings object: sources, layering, the edges that build it, and who may read MIXLN_*."""
+
+import argparse
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from mixln_megatron.env_settings import settings_from_environ
+from mixln_megatron.errors import MixLNConfigError
+from mixln_megatron.megatron_args import add_mixln_args, settings_from_args, settings_from_checkpoint_args
+from mixln_megatron.placement import resolve_placement
+from mixln_megatron.settings import MixLNSettings, SpikeSettings, TelemetrySettings, layered
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mixln_megatron"
+
+
+def flags(*argv):
+    return settings_from_args(add_mixln_args(argparse.ArgumentParser()).parse_args(list(argv)))
+
+
+def test_each_value_names_its_source():
+    s = flags("--mixln-alpha", "0.0625", "--mixln-spike-scaler", "--mixln-telemetry-interval", "5")
+    assert s.source("alpha") == "--mixln-alpha"
+    assert s.source("post_ln_layers") == "default" and s.source("scheme") == "default"
+    assert s.spike.source("enabled") == "--mixln-spike-scaler" and s.spike.source("beta") == "default"
+    assert s.telemetry.source("interval") == "--mixln-telemetry-interval"
+    env = settings_from_environ({"MIXLN_POST_LN_LAYERS": "2", "MIXLN_SPIKE_BETA": "0.9"})
+    assert env.source("post_ln_layers") == "MIXLN_POST_LN_LAYERS" and env.post_ln_layers == 2
+    assert env.spike.source("beta") == "MIXLN_SPIKE_BETA"
+    assert MixLNSettings(alpha=0.25).source("alpha") == "argument"
+    assert MixLNSettings().placement_source == "default"
+
+
+def test_the_build_line_names_the_true_source():
+    line = lambda s: resolve_placement(32, s).describe()  # noqa: E731
+    assert "alpha=0.0625 (from --mixln-alpha)" in line(flags("--mixln-alpha", "0.0625"))
+    assert "alpha=0.0625 (from MIXLN_ALPHA)" in line(settings_from_environ({"MIXLN_ALPHA": "0.0625"}))
+    ckpt = settings_from_checkpoint_args(SimpleNamespace(mixln_post_ln_layers=2, mixln_scheme="mixln"))
+    assert "P=2 alpha=n/a (P given directly) (from the checkpoint)" in line(ckpt)
+    assert "alpha=0.25 (default)" in resolve_placement(12, MixLNSettings()).describe()
+    assert "(from the arguments)" in line(MixLNSettings(post_ln_layers=2))
+    assert "environment" not in line(flags("--mixln-alpha", "0.0625"))
+
+
+def test_layered_takes_each_group_from_the_highest_layer_that_sets_it():
+    top = flags("--mixln-alpha", "0.5", "--mixln-spike-threshold", "30")
+    env = settings_from_environ({"MIXLN_POST_LN_LAYERS": "3", "MIXLN_SCHEME": "mixln+lns",
+                                 "MIXLN_SPIKE_SCALER": "1", "MIXLN_SPIKE_THRESHOLD": "80"})
+    s = layered(top, env)
+    # alpha and post_ln_layers are one group: the flag's alpha wins, the variable's P is dropped
+    assert (s.alpha, s.post_ln_layers, s.source("alpha")) == ("0.5", None, "--mixln-alpha")
+    assert (s.scheme, s.source("scheme")) == ("mixln+lns", "MIXLN_SCHEME")
+    assert (s.spike.threshold, s.spike.source("threshold")) == (30.0, "--mixln-spike-threshold")
+    assert (s.spike.enabled, s.spike.source("enabled")) == (True, "MIXLN_SPIKE_SCALER")
+    assert layered(None, None) == MixLNSettings()
+
+
+def test_settings_are_frozen_and_validated_with_their_source():
+    s = flags("--mixln-alpha", "0.25")
+    with pytest.raises(Exception):
+        s.alpha = "0.5"
+    with pytest.raises(MixLNConfigError, match=r"alpha from --mixln-alpha must lie in \[0, 1\]"):
+        flags("--mixln-alpha", "1.5")
+    with pytest.raises(MixLNConfigError, match="--mixln-alpha 0.25 and --mixln-post-ln-layers 3"):
+        flags("--mixln-alpha", "0.25", "--mixln-post-ln-layers", "3")
+    with pytest.raises(MixLNConfigError, match="spike threshold from --mixln-spike-threshold"):
+        flags("--mixln-spike-threshold", "0.5")
+    with pytest.raises(MixLNConfigError, match="MIXLN_TELEMETRY_INTERVAL"):
+        settings_from_environ({"MIXLN_TELEMETRY_INTERVAL": "often"})
+    with pytest.raises(MixLNConfigError, match="post_ln_layers = 5 \\(from MIXLN_POST_LN_LAYERS\\)"):
+        resolve_placement(4, settings_from_environ({"MIXLN_POST_LN_LAYERS": "5"}))
+    assert SpikeSettings(threshold=30, sources={"threshold": "X"}).source("threshold") == "X"
+    assert TelemetrySettings(interval=3).source("interval") == "argument"
+
+
+def test_checkpoint_args_are_a_source_below_flags():
+    ckpt = settings_from_checkpoint_args(SimpleNamespace(mixln_post_ln_layers=2, mixln_alpha=None))
+    assert (ckpt.post_ln_layers, ckpt.source("post_ln_layers")) == (2, "the checkpoint")
+    assert settings_from_checkpoint_args(SimpleNamespace(num_layers=4)) is None
+    assert settings_from_checkpoint_args(None) is None
+    resumed = layered(flags(), ckpt)
+    assert resolve_placement(4, resumed).source == "the checkpoint"
+    assert resolve_placement(4, layered(flags("--mixln-post-ln-layers", "1"), ckpt)).source == "--mixln-post-ln-layers"
+
+
+def test_the_spec_edge_reads_flags_then_the_given_environment():
+    from mixln_megatron.spec import settings_for_spec
+
+    env = {"MIXLN_ALPHA": "0.5", "MIXLN_SPIKE_SCALER": "1"}
+    assert settings_for_spec(environ=env, args=SimpleNamespace()).source("alpha") == "MIXLN_ALPHA"
+    patched = add_mixln_args(argparse.ArgumentParser()).parse_args(["--mixln-post-ln-layers", "1"])
+    s = settings_for_spec(environ=env, args=patched)  # a patched checkout: the flag wins
+    assert (s.post_ln_layers, s.alpha, s.source("post_ln_layers")) == (1, None, "--mixln-post-ln-layers")
+    assert s.spike.enabled and s.spike.source("enabled") == "MIXLN_SPIKE_SCALER"
+
+
+def test_only_env_settings_reads_mixln_variables():
+    """`MIXLN_*` is read in one module; others may only name variables in text (docs, messages)."""
+    reader = re.compile(r"(os\.environ|getenv|environ\.get|env\.get)\b[^\n]*")
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel in ("env_settings.py", "cpu.py", "demo.py"):  # the reader; the CPU harness; a launcher
+            continue
+        text = path.read_text()
+        for match in reader.finditer(text):
+            if "MIXLN_" in match.group(0):
+                offenders.append(f"{rel}: {match.group(0).strip()}")
+        if re.search(r"^\s*[A-Z_]+\s*=\s*[\"']MIXLN_", text, re.M):
+            offenders.append(f"{rel}: defines a MIXLN_* name (env_settings owns them)")
+    assert not offenders, offenders
