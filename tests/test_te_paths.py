@@ -3,7 +3,10 @@
 - Post-LN layers derive plain TE linears from the fused norm+linear classes of the TE spec,
   without mutating the shared spec.
 - A norm with `_extra_state` (as TE's RMSNorm has) in Post-LN layers only still saves and loads
-  with torch_dist, whose per-layer stacking would otherwise reject a key some layers lack.
+  with torch_dist, whose per-layer stacking would otherwise reject a key some layers lack; a
+  non-empty one is refused rather than dropped.
+- Scoped CUDA graphs list N1 / N2; Post-LN TE linears honour the overlap disable switches;
+  fp32_residual_connection is rejected for TE Post-LN layers.
 """
 
 import functools
@@ -40,6 +43,7 @@ def test_post_ln_variant_replaces_fused_te_linears(monkeypatch):
             module=SelfAttention,
             submodules=SelfAttentionSubmodules(linear_qkv=fused, core_attention=object,
                                               linear_proj=object),
+            metainfo={"fuse_input_layernorm": True},
         ),
         mlp=functools.partial(
             MLP.as_mlp_submodule,
@@ -47,8 +51,9 @@ def test_post_ln_variant_replaces_fused_te_linears(monkeypatch):
         ),
     )
     post = post_ln_submodules(te_like)
-    assert post.self_attention.submodules.linear_qkv is plain
-    assert post.mlp.keywords["submodules"].linear_fc1 is plain
+    assert issubclass(post.self_attention.submodules.linear_qkv, plain)
+    assert issubclass(post.mlp.keywords["submodules"].linear_fc1, plain)
+    assert post.self_attention.metainfo == {"fuse_input_layernorm": True}
     assert post.sharded_state_dict_keys_map == POST_LN_KEYS_MAP
     # the shared spec is untouched
     assert te_like.self_attention.submodules.linear_qkv is fused
@@ -62,9 +67,9 @@ import mcore_utils as mu
 from mixln_megatron.norms import MixLNNorm
 
 class NormWithExtraState(MixLNNorm):
-    """Stands in for TE's RMSNorm, which always emits `_extra_state` (fp8 metadata)."""
+    """Stands in for TE's RMSNorm, which always emits `_extra_state` (empty without fp8)."""
     def get_extra_state(self):
-        return torch.tensor([7.0])
+        return torch.empty(0, dtype=torch.uint8)
     def set_extra_state(self, state):
         self.loaded_extra = state
 
@@ -134,3 +139,96 @@ def test_lns_output_scaling_of_a_fused_norm_linear_is_exact(bias, skip_bias_add)
     # same map up to fp32 rounding (the scalar moves across the GEMM)
     assert (out - expected_out).abs().max().item() <= 1e-6 * expected_out.abs().max().item()
     assert (out_bias is None) == (expected_bias is None)
+
+
+@pytest.mark.usefixtures("mcore_single")
+def test_non_empty_post_ln_extra_state_is_not_dropped_silently():
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from mixln_megatron.norms import MixLNNorm
+    from mixln_megatron.spec import MixLNTransformerLayerSpec
+
+    class NormWithFp8State(MixLNNorm):
+        def get_extra_state(self):
+            return torch.tensor([7.0])  # e.g. fp8 scaling factors
+
+        def set_extra_state(self, state):
+            pass
+
+    layer = MixLNTransformerLayerSpec(backend="local", post_ln_layers=1)
+    layer.params["post_ln_norm"] = NormWithFp8State
+    model = mu.build_gpt(mu.tiny_config(num_layers=2),
+                         TransformerBlockSubmodules(layer_specs=[layer] * 2, layer_norm=MixLNNorm))
+    with pytest.raises(RuntimeError, match="post_attention_layernorm._extra_state is not empty"):
+        model.sharded_state_dict()
+
+
+@pytest.mark.usefixtures("mcore_single")
+def test_scoped_cuda_graphs_cover_post_ln_norms():
+    """With cuda_graph_modules attn / mlp, N1 runs inside the attention path and N2 inside the MLP
+    path, so DDP's pre-replay hooks must know their parameters."""
+    from megatron.core.transformer.enums import CudaGraphModule
+
+    from mixln_megatron.spec import get_mixln_decoder_block_spec
+
+    cfg = mu.tiny_config(num_layers=2)
+    model = mu.build_gpt(cfg, get_mixln_decoder_block_spec(cfg, backend="local", post_ln_layers=1))
+    post, pre = model.decoder.layers
+    assert post.is_post_ln and not pre.is_post_ln
+    cases = {
+        (CudaGraphModule.attn,): [post.input_layernorm, post.self_attention, post.pre_cross_attn_layernorm,
+                                  post.cross_attention, post.post_attention_layernorm],
+        (CudaGraphModule.mlp,): [post.pre_mlp_layernorm, post.mlp, post.post_mlp_layernorm],
+        (CudaGraphModule.attn, CudaGraphModule.mlp): [
+            post.input_layernorm, post.self_attention, post.pre_cross_attn_layernorm, post.cross_attention,
+            post.pre_mlp_layernorm, post.mlp, post.post_attention_layernorm, post.post_mlp_layernorm],
+    }
+    for scope, expected in cases.items():
+        cfg.cuda_graph_modules = list(scope)  # read at call time; set after validation
+        got = post._get_submodules_under_cudagraphs()
+        assert [id(m) for m in got] == [id(m) for m in expected], scope
+        assert not any(m is getattr(pre, "post_mlp_layernorm", None) for m in pre._get_submodules_under_cudagraphs())
+    cfg.cuda_graph_modules = []
+    assert post._get_submodules_under_cudagraphs() == [post]  # unscoped: the whole layer
+
+
+def test_post_ln_te_linear_honours_overlap_disable_switches(monkeypatch):
+    """megatron's fused TE class turns userbuffer overlap off for qkv / fc1 on request; the plain
+    linear of a Post-LN layer ignored the switch."""
+    from types import SimpleNamespace
+
+    import megatron.core.extensions.transformer_engine as te_ext
+
+    from mixln_megatron.backends import post_ln_linear
+
+    class FusedNormLinear:
+        pass
+
+    class PlainLinear:
+        def __init__(self, input_size, output_size, *, config, tp_comm_buffer_name=None):
+            self.config = config
+
+    monkeypatch.setattr(te_ext, "HAVE_TE", True)
+    monkeypatch.setattr(te_ext, "TELayerNormColumnParallelLinear", FusedNormLinear)
+    monkeypatch.setattr(te_ext, "TEColumnParallelLinear", PlainLinear)
+    cls = post_ln_linear(FusedNormLinear)
+    cfg = SimpleNamespace(tp_comm_overlap=True, tp_comm_overlap_disable_qkv=True,
+                          tp_comm_overlap_disable_fc1=False)
+    qkv = cls(8, 24, config=cfg, tp_comm_buffer_name="qkv")
+    fc1 = cls(8, 32, config=cfg, tp_comm_buffer_name="fc1")
+    assert qkv.config.tp_comm_overlap is False and qkv.config is not cfg
+    assert fc1.config is cfg and cfg.tp_comm_overlap is True  # the shared config is untouched
+    assert post_ln_linear(PlainLinear) is PlainLinear  # only the fused class is replaced
+
+
+@pytest.mark.parametrize("backend, post_ln, rejected", [
+    ("te", True, True), ("te", False, False), ("local", True, False)])
+def test_fp32_residual_connection_rejected_for_te_post_ln_layers(backend, post_ln, rejected):
+    from mixln_megatron.support import MixLNUnsupportedError, check_supported
+
+    cfg = mu.tiny_config(num_layers=2, fp32_residual_connection=True)
+    if rejected:
+        with pytest.raises(MixLNUnsupportedError, match="fp32_residual_connection"):
+            check_supported(cfg, backend=backend, post_ln=post_ln)
+    else:
+        check_supported(cfg, backend=backend, post_ln=post_ln)
