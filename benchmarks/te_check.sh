@@ -10,7 +10,8 @@
 #
 # megatron-core and the project are made importable as in gpu_check.sh (an importable 0.19.x, else
 # the wheel in benchmarks/wheels/ installed offline into a temporary folder).
-# Last line: RESULT te_step_ratio=.. te_mem_ratio=.. te_vs_local_max_abs=.. fp8=ok|skipped|failed
+# Last line: RESULT te_step_ratio=.. te_mem_ratio=.. te_vs_local_max_abs=.. fp8=ok|skipped|failed postln_7b_pct=..
+# (TE in deterministic mode: NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 unless already set)
 set -uo pipefail
 # shellcheck source=gpu_check.sh
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/gpu_check.sh"

@@ -86,10 +86,12 @@ def test_te_check_cpu_dry_run(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     m = _result_line(proc.stdout,
-                     r"RESULT te_step_ratio=(\S+) te_mem_ratio=(\S+) te_vs_local_max_abs=(\S+) fp8=(\S+)")
+                     r"RESULT te_step_ratio=(\S+) te_mem_ratio=(\S+) te_vs_local_max_abs=(\S+) fp8=(\S+)"
+                     r" postln_7b_pct=(\S+)")
     assert math.isfinite(float(m.group(1)))
     assert float(m.group(3)) < 1e-5
     assert m.group(4) == "skipped"
+    assert math.isfinite(float(m.group(5)))  # the Post-LN layers' cost at 7B (noise on a CPU)
 
     report = _one_json(tmp_path, "te_check")
     parity = report["phases"]["parity"]
@@ -99,7 +101,8 @@ def test_te_check_cpu_dry_run(tmp_path):
         assert mapping["copied"] > 0 and not mapping["only_in_source"] and not mapping["only_in_target"]
         assert mapping["target_params_without_key"] == 0
     ckpt = report["phases"]["checkpoint"]
-    assert ckpt["ok"] and ckpt["same_backend"]["max_abs"] == 0.0, ckpt
+    assert ckpt["ok"] and ckpt["same_backend"]["output"]["max_abs"] == 0.0, ckpt
+    assert report["te_deterministic"]
     assert report["phases"]["fp8"]["status"] == "skipped"
     assert set(report["phases"]["timing"]["variants"]) == {
         "stock_local", "mixln_local_p0", "mixln_local_p2", "mixln_local_p4"}
