@@ -137,9 +137,18 @@ def with_cpu_flags(argv: Sequence[str]) -> list:
     return list(CPU_MEGATRON_FLAGS) + list(argv)
 
 
-def check_supported_args(args) -> None:
-    """Reject the configurations Mix-LN does not support yet, before anything is built."""
+MIXLN_SPECS = (["mixln_megatron.spec", "mixln_layer_spec"], ["mixln_megatron.spec", "mixln_local_layer_spec"])
+
+
+def check_supported_args(args, spec_from_checkpoint: bool = False) -> None:
+    """Reject the configurations Mix-LN does not support yet, before anything is built.
+
+    spec_from_checkpoint: args after --use-checkpoint-args, whose --spec (if any) came from the
+    checkpoint; a Mix-LN spec there is what this entry point builds anyway (from-hf records it).
+    """
     support.check(args, support.PRETRAIN, backend=backend_from_args(args), error=MixLNPretrainUnsupported)
+    if spec_from_checkpoint and list(getattr(args, "spec", None) or []) in MIXLN_SPECS:
+        return
     if getattr(args, "spec", None):
         raise MixLNPretrainUnsupported(
             f"--spec {' '.join(args.spec)}: this entry point always builds the Mix-LN spec (configure it "
@@ -526,14 +535,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args, parse_args
 
+    from .convert.inspect import apply_resume_args
+
     saved_argv = sys.argv
     sys.argv = [saved_argv[0] if saved_argv else "mixln-megatron-pretrain", *argv]
     try:
         # The unsupported configurations get a clear message before Megatron validates anything.
         check_supported_args(parse_args(add_pretrain_args))
         args = parse_and_validate_args(add_pretrain_args)
-        check_supported_args(args)
-        settings = run_settings(args, _checkpoint_args(args))
+        check_supported_args(args, spec_from_checkpoint=True)
+        checkpoint_args = _checkpoint_args(args)
+        apply_resume_args(args, checkpoint_args, argv)  # the shape flags Megatron-LM does not copy
+        settings = run_settings(args, checkpoint_args)
         resolve_placement(args.num_layers, settings)  # a bad setting stops here, in one line
     except MixLNError as error:
         print(f"mixln-megatron pretrain: error: {one_line(error)}", file=sys.stderr, flush=True)

@@ -227,7 +227,7 @@ def test_megatron_checkpoint_roundtrip(mcore_single, tmp_path, text_tokens):
     (tmp_path / "save" / "latest_checkpointed_iteration.txt").write_text("7")
 
     back = load_megatron_checkpoint(str(tmp_path / "save"))
-    assert back.placement.post_ln_layers == 2 and back.placement.source == "checkpoint metadata"
+    assert back.placement.post_ln_layers == 2 and back.placement.source == "from the settings record"
     ids, labels = textdata.batches(text_tokens, 32, 2, num_batches=1)[0]
     lm.module.eval()
     with torch.no_grad():

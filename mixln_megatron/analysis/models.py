@@ -32,6 +32,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .. import support
+
 # Embedding init std of the Mix-LN reference training code, as stated in the fidelity issue (megatron: 0.02).
 REFERENCE_EMBEDDING_STD = math.sqrt(2.0 / 5.0)
 
@@ -364,101 +366,60 @@ def load_hf_model(path: str) -> HFLM:
     return HFLM(model, source=path)
 
 
-class CheckpointError(ValueError):
+from ..errors import MixLNError  # noqa: E402  (cli.main prints it in one line, exit 2)
+
+
+class CheckpointError(MixLNError, ValueError):
     """A checkpoint cannot be read by the analysis tools; the message says why."""
 
 
-def resolve_checkpoint_dir(path: str, iteration: Optional[int] = None) -> str:
-    """`path` is Megatron-LM's --save directory (uses latest_checkpointed_iteration.txt or
-    `iteration`) or one iter_XXXXXXX directory itself."""
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint directory not found: {path}")
-    if os.path.exists(os.path.join(path, "metadata.json")):
-        return path
-    if iteration is None:
-        tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
-        if not os.path.exists(tracker):
-            raise CheckpointError(
-                f"{path} is neither a torch_dist checkpoint (no metadata.json) nor a Megatron-LM save "
-                "directory (no latest_checkpointed_iteration.txt)")
-        text = open(tracker).read().strip()
-        if text == "release":
-            sub = os.path.join(path, "release")
-        else:
-            sub = os.path.join(path, f"iter_{int(text):07d}")
-    else:
-        sub = os.path.join(path, f"iter_{int(iteration):07d}")
-    if not os.path.exists(os.path.join(sub, "metadata.json")):
-        raise CheckpointError(f"{sub} is not a torch_dist checkpoint (no metadata.json); only "
-                              "--ckpt-format torch_dist checkpoints are supported")
-    return sub
+def _inspect(path: str, iteration: Optional[int]):
+    """The checkpoint's args, shape and Mix-LN record (convert.inspect, shared with the converter)."""
+    from ..convert import ConversionError
+    from ..convert.inspect import inspect_checkpoint
+
+    try:
+        info = inspect_checkpoint(path, iteration)
+    except ConversionError as e:
+        raise CheckpointError(str(e)) from None
+    if info.format != "torch_dist":
+        raise CheckpointError(f"{info.path} is a {info.format} checkpoint; the analysis tools read "
+                              "--ckpt-format torch_dist checkpoints only")
+    support.check(info.args, support.ANALYSIS, error=CheckpointError)  # mixln_megatron.support.TABLE
+    return info
 
 
-def _config_from_saved_args(args):
-    """A TransformerConfig for CPU inference from the model arguments Megatron-LM saved."""
-    unsupported = [name for name in ("num_experts", "multi_latent_attention") if getattr(args, name, None)]
-    if unsupported:
-        raise CheckpointError(f"checkpoint uses {', '.join(unsupported)}, which the analysis tools do not support")
-    norm = getattr(args, "normalization", "LayerNorm")
-    if getattr(args, "group_query_attention", False):
-        groups = getattr(args, "num_query_groups", None)
-    else:
-        groups = None
-    overrides = {}
-    if getattr(args, "kv_channels", None):
-        overrides["kv_channels"] = args.kv_channels
-    if getattr(args, "qk_layernorm", False):
-        overrides["qk_layernorm"] = True
-    swiglu = bool(getattr(args, "swiglu", False))
+def _config_from_shape(a):
+    """ModelShape + TransformerConfig for CPU inference from the checkpoint's ArgsShape."""
+    if a.padded_vocab_size is None:
+        raise CheckpointError("the checkpoint's saved args have no padded_vocab_size")
     shape = ModelShape(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size,
-        vocab_size=_vocab_size(args), seq_length=getattr(args, "max_position_embeddings", None)
-        or getattr(args, "seq_length", 2048),
-        num_query_groups=groups, untie_embeddings=bool(getattr(args, "untie_embeddings_and_output_weights", False)),
+        num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+        ffn_hidden_size=a.ffn_hidden_size, vocab_size=a.padded_vocab_size, seq_length=a.max_position_embeddings,
+        num_query_groups=a.num_query_groups, untie_embeddings=a.untie_embeddings,
     )
+    overrides = {"kv_channels": a.kv_channels}
+    if a.qk_layernorm:
+        overrides["qk_layernorm"] = True
     return shape, megatron_config(
-        shape, normalization=norm,
-        layernorm_epsilon=getattr(args, "norm_epsilon", 1e-5),
-        gated_linear_unit=swiglu, activation_func=F.silu if swiglu else F.gelu,
-        add_bias_linear=bool(getattr(args, "add_bias_linear", True)),
-        add_qkv_bias=bool(getattr(args, "add_qkv_bias", False)),
-        layernorm_zero_centered_gamma=bool(getattr(args, "apply_layernorm_1p", False)),
+        shape, normalization=a.normalization, layernorm_epsilon=a.norm_epsilon,
+        gated_linear_unit=a.swiglu, activation_func=F.silu if a.swiglu else F.gelu,
+        add_bias_linear=a.add_bias_linear, add_qkv_bias=a.add_qkv_bias,
+        layernorm_zero_centered_gamma=a.zero_centered_gamma, rotary_interleaved=a.rotary_interleaved,
         **overrides,
     )
 
 
-def _vocab_size(args) -> int:
-    v = getattr(args, "padded_vocab_size", None)
-    if v is None:
-        raise CheckpointError("the checkpoint's saved args have no padded_vocab_size")
-    return int(v)
+def _stock_norm_keys(sharded: dict) -> None:
+    """Request a Mix-LN model's norms under the stock keys (checkpoints saved before the Mix-LN keys)."""
+    from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
 
+    from ..convert import mapping as M
 
-def _mixln_settings_from_checkpoint(ckpt_dir: str, args) -> dict:
-    """P and scheme: content metadata record > saved --mixln-* args > none (plain Pre-LN).
-
-    A P = 0 guess on a Mix-LN checkpoint is still caught: the layers compare the sharded settings
-    record stored in the checkpoint on load and fail with a message naming both.
-    """
-    from ..checkpoint import read_checkpoint_record
-    from ..placement import MixLNSettings
-
-    try:
-        record = read_checkpoint_record(ckpt_dir)
-    except Exception:  # noqa: BLE001 - older checkpoints have no content metadata
-        record = None
-    if record:
-        return {"post_ln_layers": int(record.get("post_ln_layers", 0)),
-                "scheme": record.get("scheme", "mixln"), "source": "checkpoint metadata"}
-    alpha = getattr(args, "mixln_alpha", None)
-    post = getattr(args, "mixln_post_ln_layers", None)
-    scheme = getattr(args, "mixln_scheme", None)
-    if alpha is not None or post is not None or scheme is not None:
-        placement = MixLNSettings(alpha=alpha, post_ln_layers=post, scheme=scheme).resolve(args.num_layers, environ={})
-        return {"post_ln_layers": placement.post_ln_layers, "scheme": placement.scheme, "source": "saved args"}
-    return {"post_ln_layers": 0, "scheme": "mixln", "source": "none found (Pre-LN)"}
+    apply_prefix_mapping(sharded, {
+        M.TD_LAYER_PREFIX + M.MIXLN_NORM_NAMES[role][:-len("weight")]:
+            M.TD_LAYER_PREFIX + M.LAYER_ROLE_NAMES[role][:-len("weight")]
+        for role in ("norm_a", "norm_b")})
 
 
 def load_megatron_checkpoint(
@@ -470,46 +431,41 @@ def load_megatron_checkpoint(
     """A torch_dist checkpoint (Megatron-LM layout) in a megatron-core GPTModel on CPU.
 
     The model shape comes from the `args` Megatron-LM stores in the checkpoint; post_ln_layers /
-    scheme override the Mix-LN settings found in it (see _mixln_settings_from_checkpoint).
+    scheme override the Mix-LN settings found in it (convert.inspect cross-checks its sources).
     Only TP = PP = 1 in memory; the checkpoint may have been saved with any parallel layout.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.models.gpt import GPTModel
 
+    from ..placement import Placement
     from ..spec import get_mixln_decoder_block_spec
 
     ensure_megatron_cpu()
-    ckpt_dir = resolve_checkpoint_dir(path, iteration)
-    common = dist_checkpointing.load_common_state_dict(ckpt_dir)
-    args = common.get("args") if isinstance(common, dict) else None
-    if args is None:
-        raise CheckpointError(f"{ckpt_dir}: no saved `args` in common.pt; cannot tell the model shape")
-    settings = _mixln_settings_from_checkpoint(ckpt_dir, args)
+    info = _inspect(path, iteration)
+    ckpt_dir, a = info.path, info.shape
+    settings = {"post_ln_layers": info.post_ln_layers, "scheme": info.scheme, "source": info.record_source}
     if post_ln_layers is not None:
         settings.update(post_ln_layers=int(post_ln_layers), source="command line")
     if scheme is not None:
         settings.update(scheme=scheme)
-    shape, config = _config_from_saved_args(args)
+    shape, config = _config_from_shape(a)
     spec = get_mixln_decoder_block_spec(config, backend="local", post_ln_layers=settings["post_ln_layers"],
                                         scheme=settings["scheme"])
     with _quiet_gpt_deprecation():
         model = GPTModel(
             config=config, transformer_layer_spec=spec, vocab_size=shape.vocab_size,
             max_sequence_length=shape.seq_length,
-            position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
-            rotary_percent=getattr(args, "rotary_percent", 1.0),
-            rotary_base=getattr(args, "rotary_base", 10000),
-            rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
-            rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0) or 8.0,
+            position_embedding_type=a.position_embedding_type, rotary_percent=a.rotary_percent,
+            rotary_base=a.rotary_base, seq_len_interpolation_factor=a.rotary_seq_len_interpolation_factor,
+            rope_scaling=a.use_rope_scaling, rope_scaling_factor=a.rope_scaling_factor,
             share_embeddings_and_output_weights=not shape.untie_embeddings,
         )
     model = _to_device(model)
-    metadata = None
-    try:
-        metadata = dist_checkpointing.load_content_metadata(ckpt_dir)
-    except Exception:  # noqa: BLE001
-        metadata = None
-    sharded = model.sharded_state_dict(metadata=metadata) if metadata else model.sharded_state_dict()
+    metadata = info.reader.content_metadata
+    sharded = model.sharded_state_dict(metadata=dict(metadata)) if metadata else model.sharded_state_dict()
+    if info.reader.norm_layout == "stock" and not Placement(config.num_layers, settings["post_ln_layers"],
+                                                            settings["scheme"]).is_stock:
+        _stock_norm_keys(sharded)
     loaded = dist_checkpointing.load({"model": sharded}, ckpt_dir)
     state = loaded["model"]
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -517,12 +473,10 @@ def load_megatron_checkpoint(
     if missing:
         raise CheckpointError(f"{ckpt_dir}: parameters missing from the checkpoint: {missing[:8]}")
     model.eval()
-    from ..placement import Placement
-
     placement = Placement(config.num_layers, settings["post_ln_layers"], settings["scheme"],
                           source=settings["source"])
     lm = MegatronLM(model, source=ckpt_dir, placement=placement)
-    lm.saved_args = args
+    lm.saved_args = info.args
     return lm
 
 

@@ -140,16 +140,18 @@ def _run(args) -> int:
             tokenizer_model=args.tokenizer_model, overwrite=args.overwrite, progress=not args.no_progress,
         )
         print(f"[mixln-megatron convert] {json.dumps(summary)}")
+        flags = " ".join(summary["launch_flags"])
+        spec = "mixln_layer_spec" if summary["transformer_impl"] == "transformer_engine" else "mixln_local_layer_spec"
         print(
-            f"[mixln-megatron convert] load with --load {summary['save']} (iteration 'release': no optimizer "
-            f"state, training restarts at iteration 0); use --make-vocab-size-divisible-by "
-            f"{args.make_vocab_size_divisible_by} and a TP that pads the vocabulary to "
-            f"{summary['padded_vocab_size']}"
-            + (f"; the legacy format needs exactly --tensor-model-parallel-size {args.tp} "
-               f"--pipeline-model-parallel-size {args.pp}" if args.ckpt_format == "torch" else "")
-            + (f"; Mix-LN: --mixln-post-ln-layers {summary['post_ln_layers']}"
-               + (f" --mixln-scheme {summary['scheme']}" if summary["scheme"] != "mixln" else "")
-               if summary["post_ln_layers"] or summary["scheme"] != "mixln" else "")
+            f"[mixln-megatron convert] resume with: mixln-megatron pretrain --load {summary['save']} "
+            f"--use-checkpoint-args --mixln-post-ln-layers {summary['post_ln_layers']}"
+            + (f" --mixln-scheme {summary['scheme']}" if summary["scheme"] != "mixln" else "")
+            + " <training flags> "
+            f"(iteration 'release': no optimizer state, training restarts at iteration 0; keep the padded "
+            f"vocabulary {summary['padded_vocab_size']}). Megatron-LM's pretrain_gpt.py needs the model flags "
+            f"themselves (its --use-checkpoint-args skips the norm epsilon and rope scaling): {flags}"
+            + (f" --spec mixln_megatron.spec {spec}" if summary["post_ln_layers"] or summary["scheme"] != "mixln"
+               else "")
         )
     return 0
 

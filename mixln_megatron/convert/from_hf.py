@@ -548,7 +548,8 @@ def convert_from_hf(
         "format": ckpt_format, "save": os.path.abspath(save), "iteration": RELEASE, "tp": tp, "pp": pp,
         "post_ln_layers": post_ln, "scheme": record["scheme"], "settings_source": settings_source,
         "vocab_size": shape.vocab_size, "padded_vocab_size": padded, "dtype": str(out_dtype).replace("torch.", ""),
-        "transformer_impl": transformer_impl, "seconds": round(time.time() - t0, 2),
+        "transformer_impl": transformer_impl, "launch_flags": M.launch_flags(ns),
+        "seconds": round(time.time() - t0, 2),
     }
 
 

@@ -208,3 +208,24 @@ def inspect_checkpoint(load: str, iteration=None, fast_reads: bool = True) -> Ch
     record, source = mixln_record(reader, shape.num_layers)
     return CheckpointInfo(reader=reader, path=reader.path, format=reader.format, iteration=reader.iteration,
                           args=reader.args, shape=shape, record=record, record_source=source)
+
+
+def apply_resume_args(args, checkpoint_args, argv) -> dict:
+    """Set on `args` the RESUME_ARGS a resumed checkpoint records, except flags given in `argv`.
+
+    Megatron-LM's --use-checkpoint-args copies most shape flags but not these, so a resume of a
+    from-hf checkpoint of a Llama with rms_norm_eps 1e-6 would otherwise train with 1e-5.
+    Returns {name: value} of what was changed.
+    """
+    if checkpoint_args is None:
+        return {}
+    given = {flag for flag in argv if isinstance(flag, str) and flag.startswith("--")}
+    given |= {flag.split("=", 1)[0] for flag in given}
+    flags = dict(RESUME_ARGS)
+    changed = {}
+    for name, value in resume_args(checkpoint_args).items():
+        if flags[name] in given or getattr(args, name, None) == value:
+            continue
+        setattr(args, name, value)
+        changed[name] = value
+    return changed

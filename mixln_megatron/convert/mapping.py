@@ -710,3 +710,34 @@ def megatron_args_namespace(
         mixln_converted_from=source,
     )
     return ns
+
+
+def launch_flags(ns: argparse.Namespace) -> List[str]:
+    """The Megatron-LM flags that rebuild the model a converted checkpoint's args describe.
+
+    Every shape flag, including those Megatron-LM's --use-checkpoint-args does not copy (the norm
+    epsilon, rope scaling), and the Mix-LN placement: what the launch hint after from-hf prints.
+    """
+    flags = ["--num-layers", ns.num_layers, "--hidden-size", ns.hidden_size, "--ffn-hidden-size", ns.ffn_hidden_size,
+             "--num-attention-heads", ns.num_attention_heads, "--kv-channels", ns.kv_channels]
+    if ns.group_query_attention:
+        flags += ["--group-query-attention", "--num-query-groups", ns.num_query_groups]
+    flags += ["--max-position-embeddings", ns.max_position_embeddings, "--normalization", ns.normalization,
+              "--norm-epsilon", repr(float(ns.layernorm_epsilon)), "--swiglu",
+              "--position-embedding-type", "rope", "--rotary-base", f"{ns.rotary_base:g}"]
+    if not ns.add_bias_linear:
+        flags.append("--disable-bias-linear")
+    if ns.rotary_seq_len_interpolation_factor:
+        flags += ["--rotary-seq-len-interpolation-factor", f"{ns.rotary_seq_len_interpolation_factor:g}"]
+    if ns.use_rope_scaling:
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", f"{ns.rope_scaling_factor:g}"]
+    if ns.untie_embeddings_and_output_weights:
+        flags.append("--untie-embeddings-and-output-weights")
+    flags += ["--make-vocab-size-divisible-by", ns.make_vocab_size_divisible_by,
+              "--mixln-post-ln-layers", ns.mixln_post_ln_layers]
+    if ns.mixln_scheme != "mixln":
+        flags += ["--mixln-scheme", ns.mixln_scheme]
+    if ns.ckpt_format == "torch":
+        flags += ["--ckpt-format", "torch", "--tensor-model-parallel-size", ns.tensor_model_parallel_size,
+                  "--pipeline-model-parallel-size", ns.pipeline_model_parallel_size]
+    return [str(f) for f in flags]
