@@ -8,17 +8,23 @@
 #   NPROC=2 TP=2 bash examples/cpu_tiny_mixln.sh     # tensor parallel over 2 gloo processes
 #   NPROC=2 PP=2 bash examples/cpu_tiny_mixln.sh     # pipeline parallel
 # (A single process also runs without torchrun: python -m mixln_megatron.pretrain <same flags>.)
+# torchrun is started as `$PYTHON -m torch.distributed.run`, so no activated venv is needed:
+# PYTHON defaults to the checkout's .venv/bin/python (what `make` creates), else python3.
 #
 # --cpu applies mixln_megatron.cpu.enable_training() and adds the flags a CPU run needs
 # (mixln_megatron.cpu.CPU_MEGATRON_FLAGS: --distributed-backend gloo, --transformer-impl local,
 # the CUDA-only fusions off). The entry point builds the Mix-LN model itself (local modules here,
 # TransformerEngine with --transformer-impl transformer_engine), so no --spec is passed.
-# Mix-LN comes from the flag --mixln-alpha: the entry point exports it as MIXLN_ALPHA to every
-# rank. Paper settings for real runs: alpha 0.25 up to 1B (24 layers -> 6 Post-LN layers),
+# Mix-LN comes from the flag --mixln-alpha, which every rank parses (the entry point reads no
+# MIXLN_* variables). Paper settings for real runs: alpha 0.25 up to 1B (24 layers -> 6 Post-LN layers),
 # 0.0625 at 7B (32 layers -> 2) with a 10% warm-up; see examples/pretrain_llama1b_mixln.sh and
 # examples/pretrain_llama7b_mixln.sh.
 set -euo pipefail
 
+REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x "${REPO_DIR}/.venv/bin/python" ]]; then PYTHON="${REPO_DIR}/.venv/bin/python"; else PYTHON=python3; fi
+fi
 NPROC=${NPROC:-1}
 TP=${TP:-1}
 PP=${PP:-1}
@@ -74,4 +80,4 @@ MEGATRON_ARGS=(
 )
 
 mkdir -p "${OUT_DIR}/checkpoints"
-exec torchrun "${TORCHRUN_ARGS[@]}" -m mixln_megatron.pretrain "${MEGATRON_ARGS[@]}"
+exec "${PYTHON}" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" -m mixln_megatron.pretrain "${MEGATRON_ARGS[@]}"

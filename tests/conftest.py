@@ -6,10 +6,6 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# Settings must never leak in from the developer's shell.
-for _name in list(os.environ):
-    if _name.startswith("MIXLN_"):
-        del os.environ[_name]
 
 
 @pytest.fixture(scope="module")

@@ -87,6 +87,8 @@ if [[ "$1 $2" == "show hostnames" ]]; then printf 'node%03d\n' 1 2 3 4; exit 0; 
 echo "scontrol stub: unsupported: $*" >&2; exit 2
 """
 _STUB_PYTHON = r"""#!/usr/bin/env bash
+# test stub for `$PYTHON -m torch.distributed.run ...`: the torchrun stub records it
+if [[ "$1" == "-m" && "$2" == "torch.distributed.run" ]]; then shift 2; exec "$(dirname "$0")/torchrun" "$@"; fi
 # test stub for the launchers' pre-flight `$PYTHON -c 'import ...'`: record it, succeed
 printf '%s\0' "$@" >> "${MIXLN_TEST_CAPTURE}/python.calls"
 printf '\n' >> "${MIXLN_TEST_CAPTURE}/python.calls"
@@ -115,6 +117,7 @@ from megatron.training import arguments as margs
 from megatron.training.argument_utils import gpt_config_from_args
 from megatron.core.transformer.spec_utils import import_module
 from mixln_megatron.megatron_args import add_mixln_args, apply_mixln_args
+from mixln_megatron.spec import settings_for_spec
 from mixln_megatron.layer import check_supported
 from mixln_megatron.placement import resolve_placement
 
@@ -164,7 +167,10 @@ else:  # pretrain_gpt.py: the --spec object goes into the model config
     transformer_config = model_config.transformer
     out["config_spec_is_mixln"] = model_config.transformer_layer_spec is spec and spec is not None
 check_supported(transformer_config)
-placement = resolve_placement(args.num_layers, environ=os.environ)
+# the settings as each path builds them: the entry point from its flags, the --spec function from
+# a patched parser's flags and then the exported MIXLN_* variables
+settings = ep.run_settings(args) if entry_point else settings_for_spec(environ=os.environ, args=args)
+placement = resolve_placement(args.num_layers, settings)
 out["post_ln_layers"] = placement.post_ln_layers
 out["placement"] = placement.describe()
 # mixln_megatron's launch-time advice (printed at model build) must have nothing to say
@@ -399,4 +405,20 @@ def test_cpu_launcher_uses_the_entry_points_cpu_mode(tmp_path, stub_bin):
     assert "--cpu" in argv and "--mock-data" in argv
     assert argv[argv.index("--mixln-alpha") + 1] == "0.25"
     assert "--spec" not in argv  # ignored by the entry point, so not passed
+
+
+def test_cpu_launcher_needs_no_activated_venv():
+    """torchrun is not on PATH without an activated venv: the script starts it through $PYTHON,
+    which defaults to the checkout's .venv python."""
+    text = (EXAMPLES / "cpu_tiny_mixln.sh").read_text()
+    commands = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    assert not any(re.search(r"(^|\s)torchrun\s", line) for line in commands), "bare torchrun"
+    assert any('"${PYTHON}" -m torch.distributed.run' in line for line in commands)
+    block = re.search(r"^REPO_DIR=.*?^fi$", text, re.M | re.S).group(0)  # the script's PYTHON choice
+    block = block.replace("${BASH_SOURCE[0]}", str(EXAMPLES / "cpu_tiny_mixln.sh"))
+    env = {k: v for k, v in _clean_env().items() if k != "PYTHON"}
+    out = subprocess.run(["bash", "-c", block + '\necho "$PYTHON"'], env=env,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    venv = EXAMPLES.parent / ".venv" / "bin" / "python"
+    assert out == (str(venv) if os.access(venv, os.X_OK) else "python3")
 

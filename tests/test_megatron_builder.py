@@ -25,10 +25,12 @@ def result(proc):
 def test_spec_from_megatron_args_builds_post_ln_layers():
     built, out = result(run_builder({"MIXLN_ALPHA": "0.5"}))
     assert built == {"layer_class": "MixLNTransformerLayer", "post_ln": [1, 2], "final_norm": "MixLNNorm"}
-    assert "[mixln_megatron] scheme=mixln L=4 P=2 alpha=0.5 (from environment)" in out
+    assert "[mixln_megatron] scheme=mixln L=4 P=2 alpha=0.5 (from MIXLN_ALPHA)" in out
 
 
 def test_bad_environment_fails_the_build():
     proc = run_builder({"MIXLN_ALPHA": "quarter"})
     assert proc.returncode != 0
-    assert "MIXLN_ALPHA" in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("[mixln_megatron] ERROR:")]
+    assert errors == ["[mixln_megatron] ERROR: alpha from MIXLN_ALPHA must be a number in [0, 1] "
+                      "(e.g. 0.25, or 0.0625 for a 32-layer 7B model), got 'quarter'"], proc.stderr[-3000:]

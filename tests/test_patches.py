@@ -157,6 +157,12 @@ for name, case in job["cases"].items():
         res["args"] = {k: getattr(args, k, "<absent>") for k in (
             "mixln_alpha", "mixln_post_ln_layers", "mixln_scheme", "mixln_spike_scaler",
             "mixln_spike_threshold")}
+        if not case.get("hide_plugin"):  # what the --spec function would build from these args
+            from mixln_megatron.spec import settings_for_spec
+            st = settings_for_spec(args=args)
+            res["settings"] = {n: [getattr(st, n), st.source(n)] for n in ("alpha", "post_ln_layers", "scheme")}
+            res["settings"].update({"spike." + n: [getattr(st.spike, n), st.spike.source(n)]
+                                    for n in ("enabled", "threshold")})
         if case.get("validate") or case.get("model_config"):
             margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
             res["validated"] = True
@@ -336,13 +342,15 @@ def test_unpatched_parser_rejects_mixln_flags(unpatched):
     assert unpatched["flags"].get("exit") == 2  # argparse: unrecognized arguments
 
 
-def test_flags_are_parsed_and_exported(patched):
+def test_flags_reach_the_spec_without_the_environment(patched):
     res = patched["flags"]
     assert "error" not in res and "exit" not in res, res
     assert res["args"]["mixln_alpha"] == "0.0625"
-    assert res["env"]["MIXLN_ALPHA"] == "0.0625"
-    # the flag wins over a variable inherited from the launcher
-    assert "MIXLN_POST_LN_LAYERS" not in res["env"]
+    # the --spec function reads the flag from Megatron-LM's args, by its name; it wins over a
+    # variable inherited from the launcher, and nothing is exported
+    assert res["settings"]["alpha"] == ["0.0625", "--mixln-alpha"]
+    assert res["settings"]["post_ln_layers"] == [None, "default"]
+    assert res["env"] == {"MIXLN_POST_LN_LAYERS": "3"}
 
 
 def test_without_flags_nothing_changes(patched):
@@ -350,6 +358,7 @@ def test_without_flags_nothing_changes(patched):
     assert "error" not in res, res
     assert res["args"]["mixln_alpha"] is None and res["args"]["mixln_post_ln_layers"] is None
     assert res["env"] == {}
+    assert res["settings"]["alpha"] == [None, "default"]
 
 
 def test_both_flags_is_a_clear_error(patched):
@@ -363,26 +372,27 @@ def test_invalid_alpha_is_rejected_at_parse_time(patched):
     assert "MixLNConfigError" in text and "1.5" in text
 
 
-def test_scheme_and_spike_flags_are_exported(patched):
+def test_scheme_and_spike_flags_reach_the_spec(patched):
     res = patched["scheme_and_spike"]
     assert "error" not in res, res
-    assert res["env"]["MIXLN_POST_LN_LAYERS"] == "1"
-    assert res["env"]["MIXLN_SCHEME"] == "mixln+lns"
-    assert res["env"]["MIXLN_SPIKE_SCALER"] == "1"
-    assert res["env"]["MIXLN_SPIKE_THRESHOLD"] == "25.0"
+    assert res["settings"]["post_ln_layers"] == [1, "--mixln-post-ln-layers"]
+    assert res["settings"]["scheme"] == ["mixln+lns", "--mixln-scheme"]
+    assert res["settings"]["spike.enabled"] == [True, "--mixln-spike-scaler"]
+    assert res["settings"]["spike.threshold"] == [25.0, "--mixln-spike-threshold"]
+    assert res["env"] == {}
 
 
 def test_extra_args_provider_with_the_same_flags_does_not_conflict(patched):
     """The plugin's entry point passes add_mixln_args itself; the patched parser must accept that."""
     res = patched["with_provider"]
     assert "error" not in res and "exit" not in res, res
-    assert res["env"]["MIXLN_POST_LN_LAYERS"] == "2"
+    assert res["settings"]["post_ln_layers"] == [2, "--mixln-post-ln-layers"]
 
 
 def test_patched_args_pass_validate_args(patched):
     res = patched["validate"]
     assert res.get("validated") is True, res
-    assert res["env"]["MIXLN_ALPHA"] == "0.25"
+    assert res["settings"]["alpha"] == ["0.25", "--mixln-alpha"]
 
 
 def test_missing_plugin_is_a_clear_error(patched):

@@ -218,14 +218,12 @@ def test_model_provider_builds_post_ln_layers_as_configured(mcore_single, monkey
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.training import global_vars
 
-    from mixln_megatron.megatron_args import apply_mixln_args
     from mixln_megatron.norms import MixLNNorm
     from mixln_megatron.pretrain import model_provider
 
-    for name in ("MIXLN_ALPHA", "MIXLN_POST_LN_LAYERS", "MIXLN_SCHEME"):
-        monkeypatch.setenv(name, "")  # restored after the test; apply_mixln_args overwrites
-    apply_mixln_args(Namespace(**{"mixln_alpha": None, "mixln_post_ln_layers": None, "mixln_scheme": None, **flags}))
+    # the provider reads the flags from Megatron-LM's global args (main binds its settings instead)
     args = Namespace(
+        **{"mixln_alpha": None, "mixln_post_ln_layers": None, "mixln_scheme": None, **flags},
         transformer_impl="local", padded_vocab_size=mu.VOCAB, max_position_embeddings=mu.SEQ,
         fp16_lm_cross_entropy=False, untie_embeddings_and_output_weights=True,
         position_embedding_type="rope", rotary_percent=1.0, rotary_base=10000, use_rope_scaling=False,

@@ -25,9 +25,14 @@ from mixln_megatron.spike import (
     SpikeSettings,
     SpikeState,
     resolve_spike_settings,
-    spike_settings_from_env,
     target_layers,
 )
+
+
+def spike_settings_from_env(env):
+    from mixln_megatron.env_settings import settings_from_environ
+
+    return settings_from_environ(env).spike
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -212,12 +217,15 @@ def test_owned_subset_gives_the_same_decisions():
 def test_settings_precedence_and_env():
     env = {"MIXLN_SPIKE_SCALER": "1", "MIXLN_SPIKE_THRESHOLD": "30", "MIXLN_SPIKE_BETA": "0.95",
            "MIXLN_SPIKE_WARMUP_STEPS": "7", "MIXLN_SPIKE_TARGETS": "3, 5"}
-    resolved = resolve_spike_settings(None, env)
+    from mixln_megatron.settings import MixLNSettings, layered
+
+    resolved = resolve_spike_settings(spike_settings_from_env(env))
     assert (resolved.enabled, resolved.threshold, resolved.beta, resolved.warmup_steps, resolved.targets) == (
         True, 30.0, 0.95, 7, (3, 5))
-    explicit = resolve_spike_settings(SpikeSettings(threshold=80, targets="all"), env)
+    explicit = layered(MixLNSettings(spike=SpikeSettings(threshold=80, targets="all")), MixLNSettings(spike=spike_settings_from_env(env)))
+    explicit = resolve_spike_settings(explicit.spike)
     assert explicit.threshold == 80 and explicit.targets == "all" and explicit.beta == 0.95
-    default = resolve_spike_settings(None, {})
+    default = resolve_spike_settings(None)
     assert (default.enabled, default.threshold, default.targets) == (False, 50.0, "boundary")
 
 
@@ -234,13 +242,11 @@ def test_bad_settings_are_refused(env):
 def test_flags_reach_the_settings():
     import argparse
 
-    from mixln_megatron.megatron_args import add_mixln_args, apply_mixln_args
+    from mixln_megatron.megatron_args import add_mixln_args, settings_from_args
 
     args = add_mixln_args(argparse.ArgumentParser()).parse_args(
         ["--mixln-spike-scaler", "--mixln-spike-threshold", "40", "--mixln-spike-targets", "all"])
-    env = {}
-    apply_mixln_args(args, env)
-    resolved = resolve_spike_settings(None, env)
+    resolved = resolve_spike_settings(settings_from_args(args).spike)
     assert resolved.enabled and resolved.threshold == 40 and resolved.targets == "all"
 
 
@@ -255,33 +261,36 @@ def test_targets():
         target_layers((13,), placement)
 
 
-def test_install_from_spec_follows_the_environment(monkeypatch):
+def test_the_spec_is_plain_data_and_install_training_hooks_installs(mcore_single):
     from mcore_utils import tiny_config
-    from mixln_megatron.grads_hook import SpikeGradsHook, SpikeScalerLayer, get_spike_scaler, install_from_spec
-    from mixln_megatron.spec import MixLNTransformerLayerSpec
+    from mixln_megatron.grads_hook import SpikeGradsHook, SpikeScalerLayer, get_spike_scaler
+    from mixln_megatron.settings import MixLNSettings
+    from mixln_megatron.spec import get_mixln_decoder_block_spec
+    from mixln_megatron.training_hooks import install_training_hooks
 
-    spec = MixLNTransformerLayerSpec(backend="local", post_ln_layers=2)
+    on = MixLNSettings(post_ln_layers=2, spike=SpikeSettings(enabled=True))
     config = tiny_config(num_layers=4)
-    monkeypatch.delenv("MIXLN_SPIKE_SCALER", raising=False)
-    assert install_from_spec(config, spec) is spec and config.finalize_model_grads_func is None
-    monkeypatch.setenv("MIXLN_SPIKE_SCALER", "1")
-    out = install_from_spec(config, spec)
-    assert out.module is SpikeScalerLayer and out.params == spec.params
+    spec = get_mixln_decoder_block_spec(config, backend="local", settings=on)
+    assert spec.layer_specs[0].module is SpikeScalerLayer  # carries the holder, installs nothing
+    assert config.finalize_model_grads_func is None
+    install_training_hooks(config, on)
     hook = config.finalize_model_grads_func
     assert isinstance(hook, SpikeGradsHook) and hook.original is None  # Megatron-LM keeps a set hook
     assert get_spike_scaler(config).layers == (2, 3)
-    install_from_spec(config, spec)  # another model chunk (VPP): the same hook
+    install_training_hooks(config, on)  # another model chunk (VPP): the same hook
     assert config.finalize_model_grads_func is hook
-    no_boundary = MixLNTransformerLayerSpec(backend="local", post_ln_layers=0)
     config0 = tiny_config(num_layers=4)
-    assert install_from_spec(config0, no_boundary) is no_boundary
-    assert config0.finalize_model_grads_func is None
+    install_training_hooks(config0, MixLNSettings(post_ln_layers=0, spike=SpikeSettings(enabled=True)))
+    assert config0.finalize_model_grads_func is None  # no boundary: disabled
+    config1 = tiny_config(num_layers=4)
+    install_training_hooks(config1, MixLNSettings(post_ln_layers=2))
+    assert config1.finalize_model_grads_func is None  # not asked for
 
 
 def _bare_scaler(**settings):
     from mixln_megatron.grads_hook import SpikeScaler
 
-    return SpikeScaler(resolve_spike_settings(SpikeSettings(enabled=True, **settings), {}),
+    return SpikeScaler(resolve_spike_settings(SpikeSettings(enabled=True, **settings)),
                        Placement(num_layers=4, post_ln_layers=2))
 
 

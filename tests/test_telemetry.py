@@ -61,9 +61,10 @@ def test_tp2pp2_with_and_without_distributed_optimizer(workdir):
 
 
 def test_interval_from_env():
-    from mixln_megatron.telemetry import interval_from_env
+    from mixln_megatron.env_settings import settings_from_environ
 
-    assert interval_from_env({}) == 0
-    assert interval_from_env({"MIXLN_TELEMETRY_INTERVAL": "10"}) == 10
+    assert settings_from_environ({}).telemetry.interval is None
+    got = settings_from_environ({"MIXLN_TELEMETRY_INTERVAL": "10", "MIXLN_TELEMETRY_PATH": "/x/t.jsonl"}).telemetry
+    assert (got.interval, got.path, got.source("interval")) == (10, "/x/t.jsonl", "MIXLN_TELEMETRY_INTERVAL")
     with pytest.raises(ValueError, match="MIXLN_TELEMETRY_INTERVAL"):
-        interval_from_env({"MIXLN_TELEMETRY_INTERVAL": "often"})
+        settings_from_environ({"MIXLN_TELEMETRY_INTERVAL": "often"})

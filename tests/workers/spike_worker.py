@@ -131,17 +131,14 @@ class Run:
         self.inject_s = 0.0
 
 
-def _env_for(layout: dict) -> None:
-    """Spec layouts get their settings the Megatron-LM way: MIXLN_SPIKE_* variables."""
-    spec = layout.get("scaler") == "spec"
-    os.environ["MIXLN_SPIKE_SCALER"] = "1" if spec else "0"
-    for name, key in (("MIXLN_SPIKE_THRESHOLD", "threshold"), ("MIXLN_SPIKE_BETA", "beta"),
-                      ("MIXLN_SPIKE_WARMUP_STEPS", "warmup_steps")):
-        if spec:
-            os.environ[name] = str(SETTINGS[key])
-        else:
-            os.environ.pop(name, None)
-    os.environ.pop("MIXLN_SPIKE_TARGETS", None)
+def _settings_for(layout: dict):
+    """Spec layouts get the scaler from the settings, installed by install_training_hooks."""
+    from mixln_megatron.settings import MixLNSettings, SpikeSettings
+
+    if layout.get("scaler") != "spec":
+        return MixLNSettings(post_ln_layers=POST_LN)
+    keys = ("threshold", "beta", "warmup_steps")
+    return MixLNSettings(post_ln_layers=POST_LN, spike=SpikeSettings(enabled=True, **{k: SETTINGS[k] for k in keys}))
 
 
 def _bench_plan(steps: int) -> dict:
@@ -263,15 +260,17 @@ def build(run: Run, layout: dict):
     from mcore_utils import build_gpt, tiny_config
     from mixln_megatron.grads_hook import get_spike_scaler, install_spike_scaler
     from mixln_megatron.spec import get_mixln_decoder_block_spec
+    from mixln_megatron.training_hooks import install_training_hooks
 
-    _env_for(layout)
+    settings = _settings_for(layout)
     fp16 = bool(layout.get("fp16"))
     dtype = torch.float16 if fp16 else torch.float32
     config = tiny_config(
         num_layers=NUM_LAYERS, hidden=_size(layout)["hidden"], tp=layout.get("tp", 1), pp=layout.get("pp", 1),
         sequence_parallel=bool(layout.get("sp")), fp16=fp16, params_dtype=dtype, pipeline_dtype=dtype,
     )
-    spec = get_mixln_decoder_block_spec(config, backend="local", post_ln_layers=POST_LN)
+    spec = get_mixln_decoder_block_spec(config, backend="local", settings=settings)
+    install_training_hooks(config, settings)
     model = build_gpt(config, spec)
     if fp16:
         model = Float16Module(config, model)
@@ -295,8 +294,8 @@ def build(run: Run, layout: dict):
         settings = {"log_interval": 50} if layout.get("bench") else SETTINGS
         scaler = install_spike_scaler([model], config, optimizer=optimizer, settings=settings)
     elif layout.get("scaler") == "spec":
-        scaler = get_spike_scaler(config)  # installed by the spec; finds the optimizer itself
-        assert scaler is not None, "MIXLN_SPIKE_SCALER=1 did not install the scaler from the spec"
+        scaler = get_spike_scaler(config)  # installed by install_training_hooks; finds the optimizer itself
+        assert scaler is not None, "install_training_hooks did not install the scaler"
         config.finalize_model_grads_func.original = finalize
         scaler._configure(dataclasses.replace(scaler.settings, log_interval=SETTINGS["log_interval"]),
                           scaler.placement)
