@@ -111,3 +111,32 @@ def test_only_env_settings_reads_mixln_variables():
         if re.search(r"^\s*[A-Z_]+\s*=\s*[\"']MIXLN_", text, re.M):
             offenders.append(f"{rel}: defines a MIXLN_* name (env_settings owns them)")
     assert not offenders, offenders
+
+
+def test_building_a_model_from_the_spec_installs_nothing(mcore_single):
+    from mcore_utils import build_gpt, tiny_config
+    from mixln_megatron.spec import get_mixln_decoder_block_spec
+
+    config = tiny_config(num_layers=4)
+    asks = MixLNSettings(post_ln_layers=1, spike=SpikeSettings(enabled=True), telemetry=TelemetrySettings(interval=1))
+    model = build_gpt(config, get_mixln_decoder_block_spec(config, backend="local", settings=asks))
+    assert [layer.is_post_ln for layer in model.decoder.layers] == [True, False, False, False]
+    assert config.finalize_model_grads_func is None
+
+
+def test_the_spec_functions_install_what_the_environment_asks(mcore_single):
+    from mcore_utils import tiny_config
+    from mixln_megatron.grads_hook import get_spike_scaler
+    from mixln_megatron.spec import stock_decoder_spec
+    from mixln_megatron.telemetry import get_telemetry
+
+    config = tiny_config(num_layers=4)
+    env = {"MIXLN_POST_LN_LAYERS": "2", "MIXLN_SPIKE_SCALER": "1", "MIXLN_TELEMETRY_INTERVAL": "3"}
+    spec = stock_decoder_spec(config, "local", environ=env, args=SimpleNamespace())
+    params = spec.layer_specs[0].params["mixln_settings"]
+    assert params.post_ln_layers == 2 and params.source("post_ln_layers") == "MIXLN_POST_LN_LAYERS"
+    assert get_spike_scaler(config).layers == (2, 3)
+    assert get_telemetry(config).interval == 3
+    quiet = tiny_config(num_layers=4)
+    stock_decoder_spec(quiet, "local", environ={"MIXLN_POST_LN_LAYERS": "2"}, args=SimpleNamespace())
+    assert quiet.finalize_model_grads_func is None
