@@ -35,7 +35,7 @@ test-compat: $(STAMP)
 	if [ -n "$$failed" ]; then echo "test-compat failed for:$$failed"; exit 1; fi
 
 demo: $(STAMP)
-	$(PY) -m mixln_megatron.demo
+	$(PY) -m mixln_megatron.dev.demo
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py --quick

@@ -47,7 +47,7 @@ def create_worker(out_dir: str) -> None:
     import torch.nn.functional as F
 
     sys.path.insert(0, REPO)
-    from mixln_megatron import cpu
+    from mixln_megatron.dev import cpu
 
     cpu.enable()
     from megatron.core import dist_checkpointing

@@ -7,7 +7,7 @@ the JSON in benchmarks/results/ rewritten after each phase so that a cut-off run
 
 1. parity    Mix-LN decoder (L = 4, P = 2, GQA) forward + backward on the GPU in fp32 and bf16,
              against a CPU reference computed from the same weights in a separate process (which
-             uses mixln_megatron.cpu; this process never does when it runs on the GPU).
+             uses mixln_megatron.dev.cpu; this process never does when it runs on the GPU).
 2. timing    forward + backward step time and peak step memory on a 7B-shaped slice of the
              decoder (h 4096, ffn 11008, 32 heads, 8 layers, seq 4096, micro-batch 1, bf16):
              megatron's stock local spec, the Mix-LN local spec with P = 0 (same network, the
@@ -17,7 +17,7 @@ the JSON in benchmarks/results/ rewritten after each phase so that a cut-off run
              Scope: the decoder block only (layers + final norm); no embedding, output layer or
              loss, so the ratios are upper bounds of the whole-model ratios.
 3. spike     the gradient-spike scaler's time per step on the same slice: the P = 2 slice is
-             wrapped in megatron's DDP, mixln_megatron.grads_hook.install_spike_scaler installs
+             wrapped in megatron's DDP, mixln_megatron.training.grads_hook.install_spike_scaler installs
              the hook, and the scaler's work after finalize_model_grads is timed between device
              syncs (skipped with a message when grads_hook / spike are not in the checkout).
 4. result    one JSON (machine, versions, every figure) and the line
@@ -27,7 +27,7 @@ the JSON in benchmarks/results/ rewritten after each phase so that a cut-off run
              and temporaries, weights and gradients excluded). gpu_vs_cpu_max_abs: the largest
              absolute difference over output, input gradient and parameter gradients in fp32.
 
-`--cpu-dry-run` runs the same code on the CPU (mixln_megatron.cpu + gloo) with tiny shapes, so
+`--cpu-dry-run` runs the same code on the CPU (mixln_megatron.dev.cpu + gloo) with tiny shapes, so
 that tests/test_gpu_check_dryrun.py keeps the script from rotting between GPU runs.
 
 Exit status: 0 all checks passed; 1 a parity check failed (figures are still measured and
@@ -288,15 +288,15 @@ def init_runtime(dry_run: bool, seed: int = 1234, backend: Optional[str] = None)
     import torch
 
     if dry_run:
-        from mixln_megatron import cpu
+        from mixln_megatron.dev import cpu
 
         cpu.enable()
     else:
         require_cuda()
-        from mixln_megatron import cpu
+        from mixln_megatron.dev import cpu
 
         # The CPU shims would hide real device bugs: this process must never have them.
-        assert not cpu.is_enabled(), "mixln_megatron.cpu is enabled in the GPU process"
+        assert not cpu.is_enabled(), "mixln_megatron.dev.cpu is enabled in the GPU process"
         torch.cuda.set_device(0)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -638,7 +638,7 @@ def phase_spike(rt: Runtime, variant: Variant, shape: Shape, warmup: int, repeat
     """The gradient-spike scaler's cost per step, on the Mix-LN P = 2 slice of the timing phase.
 
     The slice is wrapped in megatron's DistributedDataParallel (fp32 grad buffers, as in training)
-    and mixln_megatron.grads_hook.install_spike_scaler puts the hook on its config. Each round runs
+    and mixln_megatron.training.grads_hook.install_spike_scaler puts the hook on its config. Each round runs
     forward + backward and megatron's finalize_model_grads, then times the scaler's own work
     (`after_finalize`: propose on the boundary norms' reduced grads, and the commit, which is eager
     without an optimizer) between device syncs. warmup_steps = 0 so the rule is live from step 1.
@@ -646,9 +646,9 @@ def phase_spike(rt: Runtime, variant: Variant, shape: Shape, warmup: int, repeat
     import torch
 
     try:
-        grads_hook = importlib.import_module("mixln_megatron.grads_hook")
+        grads_hook = importlib.import_module("mixln_megatron.training.grads_hook")
     except ModuleNotFoundError as exc:
-        if exc.name in ("mixln_megatron.grads_hook", "mixln_megatron.spike"):
+        if exc.name in ("mixln_megatron.training.grads_hook", "mixln_megatron.training.spike"):
             reason = f"{exc.name} is not in this checkout"
             log(f"spike: SKIP ({reason})")
             return {"status": "skipped", "reason": reason}
@@ -794,7 +794,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-dry-run", action="store_true",
-                    help="same code on the CPU (mixln_megatron.cpu + gloo) with tiny shapes")
+                    help="same code on the CPU (mixln_megatron.dev.cpu + gloo) with tiny shapes")
     ap.add_argument("--out-dir", default=DEFAULT_RESULTS, help="where the JSON goes (default benchmarks/results)")
     ap.add_argument("--warmup", type=int, default=None, help="warmup rounds (default 3; dry run 1)")
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds (default 20; dry run 3)")

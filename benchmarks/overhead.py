@@ -49,7 +49,7 @@ def main(argv=None):
         a.layers, a.hidden, a.seq, a.batch, a.steps = 4, 128, 128, 2, 12
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     mu.init_distributed()
-    from mixln_megatron.placement import post_ln_count
+    from mixln_megatron.model.placement import post_ln_count
 
     post = post_ln_count(a.alpha, a.layers)
     cfg = mu.tiny_config(num_layers=a.layers, hidden=a.hidden, heads=max(1, a.hidden // 32))

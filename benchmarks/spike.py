@@ -41,7 +41,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "workers", "spike_worker.py")
 sys.path.insert(0, ROOT)
 
-from mixln_megatron.spike import DEFAULT_BETA, DEFAULT_THRESHOLD, DEFAULT_WARMUP_STEPS, ReferenceSpikeRule  # noqa: E402
+from mixln_megatron.training.spike import (
+    DEFAULT_BETA,
+    DEFAULT_THRESHOLD,
+    DEFAULT_WARMUP_STEPS,
+    ReferenceSpikeRule,
+)  # noqa: E402
 
 
 def _free_port() -> int:

@@ -1,4 +1,4 @@
-"""Overhead of the per-layer gradient-norm telemetry (mixln_megatron.telemetry), CPU, one process.
+"""Overhead of the per-layer gradient-norm telemetry (mixln_megatron.training.telemetry), CPU, one process.
 
 Trains the same model twice from the same weights, interleaving steps with and without the
 telemetry hook (interval N, default 10), and reports the hook's own time over the step time.
@@ -31,7 +31,7 @@ def main(argv=None):
 
     from parallel_worker import Run
 
-    from mixln_megatron.telemetry import install_telemetry
+    from mixln_megatron.training.telemetry import install_telemetry
 
     run = Run(num_layers=a.layers, hidden=a.hidden, heads=max(1, a.hidden // 32), post_ln_layers=a.layers // 4)
     telemetry = install_telemetry(run.cfg, interval=a.interval, path=os.path.join("runs", "bench_telemetry.jsonl"))

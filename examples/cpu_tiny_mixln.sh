@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # A tiny Mix-LN run on CPU (gloo, mock data) through the project's entry point
-# mixln_megatron.pretrain: Megatron-LM's training loop with the same flags as pretrain_gpt.py,
+# mixln_megatron.training.pretrain: Megatron-LM's training loop with the same flags as pretrain_gpt.py,
 # plus --mixln-* and --cpu. A development aid (a laptop, CI, debugging a launcher); it trains
 # nothing useful.
 #
 #   bash examples/cpu_tiny_mixln.sh                  # 1 process
 #   NPROC=2 TP=2 bash examples/cpu_tiny_mixln.sh     # tensor parallel over 2 gloo processes
 #   NPROC=2 PP=2 bash examples/cpu_tiny_mixln.sh     # pipeline parallel
-# (A single process also runs without torchrun: python -m mixln_megatron.pretrain <same flags>.)
+# (A single process also runs without torchrun: python -m mixln_megatron.training.pretrain <same flags>.)
 # torchrun is started as `$PYTHON -m torch.distributed.run`, so no activated venv is needed:
 # PYTHON defaults to the checkout's .venv/bin/python (what `make` creates), else python3.
 #
-# --cpu applies mixln_megatron.cpu.enable_training() and adds the flags a CPU run needs
-# (mixln_megatron.cpu.CPU_MEGATRON_FLAGS: --distributed-backend gloo, --transformer-impl local,
+# --cpu applies mixln_megatron.dev.cpu.enable_training() and adds the flags a CPU run needs
+# (mixln_megatron.dev.cpu.CPU_MEGATRON_FLAGS: --distributed-backend gloo, --transformer-impl local,
 # the CUDA-only fusions off). The entry point builds the Mix-LN model itself (local modules here,
 # TransformerEngine with --transformer-impl transformer_engine), so no --spec is passed.
 # Mix-LN comes from the flag --mixln-alpha, which every rank parses (the entry point reads no
@@ -80,4 +80,4 @@ MEGATRON_ARGS=(
 )
 
 mkdir -p "${OUT_DIR}/checkpoints"
-exec "${PYTHON}" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" -m mixln_megatron.pretrain "${MEGATRON_ARGS[@]}"
+exec "${PYTHON}" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" -m mixln_megatron.training.pretrain "${MEGATRON_ARGS[@]}"

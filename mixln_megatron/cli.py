@@ -19,7 +19,7 @@ import sys
 from .errors import MixLNError, one_line
 
 COMMANDS = {
-    "pretrain": ("mixln_megatron.pretrain", "Pretrain with Megatron-LM's training loop (Mix-LN spec, --mixln-* flags)."),
+    "pretrain": ("mixln_megatron.training.pretrain", "Pretrain with Megatron-LM's training loop (Mix-LN spec, --mixln-* flags)."),
     "preprocess": ("mixln_megatron.data.preprocess", "Turn JSONL / text into a Megatron indexed dataset (offline)."),
     "convert": ("mixln_megatron.convert.cli", "Convert checkpoints: to-hf, from-hf."),
     "analyze": ("mixln_megatron.analysis.cli", "Diagnostics: grad-norms, angular-distance, layer-drop, train-health."),
@@ -36,8 +36,8 @@ def _usage() -> str:
 def placement_main(argv=None) -> int:
     import argparse
 
-    from .placement import resolve_placement
-    from .settings import MixLNSettings
+    from .model.placement import resolve_placement
+    from .model.settings import MixLNSettings
 
     parser = argparse.ArgumentParser(prog="mixln-megatron placement", description="Show the Post-LN layers.")
     parser.add_argument("--num-layers", type=int, required=True)

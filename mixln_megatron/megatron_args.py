@@ -1,7 +1,8 @@
 """The `--mixln-*` command-line flags for Megatron-LM's argument parser, and the settings they make.
 
 Used by the project's entry point (`mixln-megatron pretrain`, as an `extra_args_provider`) and by
-the patch in patches/ that adds the same flags to a Megatron-LM checkout. `settings_from_args`
+the patch in patches/ that adds the same flags to a Megatron-LM checkout. It stays at the package's
+top level because patched checkouts import it by this name. `settings_from_args`
 turns parsed flags into a MixLNSettings whose sources are the flags' names (`--mixln-alpha`);
 nothing is exported to the environment. The entry point passes that object to the spec it
 builds; on a patched checkout the `--spec` functions read the flags from Megatron-LM's global
@@ -14,7 +15,7 @@ import argparse
 from typing import Optional
 
 from .errors import MixLNConfigError
-from .settings import CHECKPOINT, SCHEMES, MixLNSettings, SpikeSettings, TelemetrySettings
+from .model.settings import CHECKPOINT, SCHEMES, MixLNSettings, SpikeSettings, TelemetrySettings
 
 # settings field -> the flag that sets it (the name the build line and errors show)
 PLACEMENT_FLAGS = {
@@ -71,7 +72,7 @@ def add_mixln_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--mixln-telemetry-interval", type=int, default=None,
         help="Log per-layer gradient norms every N steps (0 = off, the default; see "
-        "mixln_megatron.telemetry). Written to TensorBoard/W&B when configured and to "
+        "mixln_megatron.training.telemetry). Written to TensorBoard/W&B when configured and to "
         "<save>/mixln_telemetry.jsonl.",
     )
     group.add_argument(

@@ -29,13 +29,14 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
-from . import backends, env_settings, megatron_args
+from .model import backends, env_settings
+from . import megatron_args
 from .errors import MixLNError, report_once
-from .grads_hook import SpikeScalerLayer
-from .layer import MixLNTransformerLayer, MixLNUnsupportedError, check_supported
-from .placement import resolve_placement
-from .settings import MixLNSettings, layered
-from .training_hooks import install_training_hooks
+from .training.grads_hook import SpikeScalerLayer
+from .model.layer import MixLNTransformerLayer, MixLNUnsupportedError, check_supported
+from .model.placement import resolve_placement
+from .model.settings import MixLNSettings, layered
+from .training.hooks import install_training_hooks
 
 __all__ = [
     "MixLNTransformerLayerSpec",
@@ -89,7 +90,7 @@ def get_mixln_decoder_block_spec(
     """Submodules of the whole decoder on this pipeline stage, final norm included. Plain data:
     nothing is installed on `config` (see install_training_hooks)."""
     config = getattr(config, "transformer", config)  # Megatron-LM's GPTModelConfig wraps it
-    check_supported(config, backend=backend)  # mixln_megatron.support.TABLE
+    check_supported(config, backend=backend)  # mixln_megatron.model.support.TABLE
     settings = _with_arguments(settings, alpha, post_ln_layers, scheme)
     resolve_placement(config.num_layers, settings)  # a bad setting fails here, not inside a layer
     layer = MixLNTransformerLayerSpec(

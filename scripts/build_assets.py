@@ -38,7 +38,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from mixln_megatron.data.corpus import split_paragraphs  # noqa: E402
-from mixln_megatron.data.tokenizer import (  # noqa: E402
+from mixln_megatron.data.tokenizer import (
     DEFAULT_MIN_FREQUENCY,
     DEFAULT_VOCAB_SIZE,
     EOD_TOKEN,

@@ -14,7 +14,7 @@ def mcore_single():
     import torch
 
     import mcore_utils
-    from mixln_megatron import cpu
+    from mixln_megatron.dev import cpu
 
     mcore_utils.init_distributed()
     yield

@@ -8,7 +8,7 @@ import socket
 import torch
 import torch.nn.functional as F
 
-from mixln_megatron import cpu
+from mixln_megatron.dev import cpu
 
 VOCAB = 128
 SEQ = 16

@@ -1,7 +1,7 @@
 """Launch-time advice fires outside the reported-stable region and stays silent inside it."""
 
-from mixln_megatron.advice import advise, findings
-from mixln_megatron.placement import Placement
+from mixln_megatron.model.advice import advise, findings
+from mixln_megatron.model.placement import Placement
 
 
 def test_fires_for_the_reported_unstable_7b_run():

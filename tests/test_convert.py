@@ -609,7 +609,7 @@ def test_from_hf_checkpoint_continues_training_with_pretrain(tmp_path, fmt):
     make_mixln_folder(src, dtype=torch.float32)
     from_hf(str(src), str(ckpt), ckpt_format=fmt, transformer_impl="local", progress=False)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
-    base = [sys.executable, "-m", "mixln_megatron.pretrain", "--cpu", *PRETRAIN_TINY, "--load", str(ckpt),
+    base = [sys.executable, "-m", "mixln_megatron.training.pretrain", "--cpu", *PRETRAIN_TINY, "--load", str(ckpt),
             "--ckpt-format", fmt]
     ok = subprocess.run(base + ["--mixln-post-ln-layers", "2", "--train-iters", "2", "--save", str(cont),
                                 "--save-interval", "2"], capture_output=True, text=True, env=env, timeout=600)

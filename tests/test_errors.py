@@ -70,8 +70,8 @@ def test_every_project_error_is_one_line_and_exit_2(monkeypatch, tmp_path, capsy
     assert captured.err == "mixln-megatron convert: error: refusing: --save lies inside --load\n"
     from mixln_megatron.analysis.models import CheckpointError
     from mixln_megatron.data.preprocess import PreprocessError
-    from mixln_megatron.pretrain import MixLNPretrainUnsupported
-    from mixln_megatron.support import MixLNUnsupportedError
+    from mixln_megatron.training.pretrain import MixLNPretrainUnsupported
+    from mixln_megatron.model.support import MixLNUnsupportedError
 
     for kind in (CheckpointError, PreprocessError, MixLNPretrainUnsupported, MixLNUnsupportedError):
         assert issubclass(kind, MixLNError), kind

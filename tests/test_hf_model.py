@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: E402
 
-from mixln_megatron.hf import (  # noqa: E402
+from mixln_megatron.hf import (
     AUTO_MAP,
     MixLNConfigValueError,
     MixLNLlamaConfig,

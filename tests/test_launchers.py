@@ -6,14 +6,14 @@ rank would inherit). The Megatron arguments after the script / `-m module` are t
 fresh subprocess by megatron.training.arguments.parse_args (ignore_unknown_args=False; the
 extra_args_provider is mixln_megatron's add_mixln_args for a pretrain_gpt.py launcher that passes
 --mixln-* flags, i.e. one relying on patches/*/0001, and the entry point's own add_pretrain_args
-for `-m mixln_megatron.pretrain`) and checked by validate_args with WORLD_SIZE = nodes x processes
+for `-m mixln_megatron.training.pretrain`) and checked by validate_args with WORLD_SIZE = nodes x processes
 per node of the launch line. Then the --spec is imported and the model config is built
 (gpt_config_from_args, as pretrain_gpt.py does; the entry point's transformer config otherwise),
 Mix-LN's support check runs on it and the number of Post-LN layers is resolved from the
 environment the launcher exported (plus what the --mixln-* flags export).
 
 Differences from a real run, all on CPU (megatron-core 0.19.2, no TransformerEngine, no GPU):
-  * mixln_megatron.cpu.enable_training() answers validate_args' GPU-architecture query (asked
+  * mixln_megatron.dev.cpu.enable_training() answers validate_args' GPU-architecture query (asked
     when TP > 1) with 0, i.e. pre-Blackwell, so validate_args also checks that a TP launcher
     exports CUDA_DEVICE_MAX_CONNECTIONS=1 (the shim's own default for it is removed first).
   * Data and tokenizer paths are placeholders and are not touched: validate_args does not open
@@ -59,7 +59,7 @@ LAUNCHERS = {
         parallel=dict(tp=2, pp=4, vpp=2, dp=4, sequence_parallel=True),
     ),
     "cpu_tiny_mixln.sh": dict(
-        env={}, world_size=1, target="-m mixln_megatron.pretrain", post_ln_layers=2, num_layers=8,
+        env={}, world_size=1, target="-m mixln_megatron.training.pretrain", post_ln_layers=2, num_layers=8,
         backend="local",
         parallel=dict(tp=1, pp=1, vpp=None, dp=1, sequence_parallel=False),
     ),
@@ -105,7 +105,7 @@ with open(job_path) as f:
     job = json.load(f)
 import torch
 if not torch.cuda.is_available():
-    from mixln_megatron import cpu
+    from mixln_megatron.dev import cpu
     cpu.enable_training()
     os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)  # only the launcher's export counts
 for key in [k for k in os.environ if k.startswith("MIXLN_")]:
@@ -118,15 +118,15 @@ from megatron.training.argument_utils import gpt_config_from_args
 from megatron.core.transformer.spec_utils import import_module
 from mixln_megatron.megatron_args import add_mixln_args, apply_mixln_args
 from mixln_megatron.spec import settings_for_spec
-from mixln_megatron.layer import check_supported
-from mixln_megatron.placement import resolve_placement
+from mixln_megatron.model.layer import check_supported
+from mixln_megatron.model.placement import resolve_placement
 
 argv = job["argv"]
-entry_point = job["target"] == "-m mixln_megatron.pretrain"
+entry_point = job["target"] == "-m mixln_megatron.training.pretrain"
 if entry_point:
     # the project's entry point: its own extra_args_provider (--mixln-*, --cpu, --loss-log), the
     # CPU flags it adds for --cpu, and its checks, as its main() does
-    from mixln_megatron import pretrain as ep
+    from mixln_megatron.training import pretrain as ep
     if ep.cpu_requested(argv):
         argv = ep.with_cpu_flags(argv)
     provider = ep.add_pretrain_args
@@ -174,7 +174,7 @@ placement = resolve_placement(args.num_layers, settings)
 out["post_ln_layers"] = placement.post_ln_layers
 out["placement"] = placement.describe()
 # mixln_megatron's launch-time advice (printed at model build) must have nothing to say
-from mixln_megatron.advice import findings
+from mixln_megatron.model.advice import findings
 warmup = (int(args.lr_warmup_fraction * args.train_iters) if args.lr_warmup_fraction is not None
           else args.lr_warmup_iters)
 out["advice"] = findings(placement, args.train_iters, warmup)
@@ -397,11 +397,11 @@ def test_launcher_stops_when_plugin_is_missing(name, tmp_path, stub_bin):
 
 
 def test_cpu_launcher_uses_the_entry_points_cpu_mode(tmp_path, stub_bin):
-    """--cpu makes mixln_megatron.pretrain apply the CPU shims and CPU_MEGATRON_FLAGS."""
+    """--cpu makes mixln_megatron.training.pretrain apply the CPU shims and CPU_MEGATRON_FLAGS."""
     proc, capture, _ = _run_launcher("cpu_tiny_mixln.sh", tmp_path, stub_bin)
     assert proc.returncode == 0, proc.stderr
     _, target, argv = _split_torchrun(_read_nul(capture / "torchrun.args"))
-    assert target == "-m mixln_megatron.pretrain"
+    assert target == "-m mixln_megatron.training.pretrain"
     assert "--cpu" in argv and "--mock-data" in argv
     assert argv[argv.index("--mixln-alpha") + 1] == "0.25"
     assert "--spec" not in argv  # ignored by the entry point, so not passed

@@ -5,15 +5,15 @@ from fractions import Fraction
 
 import pytest
 
-from mixln_megatron.env_settings import settings_from_environ
-from mixln_megatron.placement import (
+from mixln_megatron.model.env_settings import settings_from_environ
+from mixln_megatron.model.placement import (
     MixLNConfigError,
     MixLNSettings,
     Placement,
     post_ln_count,
     resolve_placement,
 )
-from mixln_megatron.settings import layered
+from mixln_megatron.model.settings import layered
 
 
 @pytest.mark.parametrize("alpha", ["0", "0.0625", "0.125", "0.25", "0.29", "1/3", "0.5", "0.75", "1"])

@@ -1,6 +1,6 @@
 """`mixln-megatron pretrain`: Megatron-LM's training loop with the Mix-LN model, on CPU with gloo.
 
-The training runs are subprocesses (`python -m torch.distributed.run ... -m mixln_megatron.pretrain
+The training runs are subprocesses (`python -m torch.distributed.run ... -m mixln_megatron.training.pretrain
 --cpu ...`): Megatron's global state allows one pretrain() per process. Losses are compared per
 iteration from the entry point's --loss-log record (Megatron's own log line after a (re)start
 averages two iterations).
@@ -50,9 +50,9 @@ def start(args, nproc=1, torchrun=True):
     """Popen of the entry point (under torchrun with `nproc` workers, or as a plain process)."""
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--standalone", "-m", "mixln_megatron.pretrain", *args]
+               "--standalone", "-m", "mixln_megatron.training.pretrain", *args]
     else:
-        cmd = [sys.executable, "-m", "mixln_megatron.pretrain", *args]
+        cmd = [sys.executable, "-m", "mixln_megatron.training.pretrain", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO)
     proc.cmd = cmd
     return proc
@@ -123,7 +123,7 @@ def test_train_save_resume_equals_uninterrupted(tmp_path):
 
 # ------------------------------------------------------------------ unsupported configurations
 def test_unsupported_configurations_are_rejected():
-    from mixln_megatron.pretrain import MixLNPretrainUnsupported, check_supported_args
+    from mixln_megatron.training.pretrain import MixLNPretrainUnsupported, check_supported_args
 
     base = dict(use_megatron_fsdp=False, context_parallel_size=1, transformer_impl="local",
                 mtp_num_layers=None, num_experts=None)
@@ -159,7 +159,7 @@ def _stand_in_utils(directory, makefile: bool):
 
 
 def test_prebuilt_helpers_used_only_without_makefile(tmp_path):
-    from mixln_megatron import pretrain
+    from mixln_megatron.training import pretrain
 
     with_makefile = _stand_in_utils(tmp_path / "src", makefile=True)
     original = with_makefile.compile_helpers
@@ -174,7 +174,7 @@ def test_prebuilt_helpers_used_only_without_makefile(tmp_path):
 
 
 def test_prebuilt_helpers_not_used_when_they_do_not_import(tmp_path, monkeypatch):
-    from mixln_megatron import pretrain
+    from mixln_megatron.training import pretrain
 
     monkeypatch.setattr(pretrain, "HELPERS_MODULE", "megatron.core.datasets.no_such_helpers_module")
     utils = _stand_in_utils(tmp_path / "wheel", makefile=False)
@@ -189,7 +189,7 @@ def test_prebuilt_helpers_premise_and_no_patch_at_import(tmp_path):
 
     import megatron.core.datasets.utils as real_utils
 
-    from mixln_megatron import pretrain
+    from mixln_megatron.training import pretrain
 
     assert not getattr(real_utils.compile_helpers, "mixln_prebuilt", False)
     directory = os.path.dirname(real_utils.__file__)
@@ -218,8 +218,8 @@ def test_model_provider_builds_post_ln_layers_as_configured(mcore_single, monkey
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.training import global_vars
 
-    from mixln_megatron.norms import MixLNNorm
-    from mixln_megatron.pretrain import model_provider
+    from mixln_megatron.model.norms import MixLNNorm
+    from mixln_megatron.training.pretrain import model_provider
 
     # the provider reads the flags from Megatron-LM's global args (main binds its settings instead)
     args = Namespace(
@@ -275,10 +275,10 @@ def test_pp2_and_tp2_resume_match_single_process(tmp_path):
 # ------------------------------------------------------------------ the demo, end to end (short)
 @pytest.mark.slow
 def test_demo_smoke(tmp_path):
-    """`python -m mixln_megatron.demo` with a few iterations: both runs, PNG, JSON, RESULT line."""
+    """`python -m mixln_megatron.dev.demo` with a few iterations: both runs, PNG, JSON, RESULT line."""
     out = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, "-m", "mixln_megatron.demo", "--out", str(out), "--iters", "4", "--eval-interval", "2"],
+        [sys.executable, "-m", "mixln_megatron.dev.demo", "--out", str(out), "--iters", "4", "--eval-interval", "2"],
         capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -46,7 +46,7 @@ def test_stock_llama_from_hf_resume_to_hf_keeps_epsilon_and_logits(mcore_single,
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=REPO)
     run = subprocess.run(
-        [sys.executable, "-m", "mixln_megatron.pretrain", "--cpu", "--load", str(ckpt), "--use-checkpoint-args",
+        [sys.executable, "-m", "mixln_megatron.training.pretrain", "--cpu", "--load", str(ckpt), "--use-checkpoint-args",
          "--mixln-post-ln-layers", "1", "--save", str(trained), "--save-interval", "2", "--train-iters", "2",
          "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",
          "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--num-workers", "0",

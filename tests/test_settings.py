@@ -7,11 +7,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from mixln_megatron.env_settings import settings_from_environ
+from mixln_megatron.model.env_settings import settings_from_environ
 from mixln_megatron.errors import MixLNConfigError
-from mixln_megatron.megatron_args import add_mixln_args, settings_from_args, settings_from_checkpoint_args
-from mixln_megatron.placement import resolve_placement
-from mixln_megatron.settings import MixLNSettings, SpikeSettings, TelemetrySettings, layered
+from mixln_megatron.megatron_args import (
+    add_mixln_args,
+    settings_from_args,
+    settings_from_checkpoint_args,
+)
+from mixln_megatron.model.placement import resolve_placement
+from mixln_megatron.model.settings import MixLNSettings, SpikeSettings, TelemetrySettings, layered
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mixln_megatron"
 
@@ -102,7 +106,7 @@ def test_only_env_settings_reads_mixln_variables():
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
-        if rel in ("env_settings.py", "cpu.py", "demo.py"):  # the reader; the CPU harness; a launcher
+        if rel in ("model/env_settings.py", "dev/cpu.py", "dev/demo.py"):  # the reader; the CPU harness; a launcher
             continue
         text = path.read_text()
         for match in reader.finditer(text):
@@ -126,9 +130,9 @@ def test_building_a_model_from_the_spec_installs_nothing(mcore_single):
 
 def test_the_spec_functions_install_what_the_environment_asks(mcore_single):
     from mcore_utils import tiny_config
-    from mixln_megatron.grads_hook import get_spike_scaler
+    from mixln_megatron.training.grads_hook import get_spike_scaler
     from mixln_megatron.spec import stock_decoder_spec
-    from mixln_megatron.telemetry import get_telemetry
+    from mixln_megatron.training.telemetry import get_telemetry
 
     config = tiny_config(num_layers=4)
     env = {"MIXLN_POST_LN_LAYERS": "2", "MIXLN_SPIKE_SCALER": "1", "MIXLN_TELEMETRY_INTERVAL": "3"}

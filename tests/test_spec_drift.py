@@ -4,7 +4,7 @@ Every argument of megatron's TE and local layer-submodule builders is enumerated
 signature: a release with a new flag fails `test_every_builder_flag_is_handled` until
 backends.BUILDER_FLAGS says how it is filled. For each flag, a config with the flag on must give
 our Pre-LN layer exactly megatron's stock submodules built with that flag (same classes, same
-params), or be rejected by mixln_megatron.support with a reason.
+params), or be rejected by mixln_megatron.model.support with a reason.
 
 TransformerEngine is not installed here: its classes are replaced by distinct stand-in classes,
 and megatron's TE spec provider is made available, so the TE builder runs on the CPU.
@@ -24,7 +24,7 @@ def _stand_in_te(monkeypatch):
     import megatron.core.extensions.transformer_engine_spec_provider as provider
     import megatron.core.models.gpt.gpt_layer_specs as specs
 
-    from mixln_megatron import backends
+    from mixln_megatron.model import backends
 
     names = ["TELayerNormColumnParallelLinear", "TEColumnParallelLinear", "TERowParallelLinear",
              "TEDotProductAttention", "TENorm", "_TENormWithResidual", "TELinear", "TEActivationOp"]
@@ -67,7 +67,7 @@ def _on_value(flag, default):
 
 @pytest.mark.parametrize("backend", ["te", "local"])
 def test_every_builder_flag_is_handled(backend):
-    from mixln_megatron import backends
+    from mixln_megatron.model import backends
 
     params = set(inspect.signature(backends.builder(backend)).parameters)
     handled = set(backends.BUILDER_FLAGS[backend])
@@ -76,7 +76,7 @@ def test_every_builder_flag_is_handled(backend):
 
 
 def _cases():
-    from mixln_megatron import backends
+    from mixln_megatron.model import backends
 
     for backend in ("te", "local"):
         for flag, how in backends.BUILDER_FLAGS[backend].items():
@@ -87,8 +87,8 @@ def _cases():
 def test_pre_ln_submodules_equal_megatron_stock_spec_for_each_flag(monkeypatch, backend, flag):
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    from mixln_megatron import backends, support
-    from mixln_megatron.norms import MixLNNorm
+    from mixln_megatron.model import backends, support
+    from mixln_megatron.model.norms import MixLNNorm
 
     if backend == "te":
         _stand_in_te(monkeypatch)
@@ -143,7 +143,7 @@ def test_te_activation_func_reaches_the_te_mlp(monkeypatch):
     """use_te_activation_func with SwiGLU used to leave MLPSubmodules.activation_func None."""
     import megatron.core.extensions.transformer_engine_spec_provider as provider
 
-    from mixln_megatron import backends
+    from mixln_megatron.model import backends
 
     _stand_in_te(monkeypatch)
     cfg = mu.tiny_config(num_layers=2)

@@ -18,8 +18,8 @@ import sys
 import pytest
 import torch
 
-from mixln_megatron.placement import Placement
-from mixln_megatron.spike import (
+from mixln_megatron.model.placement import Placement
+from mixln_megatron.training.spike import (
     ReferenceSpikeRule,
     SpikeConfigError,
     SpikeSettings,
@@ -30,7 +30,7 @@ from mixln_megatron.spike import (
 
 
 def spike_settings_from_env(env):
-    from mixln_megatron.env_settings import settings_from_environ
+    from mixln_megatron.model.env_settings import settings_from_environ
 
     return settings_from_environ(env).spike
 
@@ -217,7 +217,7 @@ def test_owned_subset_gives_the_same_decisions():
 def test_settings_precedence_and_env():
     env = {"MIXLN_SPIKE_SCALER": "1", "MIXLN_SPIKE_THRESHOLD": "30", "MIXLN_SPIKE_BETA": "0.95",
            "MIXLN_SPIKE_WARMUP_STEPS": "7", "MIXLN_SPIKE_TARGETS": "3, 5"}
-    from mixln_megatron.settings import MixLNSettings, layered
+    from mixln_megatron.model.settings import MixLNSettings, layered
 
     resolved = resolve_spike_settings(spike_settings_from_env(env))
     assert (resolved.enabled, resolved.threshold, resolved.beta, resolved.warmup_steps, resolved.targets) == (
@@ -263,10 +263,14 @@ def test_targets():
 
 def test_the_spec_is_plain_data_and_install_training_hooks_installs(mcore_single):
     from mcore_utils import tiny_config
-    from mixln_megatron.grads_hook import SpikeGradsHook, SpikeScalerLayer, get_spike_scaler
-    from mixln_megatron.settings import MixLNSettings
+    from mixln_megatron.training.grads_hook import (
+        SpikeGradsHook,
+        SpikeScalerLayer,
+        get_spike_scaler,
+    )
+    from mixln_megatron.model.settings import MixLNSettings
     from mixln_megatron.spec import get_mixln_decoder_block_spec
-    from mixln_megatron.training_hooks import install_training_hooks
+    from mixln_megatron.training.hooks import install_training_hooks
 
     on = MixLNSettings(post_ln_layers=2, spike=SpikeSettings(enabled=True))
     config = tiny_config(num_layers=4)
@@ -288,7 +292,7 @@ def test_the_spec_is_plain_data_and_install_training_hooks_installs(mcore_single
 
 
 def _bare_scaler(**settings):
-    from mixln_megatron.grads_hook import SpikeScaler
+    from mixln_megatron.training.grads_hook import SpikeScaler
 
     return SpikeScaler(resolve_spike_settings(SpikeSettings(enabled=True, **settings)),
                        Placement(num_layers=4, post_ln_layers=2))
@@ -296,7 +300,7 @@ def _bare_scaler(**settings):
 
 def test_checkpoint_requests_follow_the_metadata_marker():
     """Which layers' state a sharded_state_dict carries (see grads_hook's module doc)."""
-    from mixln_megatron.grads_hook import METADATA_KEY
+    from mixln_megatron.training.grads_hook import METADATA_KEY
 
     scaler = _bare_scaler()
     assert scaler.checkpoint_layers(None) == (2, 3)
@@ -318,7 +322,7 @@ def test_checkpoint_requests_follow_the_metadata_marker():
 def test_report_goes_to_megatron_writers():
     from megatron.training import global_vars
 
-    from mixln_megatron.grads_hook import _write_report
+    from mixln_megatron.training.grads_hook import _write_report
 
     class Writer:
         def __init__(self):

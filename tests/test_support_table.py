@@ -1,4 +1,4 @@
-"""mixln_megatron.support: one table of unsupported configurations, used by every consumer."""
+"""mixln_megatron.model.support: one table of unsupported configurations, used by every consumer."""
 
 import dataclasses
 from argparse import Namespace
@@ -6,7 +6,7 @@ from argparse import Namespace
 import pytest
 
 import mcore_utils as mu
-from mixln_megatron import support
+from mixln_megatron.model import support
 
 
 def test_rows_name_real_fields_and_known_consumers():
@@ -61,7 +61,7 @@ def test_entry_point_converter_and_analysis_use_the_table(monkeypatch):
     from mixln_megatron.convert import inspect as ckpt_inspect
     from mixln_megatron.convert import UnsupportedModelError
     from mixln_megatron.convert.mapping import check_megatron_args_supported
-    from mixln_megatron.pretrain import MixLNPretrainUnsupported, check_supported_args
+    from mixln_megatron.training.pretrain import MixLNPretrainUnsupported, check_supported_args
 
     with pytest.raises(MixLNPretrainUnsupported, match="op fuser"):
         check_supported_args(Namespace(use_transformer_engine_op_fuser=True, transformer_impl="transformer_engine"))

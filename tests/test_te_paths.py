@@ -25,7 +25,7 @@ def test_post_ln_variant_replaces_fused_te_linears(monkeypatch):
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-    from mixln_megatron.layer import POST_LN_KEYS_MAP, post_ln_submodules
+    from mixln_megatron.model.layer import POST_LN_KEYS_MAP, post_ln_submodules
 
     # Without TE, megatron's TE classes are MagicMocks: stand in real classes for them.
     class FusedNormLinear:  # TELayerNormColumnParallelLinear
@@ -64,7 +64,7 @@ WORKER_CODE = r'''
 import os, sys, torch
 sys.path.insert(0, sys.argv[2])
 import mcore_utils as mu
-from mixln_megatron.norms import MixLNNorm
+from mixln_megatron.model.norms import MixLNNorm
 
 class NormWithExtraState(MixLNNorm):
     """Stands in for TE's RMSNorm, which always emits `_extra_state` (empty without fp8)."""
@@ -121,7 +121,7 @@ def test_lns_output_scaling_of_a_fused_norm_linear_is_exact(bias, skip_bias_add)
     same map. Checked on megatron's ColumnParallelLinear standing in for the fused module."""
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
-    from mixln_megatron.backends import scale_linear_output
+    from mixln_megatron.model.backends import scale_linear_output
 
     cfg = mu.tiny_config(num_layers=4)
     torch.manual_seed(0)
@@ -145,7 +145,7 @@ def test_lns_output_scaling_of_a_fused_norm_linear_is_exact(bias, skip_bias_add)
 def test_non_empty_post_ln_extra_state_is_not_dropped_silently():
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from mixln_megatron.norms import MixLNNorm
+    from mixln_megatron.model.norms import MixLNNorm
     from mixln_megatron.spec import MixLNTransformerLayerSpec
 
     class NormWithFp8State(MixLNNorm):
@@ -199,7 +199,7 @@ def test_post_ln_te_linear_honours_overlap_disable_switches(monkeypatch):
 
     import megatron.core.extensions.transformer_engine as te_ext
 
-    from mixln_megatron.backends import post_ln_linear
+    from mixln_megatron.model.backends import post_ln_linear
 
     class FusedNormLinear:
         pass
@@ -224,7 +224,7 @@ def test_post_ln_te_linear_honours_overlap_disable_switches(monkeypatch):
 @pytest.mark.parametrize("backend, post_ln, rejected", [
     ("te", True, True), ("te", False, False), ("local", True, False)])
 def test_fp32_residual_connection_rejected_for_te_post_ln_layers(backend, post_ln, rejected):
-    from mixln_megatron.support import MixLNUnsupportedError, check_supported
+    from mixln_megatron.model.support import MixLNUnsupportedError, check_supported
 
     cfg = mu.tiny_config(num_layers=2, fp32_residual_connection=True)
     if rejected:

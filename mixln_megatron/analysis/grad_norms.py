@@ -33,7 +33,7 @@ LABELS = {
 
 def variant_placement(name: str, num_layers: int, alpha: float = 0.25) -> Tuple[int, str]:
     """(P, scheme) of a variant for an L-layer model."""
-    from ..placement import post_ln_count
+    from ..model.placement import post_ln_count
 
     if name == "pre_ln":
         return 0, "mixln"

@@ -1,6 +1,6 @@
 """Models the analyses run on: fresh megatron-core GPTs, Megatron torch_dist checkpoints, HF folders.
 
-Everything here runs in one process: on CPU through mixln_megatron.cpu.enable() + a single-rank
+Everything here runs in one process: on CPU through mixln_megatron.dev.cpu.enable() + a single-rank
 gloo group, which is enough for the model sizes the diagnostics are meant for. On a machine with
 CUDA the megatron models are moved to the current GPU instead (that path is untested here).
 
@@ -32,7 +32,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .. import support
+from ..model import support
 
 # Embedding init std of the Mix-LN reference training code, as stated in the fidelity issue (megatron: 0.02).
 REFERENCE_EMBEDDING_STD = math.sqrt(2.0 / 5.0)
@@ -46,7 +46,7 @@ def ensure_megatron_cpu(seed: int = 1234) -> None:
     """
     from megatron.core import parallel_state as ps
 
-    from .. import cpu
+    from ..dev import cpu
 
     if not torch.cuda.is_available():
         cpu.enable()
@@ -385,7 +385,7 @@ def _inspect(path: str, iteration: Optional[int]):
     if info.format != "torch_dist":
         raise CheckpointError(f"{info.path} is a {info.format} checkpoint; the analysis tools read "
                               "--ckpt-format torch_dist checkpoints only")
-    support.check(info.args, support.ANALYSIS, error=CheckpointError)  # mixln_megatron.support.TABLE
+    support.check(info.args, support.ANALYSIS, error=CheckpointError)  # mixln_megatron.model.support.TABLE
     return info
 
 
@@ -437,7 +437,7 @@ def load_megatron_checkpoint(
     from megatron.core import dist_checkpointing
     from megatron.core.models.gpt import GPTModel
 
-    from ..placement import Placement
+    from ..model.placement import Placement
     from ..spec import get_mixln_decoder_block_spec
 
     ensure_megatron_cpu()

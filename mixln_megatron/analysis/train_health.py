@@ -1,6 +1,6 @@
 """`mixln-megatron analyze train-health RUN_DIR`: plots of the telemetry a training run logged.
 
-Reads the JSONL records written by mixln_megatron.telemetry (RUN_DIR/mixln_telemetry.jsonl, or
+Reads the JSONL records written by mixln_megatron.training.telemetry (RUN_DIR/mixln_telemetry.jsonl, or
 any *.jsonl of that name below RUN_DIR, or the file itself) and draws:
   train_health_heatmap.png   log10 gradient norm per layer (rows) and logged step (columns),
                              a line marking the Post/Pre-LN boundary;
@@ -18,7 +18,7 @@ import math
 import os
 from typing import List, Optional
 
-from ..telemetry import JSONL_NAME
+from ..training.telemetry import JSONL_NAME
 
 
 def find_records(run_dir: str) -> str:

@@ -168,7 +168,7 @@ class HFCheckpoint:
 # --------------------------------------------------------------------------- settings
 def resolve_settings(config: dict, num_layers: int, post_ln_layers=None, alpha=None, scheme=None) -> Tuple[dict, str, bool]:
     """(placement record, description, whether a stock folder is turned into Mix-LN)."""
-    from ..placement import MixLNConfigError, MixLNSettings, Placement, resolve_placement
+    from ..model.placement import MixLNConfigError, MixLNSettings, Placement, resolve_placement
 
     explicit = post_ln_layers is not None or alpha is not None or scheme is not None
     try:

@@ -135,7 +135,7 @@ def _source(name, record) -> tuple:
 
 def mixln_record(reader, num_layers: int):
     """(record dict, where it came from) of an open checkpoint reader; disagreeing sources are an error."""
-    from ..placement import MixLNConfigError, Placement, post_ln_count
+    from ..model.placement import MixLNConfigError, Placement, post_ln_count
 
     sources = []  # (name, scheme or None, P or None, alpha or None)
     if reader.settings_record is not None:

@@ -17,7 +17,7 @@ Per-layer tensors are handled under a "role" that is the same for every Megatron
                                                                            (Pre-LN MLP norm / Post-LN N1)
 
 A model with P > 0 or an LNS scheme stores the two norms of every layer under Mix-LN keys instead
-(mixln_megatron.layer): norm_a -> mixln_norm_a.weight, norm_b -> mixln_norm_b.weight (Post-LN:
+(mixln_megatron.model.layer): norm_a -> mixln_norm_a.weight, norm_b -> mixln_norm_b.weight (Post-LN:
 N1 -> norm_b, N2 -> norm_a), so that a stock model cannot load it; checkpoints saved before that
 change use the stock keys for every model. Readers accept both layouts (td_norm_keys).
 Legacy per-rank files use the module names instead: LEGACY_LAYER_NAMES below covers the
@@ -41,7 +41,7 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .. import support
+from ..model import support
 from . import UnsupportedModelError
 
 # ---------------------------------------------------------------------------------------- keys
@@ -63,7 +63,7 @@ LAYER_ROLE_NAMES: Dict[str, str] = {
     "norm_a": "self_attention.linear_qkv.layer_norm_weight",
     "norm_b": "mlp.linear_fc1.layer_norm_weight",
 }
-# Mix-LN models (P > 0 or LNS) store the norms here instead (mixln_megatron.layer.PRE_LN_KEYS_MAP).
+# Mix-LN models (P > 0 or LNS) store the norms here instead (mixln_megatron.model.layer.PRE_LN_KEYS_MAP).
 MIXLN_NORM_NAMES: Dict[str, str] = {"norm_a": "mixln_norm_a.weight", "norm_b": "mixln_norm_b.weight"}
 
 
@@ -263,7 +263,7 @@ def _arg(args, *names, default=None):
 
 def check_megatron_args_supported(args) -> None:
     """Raise UnsupportedModelError naming every feature of `args` that Llama cannot express."""
-    problems = support.problems(args, support.CONVERT)  # the features in mixln_megatron.support.TABLE
+    problems = support.problems(args, support.CONVERT)  # the features in mixln_megatron.model.support.TABLE
     normalization = _arg(args, "normalization", default="LayerNorm")
     if normalization != "RMSNorm":
         problems.append(f"normalization {normalization!r}: Llama uses RMSNorm [--normalization RMSNorm]")

@@ -23,8 +23,21 @@ from .corpus import (
     tokenizer_files,
     use_shipped_punkt,
 )
-from .preprocess import PreprocessError, PreprocessStats, build_from_documents, prepare_austen_dataset, preprocess_files
-from .tokenizer import EOD_TOKEN, TextTokenizer, TokenizerSpec, load_tokenizer, shipped_tokenizer_spec, train_bpe
+from .preprocess import (
+    PreprocessError,
+    PreprocessStats,
+    build_from_documents,
+    prepare_austen_dataset,
+    preprocess_files,
+)
+from .tokenizer import (
+    EOD_TOKEN,
+    TextTokenizer,
+    TokenizerSpec,
+    load_tokenizer,
+    shipped_tokenizer_spec,
+    train_bpe,
+)
 
 __all__ = [
     "AssetsMissingError",

@@ -71,7 +71,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
-from ..safe_output import Interrupted, check_separate, new_temp_name, signals_as_interrupt, sweep_stale
+from ..safe_output import (
+    Interrupted,
+    check_separate,
+    new_temp_name,
+    signals_as_interrupt,
+    sweep_stale,
+)
 from .corpus import join_paragraph
 from .tokenizer import TokenizerSpec, load_tokenizer, shipped_tokenizer_spec
 

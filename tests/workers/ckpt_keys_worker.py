@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mcore_utils  # noqa: E402, F401  (puts the repository on sys.path)
 
-from mixln_megatron import cpu  # noqa: E402
+from mixln_megatron.dev import cpu  # noqa: E402
 
 ARGS = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -3,7 +3,7 @@
     python -m torch.distributed.run --nproc_per_node N convert_worker.py \
         --workdir DIR --tp T --pp P --ckpt-format torch_dist|torch [--extra-args ...]
 
-1. `mixln-megatron pretrain` (Megatron-LM's training loop, mixln_megatron.pretrain.main) trains a
+1. `mixln-megatron pretrain` (Megatron-LM's training loop, mixln_megatron.training.pretrain.main) trains a
    tiny Mix-LN GPT (GQA, untied output, true vocab 250 padded by Megatron for TP, fp32) for a few
    iterations and saves it with Megatron-LM's own save_checkpoint to DIR/megatron.
 2. A fresh model is built from the same args and the checkpoint is loaded with Megatron-LM's
@@ -57,7 +57,7 @@ def build_and_load(load_dir):
     from megatron.training.checkpointing import load_checkpoint
     from megatron.training.training import get_model
 
-    from mixln_megatron import pretrain
+    from mixln_megatron.training import pretrain
 
     args = get_args()
     args.load = load_dir
@@ -130,7 +130,7 @@ def main():
             print(f"[convert_worker] {time.time() - t0:6.1f} s  {what}", flush=True)
 
     try:
-        from mixln_megatron import pretrain
+        from mixln_megatron.training import pretrain
 
         pretrain.main(pretrain_argv(a))
         mark("trained and saved")

@@ -133,7 +133,7 @@ class Run:
 
 def _settings_for(layout: dict):
     """Spec layouts get the scaler from the settings, installed by install_training_hooks."""
-    from mixln_megatron.settings import MixLNSettings, SpikeSettings
+    from mixln_megatron.model.settings import MixLNSettings, SpikeSettings
 
     if layout.get("scaler") != "spec":
         return MixLNSettings(post_ln_layers=POST_LN)
@@ -145,7 +145,7 @@ def _bench_plan(steps: int) -> dict:
     """Two random target elements every 4th step after the default warm-up."""
     import random
 
-    from mixln_megatron.spike import DEFAULT_WARMUP_STEPS
+    from mixln_megatron.training.spike import DEFAULT_WARMUP_STEPS
 
     names = ["layer2.norm1.weight", "layer2.norm2.weight", "layer3.norm1.weight", "layer3.norm2.weight"]
     rng = random.Random(0)
@@ -159,8 +159,8 @@ def _bench_plan(steps: int) -> dict:
 
 
 def _named_targets(model):
-    from mixln_megatron.grads_hook import norm_parameters
-    from mixln_megatron.layer import MixLNTransformerLayer
+    from mixln_megatron.training.grads_hook import norm_parameters
+    from mixln_megatron.model.layer import MixLNTransformerLayer
 
     out = {}
     for module in model.modules():
@@ -258,9 +258,9 @@ def build(run: Run, layout: dict):
     from megatron.core.transformer.module import Float16Module
 
     from mcore_utils import build_gpt, tiny_config
-    from mixln_megatron.grads_hook import get_spike_scaler, install_spike_scaler
+    from mixln_megatron.training.grads_hook import get_spike_scaler, install_spike_scaler
     from mixln_megatron.spec import get_mixln_decoder_block_spec
-    from mixln_megatron.training_hooks import install_training_hooks
+    from mixln_megatron.training.hooks import install_training_hooks
 
     settings = _settings_for(layout)
     fp16 = bool(layout.get("fp16"))
@@ -438,7 +438,7 @@ def run_layout(name: str, layout: dict, out_dir: str, steps: int) -> None:
     init_distributed(tp=layout.get("tp", 1), pp=layout.get("pp", 1), seed=1234)
     run = Run(name, bench=bool(layout.get("bench")))
     handler = _ListHandler(run.warnings)
-    logging.getLogger("mixln_megatron.grads_hook").addHandler(handler)
+    logging.getLogger("mixln_megatron.training.grads_hook").addHandler(handler)
     steps = layout.get("steps", steps)
     layout = dict(layout, steps=steps)
     try:
@@ -486,7 +486,7 @@ def run_layout(name: str, layout: dict, out_dir: str, steps: int) -> None:
         )
         torch.save(result, os.path.join(out_dir, f"{name}.rank{torch.distributed.get_rank()}.pt"))
     finally:
-        logging.getLogger("mixln_megatron.grads_hook").removeHandler(handler)
+        logging.getLogger("mixln_megatron.training.grads_hook").removeHandler(handler)
         torch.distributed.barrier()
 
 
@@ -530,7 +530,7 @@ def _mlm_attach(model) -> None:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config
 
-    from mixln_megatron.grads_hook import SpikeGradsHook
+    from mixln_megatron.training.grads_hook import SpikeGradsHook
 
     _MLM["model"] = model
     hook = get_model_config(model).finalize_model_grads_func
@@ -603,7 +603,7 @@ _mlm_datasets.is_distributed = True
 
 
 def run_megatron_lm(out_dir: str, tag: str, megatron_argv) -> None:
-    from mixln_megatron import cpu
+    from mixln_megatron.dev import cpu
 
     cpu.enable_training()
     # The megatron-core wheel ships the prebuilt dataset helpers but no Makefile, and
@@ -617,7 +617,7 @@ def run_megatron_lm(out_dir: str, tag: str, megatron_argv) -> None:
 
     minit._compile_dependencies = _helpers_prebuilt
     handler = _ListHandler(_MLM["warnings"])
-    logging.getLogger("mixln_megatron.grads_hook").addHandler(handler)
+    logging.getLogger("mixln_megatron.training.grads_hook").addHandler(handler)
     sys.argv = [sys.argv[0]] + list(megatron_argv)
     from megatron.core.enums import ModelType
     from megatron.training import pretrain

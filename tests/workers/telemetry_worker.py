@@ -17,8 +17,8 @@ from parallel_worker import Run, run_phase  # noqa: E402
 
 def direct_norms(run):
     """Per-layer norms straight from main_grad; valid at TP1 PP1 without the distributed optimizer."""
-    from mixln_megatron.layer import MixLNTransformerLayer
-    from mixln_megatron.telemetry import norm_roles
+    from mixln_megatron.model.layer import MixLNTransformerLayer
+    from mixln_megatron.training.telemetry import norm_roles
 
     rows = {}
     for model in run.models:
@@ -31,7 +31,7 @@ def direct_norms(run):
 
 
 def telemetry_step(run, path, capture_direct=False):
-    from mixln_megatron.telemetry import install_telemetry
+    from mixln_megatron.training.telemetry import install_telemetry
 
     telemetry = install_telemetry(run.cfg, interval=1, path=path)
     captured = {}
@@ -61,8 +61,8 @@ def phase_reference(workdir):
     out = {"tp1pp1": telemetry_step(Run(load=base), os.path.join(workdir, "t1.jsonl"), capture_direct=True)}
 
     # Every N steps only, after the spike scaler (installed first), whose counts join the records.
-    from mixln_megatron.grads_hook import install_spike_scaler
-    from mixln_megatron.telemetry import install_telemetry
+    from mixln_megatron.training.grads_hook import install_spike_scaler
+    from mixln_megatron.training.telemetry import install_telemetry
 
     run = Run(load=base)
     install_spike_scaler(run.chunks, run.cfg, run.optimizer, warmup_steps=1)

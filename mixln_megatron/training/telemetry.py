@@ -31,7 +31,7 @@ from typing import List, Optional
 import torch
 
 from .ddp_shards import owned_range
-from .layer import MixLNTransformerLayer
+from ..model.layer import MixLNTransformerLayer
 
 logger = logging.getLogger(__name__)
 

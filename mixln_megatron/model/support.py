@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .errors import MixLNError
+from ..errors import MixLNError
 
 LAYER, PRETRAIN, CONVERT, ANALYSIS = "layer", "pretrain", "convert", "analysis"
 _BUILD = frozenset({LAYER, PRETRAIN, CONVERT, ANALYSIS})

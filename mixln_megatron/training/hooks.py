@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .placement import resolve_placement
-from .settings import MixLNSettings
+from ..model.placement import resolve_placement
+from ..model.settings import MixLNSettings
 
 
 def install_training_hooks(config, settings: Optional[MixLNSettings] = None) -> dict:

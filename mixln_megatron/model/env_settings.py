@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Mapping, Optional
 
-from .errors import MixLNConfigError
+from ..errors import MixLNConfigError
 from .settings import MixLNSettings, SpikeConfigError, SpikeSettings, TelemetrySettings, parse_count
 
 ALPHA = "MIXLN_ALPHA"

@@ -1,4 +1,4 @@
-"""`mixln-megatron pretrain` / `python -m mixln_megatron.pretrain`: GPT pretraining with Mix-LN.
+"""`mixln-megatron pretrain` / `python -m mixln_megatron.training.pretrain`: GPT pretraining with Mix-LN.
 
 Megatron-LM's own training loop (`megatron.training.pretrain`, shipped in the megatron-core
 wheel) with this project's pieces plugged in:
@@ -15,10 +15,10 @@ wheel) with this project's pieces plugged in:
     Megatron as (loss sum, token count) like Megatron-LM's GPT example.
 
 Launch it like any Megatron-LM script, e.g.
-    torchrun --nproc_per_node 8 -m mixln_megatron.pretrain --mixln-alpha 0.25 <megatron flags>
+    torchrun --nproc_per_node 8 -m mixln_megatron.training.pretrain --mixln-alpha 0.25 <megatron flags>
 A run without torchrun (no RANK in the environment) is a single process on a free local port.
 
-CPU (development only): `--cpu` or MIXLN_CPU=1 calls mixln_megatron.cpu.enable_training() before
+CPU (development only): `--cpu` or MIXLN_CPU=1 calls mixln_megatron.dev.cpu.enable_training() before
 anything else and adds the Megatron flags a CPU run needs (cpu.CPU_MEGATRON_FLAGS: gloo, local
 modules, the CUDA-only fusions off); flags given on the command line still win.
 
@@ -55,11 +55,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import env_settings, support
-from .errors import MixLNError, one_line
-from .megatron_args import add_mixln_args, settings_from_args, settings_from_checkpoint_args
-from .placement import resolve_placement
-from .settings import MixLNSettings, layered
+from ..model import env_settings, support
+from ..errors import MixLNError, one_line
+from ..megatron_args import add_mixln_args, settings_from_args, settings_from_checkpoint_args
+from ..model.placement import resolve_placement
+from ..model.settings import MixLNSettings, layered
 HELPERS_MODULE = "megatron.core.datasets.helpers_cpp"
 
 
@@ -109,7 +109,7 @@ def add_pretrain_args(parser):
     group = parser.add_argument_group("mixln-megatron pretrain", "the entry point's own options")
     group.add_argument(
         "--cpu", action="store_true",
-        help="Development on a machine without a GPU: apply mixln_megatron.cpu.enable_training() "
+        help="Development on a machine without a GPU: apply mixln_megatron.dev.cpu.enable_training() "
         "first and add the flags a CPU run needs (" + " ".join(_cpu_flags_text()) + "). Same as "
         "MIXLN_CPU=1. Never for production runs.",
     )
@@ -121,7 +121,7 @@ def add_pretrain_args(parser):
 
 
 def _cpu_flags_text():
-    from .cpu import CPU_MEGATRON_FLAGS
+    from ..dev.cpu import CPU_MEGATRON_FLAGS
 
     return [f.replace("%", "%%") for f in CPU_MEGATRON_FLAGS]
 
@@ -132,7 +132,7 @@ def cpu_requested(argv: Sequence[str], environ=None) -> bool:
 
 def with_cpu_flags(argv: Sequence[str]) -> list:
     """The CPU flags first, so that a flag given on the command line overrides their values."""
-    from .cpu import CPU_MEGATRON_FLAGS
+    from ..dev.cpu import CPU_MEGATRON_FLAGS
 
     return list(CPU_MEGATRON_FLAGS) + list(argv)
 
@@ -281,8 +281,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     from megatron.training import get_args, print_rank_0
     from megatron.training.argument_utils import core_transformer_config_from_args
 
-    from .spec import get_mixln_decoder_block_spec
-    from .training_hooks import install_training_hooks
+    from ..spec import get_mixln_decoder_block_spec
+    from .hooks import install_training_hooks
 
     args = get_args()
     if config is None:
@@ -523,7 +523,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print_help()
         return 0
     if cpu_requested(argv):
-        from . import cpu
+        from ..dev import cpu
 
         cpu.enable_training()  # before any other megatron code runs
         argv = with_cpu_flags(argv)
@@ -535,7 +535,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args, parse_args
 
-    from .convert.inspect import apply_resume_args
+    from ..convert.inspect import apply_resume_args
 
     saved_argv = sys.argv
     sys.argv = [saved_argv[0] if saved_argv else "mixln-megatron-pretrain", *argv]

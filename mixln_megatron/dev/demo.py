@@ -1,4 +1,4 @@
-"""`make demo` / `python -m mixln_megatron.demo`: Mix-LN vs Pre-LN on CPU, through Megatron-LM's loop.
+"""`make demo` / `python -m mixln_megatron.dev.demo`: Mix-LN vs Pre-LN on CPU, through Megatron-LM's loop.
 
 Two pretraining runs of one tiny LLaMA-shaped model (4 layers, hidden 128, RMSNorm, SwiGLU,
 RoPE, no biases, untied embeddings, sequence 128) on the shipped Jane Austen corpus, tokenized
@@ -6,7 +6,7 @@ with the shipped byte-level BPE (4096 tokens):
   mixln  --mixln-alpha 0.25  (P = floor(0.25 * 4) = 1: layer 1 Post-LN, layers 2-4 Pre-LN)
   preln  --mixln-alpha 0     (every layer Pre-LN: megatron's stock GPT layer)
 Same seed, data order and hyper-parameters otherwise. Each run is `python -m
-mixln_megatron.pretrain --cpu ...` in a subprocess (one gloo process, no torchrun; the two run
+mixln_megatron.training.pretrain --cpu ...` in a subprocess (one gloo process, no torchrun; the two run
 side by side with one thread each, or one after the other with --sequential): Megatron-LM's
 training loop with our model / data / loss providers, 300 iterations of 16 x 128 tokens, and
 validation every 50 iterations on the held-out last 5% of the corpus. Losses come from the entry
@@ -46,7 +46,7 @@ import warnings
 from typing import List, Optional, Sequence
 
 RUNS = (("mixln", "0.25"), ("preln", "0"))
-TELEMETRY_INTERVAL = 10  # per-layer gradient norms every 10 steps (mixln_megatron.telemetry)
+TELEMETRY_INTERVAL = 10  # per-layer gradient norms every 10 steps (mixln_megatron.training.telemetry)
 
 # A tiny LLaMA-shaped model (about 0.8M non-embedding parameters) and its schedule.
 MODEL_FLAGS = (
@@ -168,7 +168,7 @@ def final_valid(record: dict) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mixln_megatron.demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mixln_megatron.dev.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join("runs", "demo"), help="output directory (default runs/demo)")
     parser.add_argument("--iters", type=int, default=300, help="training iterations per run (default 300)")
     parser.add_argument("--eval-interval", type=int, default=50, help="iterations between validations")
@@ -187,7 +187,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron's import-time notes about TE / Apex on CPU
-        from .data import prepare_austen_dataset, tokenizer_dir
+        from ..data import prepare_austen_dataset, tokenizer_dir
 
         prefix = prepare_austen_dataset(os.path.join(out, "data"))
     meta_path = prefix + ".json"
@@ -216,7 +216,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             os.remove(loss_logs[name])
         data = data_flags(prefix, tokenizer_dir(), os.path.join(out, name, "cache"))
         telemetry[name] = os.path.join(out, name, "mixln_telemetry.jsonl")
-        commands[name] = [sys.executable, "-m", "mixln_megatron.pretrain", "--cpu", *common, *data,
+        commands[name] = [sys.executable, "-m", "mixln_megatron.training.pretrain", "--cpu", *common, *data,
                           "--mixln-alpha", alpha, "--loss-log", loss_logs[name],
                           "--mixln-telemetry-interval", str(telemetry_interval),
                           "--mixln-telemetry-path", telemetry[name]]
@@ -253,7 +253,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     from argparse import Namespace
 
-    from .analysis.train_health import run as train_health
+    from ..analysis.train_health import run as train_health
 
     health = train_health(Namespace(run_dir=telemetry["mixln"], out=os.path.join(out, "mixln")))
     ppl = {name: final_valid(rec)["ppl"] for name, rec in records.items()}

@@ -16,15 +16,8 @@ import math
 from fractions import Fraction
 from typing import Optional, Union
 
-from .errors import MixLNConfigError
-from .settings import (
-    ARGUMENT,
-    DEFAULT,
-    SCHEMES,
-    MixLNSettings,
-    parse_alpha,
-    parse_count,
-)
+from ..errors import MixLNConfigError
+from .settings import ARGUMENT, DEFAULT, SCHEMES, MixLNSettings, parse_alpha, parse_count
 
 DEFAULT_ALPHA = "0.25"
 # The paper's default alpha is 0.25 for 71M-1B models (12 -> 3, 24 -> 6 Post-LN layers). At 7B

@@ -95,7 +95,7 @@ class _CudaToCpuMode(TorchFunctionMode):
 def _check_no_cuda(what: str) -> None:
     if torch.cuda.is_available():
         raise RuntimeError(
-            f"mixln_megatron.cpu.{what}() is for machines without a GPU; CUDA is available here, "
+            f"mixln_megatron.dev.cpu.{what}() is for machines without a GPU; CUDA is available here, "
             "so run megatron-core on the GPU instead of shimming it"
         )
 

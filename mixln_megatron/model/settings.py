@@ -24,7 +24,7 @@ import math
 from fractions import Fraction
 from typing import Mapping, Optional, Sequence, Tuple, Union
 
-from .errors import MixLNConfigError
+from ..errors import MixLNConfigError
 
 ARGUMENT = "argument"
 DEFAULT = "default"

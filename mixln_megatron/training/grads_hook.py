@@ -82,10 +82,16 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .ddp_shards import owned_range
-from .layer import MixLNTransformerLayer
-from .placement import Placement
-from .settings import SPIKE_FIELDS
-from .spike import ResolvedSpikeSettings, SpikeSettings, SpikeState, resolve_spike_settings, target_layers
+from ..model.layer import MixLNTransformerLayer
+from ..model.placement import Placement
+from ..model.settings import SPIKE_FIELDS
+from .spike import (
+    ResolvedSpikeSettings,
+    SpikeSettings,
+    SpikeState,
+    resolve_spike_settings,
+    target_layers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -730,7 +736,7 @@ def _iter_mixln_layers(model_chunks):
 def install_spike_scaler(model_chunks, config=None, optimizer=None, settings=None, **overrides) -> Optional[SpikeScaler]:
     """Enable the gradient-spike scaler on a megatron-core model (list of DDP-wrapped chunks).
 
-    settings: a mixln_megatron.spike.SpikeSettings or dict (threshold, beta, warmup_steps, targets,
+    settings: a mixln_megatron.training.spike.SpikeSettings or dict (threshold, beta, warmup_steps, targets,
     log_interval); unset fields take the defaults. Keyword overrides are merged into it. Calling
     this enables the scaler whatever settings.enabled says.
     optimizer: the megatron optimizer whose step() decides whether a step's decisions are kept;

@@ -55,7 +55,7 @@ from typing import Mapping, Optional, Sequence, Tuple, Union
 import torch
 
 # The settings themselves (validation, sources) are settings.py's; re-exported for callers.
-from .settings import (  # noqa: F401
+from ..model.settings import (
     DEFAULT_BETA,
     DEFAULT_TARGETS,
     DEFAULT_THRESHOLD,
@@ -107,7 +107,7 @@ def resolve_spike_settings(settings: Optional[Union[SpikeSettings, Mapping]] = N
 def target_layers(targets: Union[str, Tuple[int, ...]], placement) -> Tuple[int, ...]:
     """Global 1-based layer numbers whose norm parameters the scaler watches.
 
-    `placement` is a mixln_megatron.placement.Placement. "boundary" gives () when the model has no
+    `placement` is a mixln_megatron.model.placement.Placement. "boundary" gives () when the model has no
     Post/Pre boundary (P = 0 or P = L): the scaler is then disabled.
     """
     if targets == "boundary":

@@ -1,0 +1,2 @@
+"""Development aids: the CPU/gloo harness (entered explicitly, e.g. by `pretrain --cpu`), the demo
+and its plots."""
