@@ -189,6 +189,32 @@ class MixLNTransformerLayer(TransformerLayer):
         )
         advice.announce(self.placement)
 
+    # ---------------------------------------------------------------- the two norms
+    def norm_parameters(self) -> list:
+        """[(role, parameter)] of this layer's two norms, the one answer to "which parameters are
+        this layer's norms" (spike scaler, telemetry, grad-norm analysis).
+
+        Roles do not depend on kind or backend: 'norm1.<name>' is the first norm in forward order
+        (Pre-LN: before attention; Post-LN: N1 after the attention residual add), 'norm2.<name>'
+        the second; <name> is 'weight' (and 'bias' for a norm that has one). TE's Pre-LN norms
+        are fused into linear_qkv / linear_fc1 as layer_norm_weight / layer_norm_bias.
+        """
+        def own(module):
+            return list(module.named_parameters()) if module is not None else []
+
+        def fused(linear):  # TE LayerNormLinear: only its layer_norm_* parameters are the norm's
+            params = linear.named_parameters(recurse=False) if linear is not None else []
+            return [(n[len("layer_norm_"):], p) for n, p in params if n.startswith("layer_norm_")]
+
+        if self.is_post_ln:
+            groups = (own(self.post_attention_layernorm), own(self.post_mlp_layernorm))
+        else:
+            groups = (
+                own(self.input_layernorm) or fused(getattr(self.self_attention, "linear_qkv", None)),
+                own(self.pre_mlp_layernorm) or fused(getattr(self.mlp, "linear_fc1", None)),
+            )
+        return [(f"norm{i}.{name}", p) for i, params in enumerate(groups, 1) for name, p in params]
+
     # ---------------------------------------------------------------- LayerNorm Scaling
     def _apply_layernorm_scaling(self) -> None:
         """Scale the output of both pre-norms by 1/sqrt(l); the stored weights stay untouched."""
