@@ -7,135 +7,30 @@ sub-box (one layer of one key, or a block of vocabulary rows) and touch only the
 intersect it. Common state (args, iteration, content metadata) lives in common.pt (older
 megatron-core) or in the files as the object `common_state` (0.19+).
 
-Reading a chunk: the fast path parses the chunk's torch.save zip (stored, uncompressed) and reads
-exactly the byte range of the requested rows into the destination; any chunk it does not
-recognise goes through torch.distributed.checkpoint's FileSystemReader.read_data instead (which
-loads whole chunks). Both give identical tensors.
+Reading a chunk: the fast path (zip_chunk) reads exactly the bytes of the requested rows; any
+chunk it does not recognise goes through torch.distributed.checkpoint's FileSystemReader instead
+(which loads whole chunks). Both give identical tensors. The .metadata is read by dcp_metadata.
 """
 
 from __future__ import annotations
 
-import collections
 import io
 import os
 import pickle
-import struct
-import zipfile
 from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
 from . import ConversionError, UnsupportedModelError
 from . import mapping as M
+from . import zip_chunk
+from .dcp_metadata import MetadataUnpickler, TensorMeta, light_metadata
 from .reader_base import ReaderBase, RowSource
 from .safe_unpickle import safe_load
 
 COMMON_PT = "common.pt"
 COMMON_STATE_KEY = "common_state/shard_0_1"
 PIECE_BYTES = 8 << 20  # largest piece read / converted / written at once (torch_dist)
-
-_STORAGE_DTYPES = {
-    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64,
-    "ComplexDoubleStorage": torch.complex128,
-}
-
-
-class _TensorRecord:
-    __slots__ = ("dtype", "key", "storage_offset", "size", "stride")
-
-
-class _StorageRef:
-    def __init__(self, dtype, key):
-        self.dtype, self.key = dtype, key
-
-
-def _capture_rebuild(storage, storage_offset, size, stride, *unused):
-    rec = _TensorRecord()
-    rec.dtype, rec.key = storage.dtype, storage.key
-    rec.storage_offset, rec.size, rec.stride = int(storage_offset), tuple(size), tuple(stride)
-    return rec
-
-
-class _StorageType:
-    def __init__(self, dtype):
-        self.dtype = dtype
-
-
-class _LayoutUnpickler(pickle.Unpickler):
-    """Reads the data.pkl of a torch.save'd plain tensor without building it."""
-
-    def find_class(self, module, name):
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _capture_rebuild
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _StorageType(_STORAGE_DTYPES[name])
-        if module == "torch" and name == "Size":
-            return tuple
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        raise pickle.UnpicklingError(f"not a plain tensor ({module}.{name})")
-
-    def persistent_load(self, pid):
-        if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
-            raise pickle.UnpicklingError("unexpected persistent id")
-        storage_type = pid[1]
-        dtype = storage_type.dtype if isinstance(storage_type, _StorageType) else None
-        if dtype is None:
-            raise pickle.UnpicklingError("unknown storage type")
-        return _StorageRef(dtype, str(pid[2]))
-
-
-class _SliceFile(io.RawIOBase):
-    """A read-only, seekable window [start, start + length) of an open binary file."""
-
-    def __init__(self, f, start, length):
-        self._f, self._start, self._len, self._pos = f, start, length, 0
-
-    def readable(self):
-        return True
-
-    def seekable(self):
-        return True
-
-    def tell(self):
-        return self._pos
-
-    def seek(self, pos, whence=0):
-        if whence == 1:
-            pos += self._pos
-        elif whence == 2:
-            pos += self._len
-        self._pos = max(0, min(pos, self._len))
-        return self._pos
-
-    def read(self, n=-1):
-        if n is None or n < 0:
-            n = self._len - self._pos
-        n = max(0, min(n, self._len - self._pos))
-        self._f.seek(self._start + self._pos)
-        data = self._f.read(n)
-        self._pos += len(data)
-        return data
-
-    def readinto(self, b):
-        data = self.read(len(b))
-        b[:len(data)] = data
-        return len(data)
-
-
-class _ChunkLayout:
-    __slots__ = ("path", "data_offset", "dtype", "shape", "contiguous")
-
-
-def _contiguous_strides(shape):
-    strides, acc = [], 1
-    for size in reversed(shape):
-        strides.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 class _BoxPlanner:
@@ -158,102 +53,6 @@ class _BoxPlanner:
         pass
 
 
-class _Rec:
-    """Stand-in for a torch.distributed.checkpoint dataclass in a .metadata pickle."""
-
-    def __setstate__(self, state):
-        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
-            self.__dict__.update(state[0] or {})
-            self.__dict__.update(state[1] or {})
-        elif isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            self._state = state
-
-
-class _RecIndex(_Rec):
-    """Stand-in for MetadataIndex: equal / hashed by (fqn, offset), like the real one."""
-
-    def _key(self):
-        offset = self.__dict__.get("offset")
-        return (self.__dict__.get("fqn"), tuple(offset) if offset is not None else None)
-
-    def __hash__(self):
-        return hash(self._key())
-
-    def __eq__(self, other):
-        return isinstance(other, _RecIndex) and self._key() == other._key()
-
-
-class _RecEnum:
-    def __init__(self, *args):
-        self.args = args
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Reads a DCP .metadata without importing torch.distributed.checkpoint (stand-in classes only)."""
-
-    _classes: Dict[str, type] = {}
-
-    def find_class(self, module, name):
-        if module.startswith("torch.distributed.checkpoint"):
-            if name in ("_MEM_FORMAT_ENCODING", "WriteItemType", "LoadItemType"):
-                return _RecEnum
-            key = f"{module}.{name}"
-            if key not in self._classes:
-                base = _RecIndex if name == "MetadataIndex" else _Rec
-                self._classes[key] = type(name, (base,), {"__module__": __name__})
-            return self._classes[key]
-        if module == "torch" and name == "Size":
-            return torch.Size
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if (module, name) == ("torch.serialization", "_get_layout"):
-            return lambda text: text
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        raise pickle.UnpicklingError(f"unexpected class {module}.{name} in .metadata")
-
-
-class _TensorMeta:
-    __slots__ = ("size", "dtype", "chunks")
-
-    def __init__(self, size, dtype, chunks):
-        self.size, self.dtype, self.chunks = tuple(int(x) for x in size), dtype, chunks
-
-
-class _StorageEntry:
-    __slots__ = ("relative_path", "offset", "length", "transformed")
-
-    def __init__(self, relative_path, offset, length, transformed):
-        self.relative_path, self.offset, self.length, self.transformed = relative_path, int(offset), int(length), transformed
-
-
-def _light_metadata(md) -> Tuple[Dict[str, object], Dict[tuple, _StorageEntry]]:
-    """(fqn -> _TensorMeta or "bytes", (fqn, offsets|None) -> _StorageEntry) from real or stand-in metadata."""
-    tensors: Dict[str, object] = {}
-    for fqn, entry in md.state_dict_metadata.items():
-        chunks = getattr(entry, "chunks", None)
-        if chunks is None:
-            tensors[fqn] = "bytes"
-            continue
-        props = entry.properties
-        dtype = getattr(props, "dtype", None)
-        if dtype is None and isinstance(getattr(props, "_state", None), tuple):
-            dtype = props._state[0]  # TensorProperties pickles (dtype, layout, ...) as its state
-        if not isinstance(dtype, torch.dtype):
-            raise pickle.UnpicklingError(f"no dtype for {fqn}")
-        tensors[fqn] = _TensorMeta(entry.size, dtype, [
-            (tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)) for c in chunks])
-    storage: Dict[tuple, _StorageEntry] = {}
-    for index, info in md.storage_data.items():
-        offset = getattr(index, "offset", None)
-        key = (index.fqn, tuple(int(x) for x in offset) if offset is not None else None)
-        storage[key] = _StorageEntry(info.relative_path, info.offset, info.length,
-                                     bool(getattr(info, "transform_descriptors", None)))
-    return tensors, storage
-
-
 class TorchDistCheckpoint(ReaderBase):
     format = "torch_dist"
 
@@ -264,15 +63,15 @@ class TorchDistCheckpoint(ReaderBase):
         meta_path = os.path.join(path, ".metadata")
         try:
             with open(meta_path, "rb") as f:
-                md = _MetadataUnpickler(f).load()
-            self._sd_md, self._storage = _light_metadata(md)
+                md = MetadataUnpickler(f).load()
+            self._sd_md, self._storage = light_metadata(md)
         except (pickle.UnpicklingError, AttributeError, EOFError, TypeError, ValueError, KeyError, ImportError):
             # Anything unexpected: torch's own reader (imports torch.distributed.checkpoint).
             reader, md = self._dcp()
-            self._sd_md, self._storage = _light_metadata(md)
+            self._sd_md, self._storage = light_metadata(md)
         except OSError as e:
             raise ConversionError(f"{meta_path} is unreadable: {e}") from None
-        self._layouts: Dict[Tuple[str, int], Optional[_ChunkLayout]] = {}
+        self._layouts: Dict[Tuple[str, int], Optional[zip_chunk.ChunkLayout]] = {}
         self._check_files()
         self._check_keys()
         common = self._read_common()
@@ -384,7 +183,7 @@ class TorchDistCheckpoint(ReaderBase):
     def read(self, key: str, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
         """The sub-box [offsets, offsets + sizes) of the global tensor `key`, in its saved dtype."""
         md = self._sd_md.get(key)
-        if not isinstance(md, _TensorMeta):
+        if not isinstance(md, TensorMeta):
             raise ConversionError(f"{self.path} has no tensor {key}")
         offsets, sizes = tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
         if len(offsets) != len(md.size) or any(o + s > g for o, s, g in zip(offsets, sizes, md.size)):
@@ -423,80 +222,27 @@ class TorchDistCheckpoint(ReaderBase):
         except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
             raise ConversionError(f"cannot read {key} from {self.path} (truncated or corrupt shard?): {e}") from None
 
-    def _chunk_layout(self, key, c_off, c_size) -> Optional[_ChunkLayout]:
+    def _chunk_layout(self, key, c_off, c_size) -> Optional[zip_chunk.ChunkLayout]:
         info = self._storage.get((key, tuple(c_off)))
         if info is None:
             raise ConversionError(f"{key}: chunk at {tuple(c_off)} has no storage entry in .metadata")
         cache_key = (info.relative_path, info.offset)
-        if cache_key in self._layouts:
-            return self._layouts[cache_key]
-        layout = None
-        if not info.transformed:
-            path = os.path.join(self.path, info.relative_path)
-            try:
-                with open(path, "rb") as f:
-                    view = _SliceFile(f, info.offset, info.length)
-                    zf = zipfile.ZipFile(view)
-                    names = zf.namelist()
-                    pkl = next(n for n in names if n.endswith("data.pkl"))
-                    prefix = pkl[: -len("data.pkl")]
-                    order = prefix + "byteorder"
-                    little = (zf.read(order).strip() == b"little") if order in names else True
-                    rec = _LayoutUnpickler(io.BytesIO(zf.read(pkl))).load()
-                    zinfo = zf.getinfo(f"{prefix}data/{rec.key}")
-                    if (little and isinstance(rec, _TensorRecord) and zinfo.compress_type == zipfile.ZIP_STORED
-                            and rec.size == tuple(c_size) and rec.stride == _contiguous_strides(rec.size)):
-                        view.seek(zinfo.header_offset)
-                        header = view.read(30)
-                        if header[:4] == b"PK\x03\x04":
-                            name_len, extra_len = struct.unpack("<HH", header[26:30])
-                            layout = _ChunkLayout()
-                            layout.path = path
-                            layout.data_offset = (info.offset + zinfo.header_offset + 30 + name_len + extra_len
-                                                  + rec.storage_offset * rec.dtype.itemsize)
-                            layout.dtype, layout.shape = rec.dtype, rec.size
-            except (StopIteration, zipfile.BadZipFile, pickle.UnpicklingError, KeyError, EOFError,
-                    AttributeError, struct.error, ValueError, TypeError):
-                layout = None
-            except OSError as e:
-                raise ConversionError(f"cannot read checkpoint shard {path}: {e}") from None
-        self._layouts[cache_key] = layout
-        return layout
+        if cache_key not in self._layouts:
+            layout = None
+            if not info.transformed:
+                path = os.path.join(self.path, info.relative_path)
+                try:
+                    layout = zip_chunk.locate(path, info.offset, info.length, c_size)
+                except OSError as e:
+                    raise ConversionError(f"cannot read checkpoint shard {path}: {e}") from None
+            self._layouts[cache_key] = layout
+        return self._layouts[cache_key]
 
     def _read_chunk_fast(self, key, c_off, c_size, lo, hi, offsets, dest) -> bool:
         layout = self._chunk_layout(key, c_off, c_size)
         if layout is None or layout.dtype != dest.dtype or not layout.shape:
             return False
-        shape = layout.shape
-        c_lo = [l - c for l, c in zip(lo, c_off)]
-        c_hi = [h - c for h, c in zip(hi, c_off)]
-        ndim = len(shape)
-        # The first dim k after which the region spans whole dims: each index of the dims before k
-        # then maps to one contiguous byte range of the chunk (rows c_lo[k]:c_hi[k], full trailing dims).
-        k = ndim - 1
-        while k > 0 and c_lo[k] == 0 and c_hi[k] == shape[k]:
-            k -= 1
-        strides = _contiguous_strides(shape)
-        itemsize = layout.dtype.itemsize
-        outer = [range(c_lo[j], c_hi[j]) for j in range(k)]
-        d_lo = [l - o for l, o in zip(lo, offsets)]
-        with open(layout.path, "rb") as f:
-            for idx in _product(outer):
-                start = sum(i * st for i, st in zip(idx, strides)) + c_lo[k] * strides[k]
-                count = (c_hi[k] - c_lo[k]) * strides[k]
-                target = dest
-                for j, i in enumerate(idx):
-                    target = target.select(0, d_lo[j] + (i - c_lo[j]))
-                target = target.narrow(0, d_lo[k], c_hi[k] - c_lo[k])
-                for j in range(k + 1, ndim):
-                    target = target.narrow(j - k, d_lo[j], shape[j])
-                f.seek(layout.data_offset + start * itemsize)
-                buf = target if target.is_contiguous() else torch.empty(count, dtype=layout.dtype)
-                got = f.readinto(memoryview(buf.reshape(-1).view(torch.uint8).numpy()))
-                if got != count * itemsize:
-                    raise ConversionError(f"checkpoint shard {layout.path} is truncated (reading {key})")
-                if buf is not target:
-                    target.copy_(buf.view(target.shape))
+        zip_chunk.read_region(layout, key, c_off, lo, hi, offsets, dest)
         return True
 
     # ---------------------------------------------------------------- model tensors
@@ -552,7 +298,7 @@ class TorchDistCheckpoint(ReaderBase):
     def model_tensor_bytes(self) -> int:
         total = 0
         for key, md in self._sd_md.items():
-            if isinstance(md, _TensorMeta) and (key.startswith("decoder.") or key.startswith("embedding.")
+            if isinstance(md, TensorMeta) and (key.startswith("decoder.") or key.startswith("embedding.")
                                                 or key.startswith("output_layer.")):
                 n = 1
                 for s in md.size:
@@ -577,16 +323,3 @@ class TorchDistCheckpoint(ReaderBase):
         emb = self._sd_md[M.TD_EMBEDDING].size
         if emb[1] != shape.hidden_size:
             raise ConversionError(f"{M.TD_EMBEDDING} has shape {emb}, the args imply hidden size {shape.hidden_size}")
-
-
-def _product(ranges):
-    if not ranges:
-        yield ()
-        return
-    first, rest = ranges[0], ranges[1:]
-    for i in first:
-        for tail in _product(rest):
-            yield (i,) + tail
-
-
-# --------------------------------------------------------------------------- legacy (torch)
