@@ -66,7 +66,7 @@ def main():
         sys.exit(2)
 
     from mixln_megatron.dev import cpu  # imports megatron: only now
-    from mixln_megatron.training.pretrain import use_prebuilt_dataset_helpers
+    from mixln_megatron.training.dataset_helpers import use_prebuilt_dataset_helpers
 
     import megatron.training
 

@@ -159,27 +159,27 @@ def _stand_in_utils(directory, makefile: bool):
 
 
 def test_prebuilt_helpers_used_only_without_makefile(tmp_path):
-    from mixln_megatron.training import pretrain
+    from mixln_megatron.training import dataset_helpers as helpers
 
     with_makefile = _stand_in_utils(tmp_path / "src", makefile=True)
     original = with_makefile.compile_helpers
-    assert pretrain.use_prebuilt_dataset_helpers(with_makefile) is False
+    assert helpers.use_prebuilt_dataset_helpers(with_makefile) is False
     assert with_makefile.compile_helpers is original  # a source tree keeps compiling
 
     wheel_like = _stand_in_utils(tmp_path / "wheel", makefile=False)
-    assert pretrain.use_prebuilt_dataset_helpers(wheel_like) is True
+    assert helpers.use_prebuilt_dataset_helpers(wheel_like) is True
     assert wheel_like.compile_helpers is not None and wheel_like.compile_helpers.mixln_prebuilt
     wheel_like.compile_helpers()  # imports the prebuilt module instead of running make
-    assert pretrain.use_prebuilt_dataset_helpers(wheel_like) is True  # idempotent
+    assert helpers.use_prebuilt_dataset_helpers(wheel_like) is True  # idempotent
 
 
 def test_prebuilt_helpers_not_used_when_they_do_not_import(tmp_path, monkeypatch):
-    from mixln_megatron.training import pretrain
+    from mixln_megatron.training import dataset_helpers as helpers
 
-    monkeypatch.setattr(pretrain, "HELPERS_MODULE", "megatron.core.datasets.no_such_helpers_module")
+    monkeypatch.setattr(helpers, "HELPERS_MODULE", "megatron.core.datasets.no_such_helpers_module")
     utils = _stand_in_utils(tmp_path / "wheel", makefile=False)
     original = utils.compile_helpers
-    assert pretrain.use_prebuilt_dataset_helpers(utils) is False
+    assert helpers.use_prebuilt_dataset_helpers(utils) is False
     assert utils.compile_helpers is original
 
 
@@ -189,7 +189,7 @@ def test_prebuilt_helpers_premise_and_no_patch_at_import(tmp_path):
 
     import megatron.core.datasets.utils as real_utils
 
-    from mixln_megatron.training import pretrain
+    from mixln_megatron.training import dataset_helpers as helpers
 
     assert not getattr(real_utils.compile_helpers, "mixln_prebuilt", False)
     directory = os.path.dirname(real_utils.__file__)
@@ -200,7 +200,7 @@ def test_prebuilt_helpers_premise_and_no_patch_at_import(tmp_path):
         importable = False
     expected = importable and not os.path.exists(os.path.join(directory, "Makefile"))
     stand_in = types.SimpleNamespace(__file__=real_utils.__file__, compile_helpers=real_utils.compile_helpers)
-    assert pretrain.use_prebuilt_dataset_helpers(stand_in) is expected
+    assert helpers.use_prebuilt_dataset_helpers(stand_in) is expected
     assert expected, "megatron-core's wheel layout changed: the compile_helpers workaround no longer applies"
 
 
@@ -219,7 +219,7 @@ def test_model_provider_builds_post_ln_layers_as_configured(mcore_single, monkey
     from megatron.training import global_vars
 
     from mixln_megatron.model.norms import MixLNNorm
-    from mixln_megatron.training.pretrain import model_provider
+    from mixln_megatron.training.providers import model_provider
 
     # the provider reads the flags from Megatron-LM's global args (main binds its settings instead)
     args = Namespace(

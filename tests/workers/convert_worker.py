@@ -57,14 +57,14 @@ def build_and_load(load_dir):
     from megatron.training.checkpointing import load_checkpoint
     from megatron.training.training import get_model
 
-    from mixln_megatron.training import pretrain
+    from mixln_megatron.training import providers
 
     args = get_args()
     args.load = load_dir
     args.no_load_optim = True
     args.no_load_rng = True
     args.finetune = False
-    model = get_model(pretrain.model_provider, ModelType.encoder_or_decoder, wrap_with_ddp=False)
+    model = get_model(providers.model_provider, ModelType.encoder_or_decoder, wrap_with_ddp=False)
     load_checkpoint(model, None, None)
     for m in model:
         m.eval()

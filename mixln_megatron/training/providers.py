@@ -1,0 +1,220 @@
+"""The providers Megatron-LM's training loop calls: model, batch, forward step, loss, datasets.
+
+Laid out like Megatron-LM's own pretrain_gpt.py (core_r0.19.0) so that a diff against it is
+short and shows the Mix-LN changes only:
+  - model_provider builds GPTModel over get_mixln_decoder_block_spec (upstream: a layer spec
+    from --spec or the stock GPT spec) and installs the spike scaler / telemetry the settings ask
+    for on the config before the build;
+  - loss_func hands each micro-batch's (loss sum, tokens) to the run's LossLog, when it has one;
+  - what Mix-LN rejects before the build (MoE, packed sequences / SFT, FIM, ModelOpt,
+    distillation) is left out instead of carried as dead branches.
+Importing this module imports megatron.training: the entry point imports it only after the
+CPU harness (if any) is in place.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import torch
+
+from megatron.core import mpu
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.models.gpt import GPTModel
+from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.core.utils import (
+    get_attr_wrapped_model,
+    get_batch_on_this_cp_rank,
+    get_batch_on_this_tp_rank,
+    get_pg_rank,
+)
+from megatron.training import get_args, get_timers, get_tokenizer, print_rank_0
+from megatron.training.argument_utils import core_transformer_config_from_args
+from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
+
+from ..model.settings import MixLNSettings
+from ..spec import get_mixln_decoder_block_spec
+from .hooks import install_training_hooks
+from .loss_log import LossLog
+
+# The fields get_batch returns, in the order forward_step unpacks them.
+BATCH_KEYS = ["tokens", "labels", "loss_mask", "attention_mask", "position_ids"]
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None,
+                   settings: Optional[MixLNSettings] = None, backend: Optional[str] = None):
+    """Megatron-LM's model-provider contract: GPTModel with the Mix-LN decoder block spec.
+
+    The entry point binds `settings` and `backend`; without them (a caller of Megatron's
+    get_model) they come from the --mixln-* flags and --transformer-impl in the global args.
+    """
+    args = get_args()
+    if settings is None or backend is None:
+        from .pretrain import backend_from_args, run_settings
+
+        settings = settings if settings is not None else run_settings(args)
+        backend = backend or backend_from_args(args)
+    if config is None:
+        config = core_transformer_config_from_args(args)
+    pp_rank = get_pg_rank(pg_collection.pp) if pg_collection is not None else None
+    block_spec = get_mixln_decoder_block_spec(
+        config, backend=backend, vp_stage=vp_stage, pp_rank=pp_rank, settings=settings
+    )
+    install_training_hooks(config, settings)
+    print_rank_0(f"> building Mix-LN GPT model (backend {backend}) ...")
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        vp_stage=vp_stage,
+        pg_collection=pg_collection,
+    )
+
+
+def get_batch(data_iterator, vp_stage: Optional[int] = None):
+    """This rank's micro-batch: read on TP rank 0, broadcast over TP, sliced for CP."""
+    args = get_args()
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return [None for _ in BATCH_KEYS]
+
+    batch = {}
+    if tp_rank == 0:
+        batch = next(data_iterator)
+        batch = {k: (v.cuda(non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+        batch.setdefault("attention_mask", None)
+
+    ignore_virtual = vp_stage is None
+    batch = get_batch_on_this_tp_rank(
+        batch,
+        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(),
+        has_cu_seqlens=False,
+        is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        cp_size=args.context_parallel_size,
+        tp_rank=tp_rank,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        mtp_on_this_rank=False,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=mpu.is_pipeline_first_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage),
+        is_pipeline_last_stage=mpu.is_pipeline_last_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage),
+    )
+
+    if args.context_parallel_size > 1:
+        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
+
+    return [batch.get(key) for key in BATCH_KEYS]
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model: Optional[GPTModel] = None,
+              on_report=None):
+    """Sum of the masked per-token losses and the token count (Megatron averages globally).
+
+    `on_report` (the run's LossLog, when --loss-log is set) receives tensor([loss sum, tokens]).
+    """
+    args = get_args()
+
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().detach().to(torch.int)
+    report = torch.cat([loss.detach().view(1), num_tokens.view(1).to(loss.dtype)])
+
+    # Check individual rank losses are not NaN prior to DP all-reduce.
+    if args.check_for_nan_in_loss_and_grad:
+        rerun_state_machine = get_rerun_state_machine()
+        rerun_state_machine.validate_result(result=loss, rejection_func=torch.isnan, fatal=True,
+                                            message="found NaN in the local forward loss")
+        rerun_state_machine.validate_result(result=loss, rejection_func=torch.isinf, fatal=True,
+                                            message="found Inf in the local forward loss")
+    if on_report is not None:
+        on_report(report)
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model: GPTModel, return_schedule_plan: bool = False,
+                 loss_log: Optional[LossLog] = None):
+    """Megatron-LM's forward-step contract: (output tensor, loss function)."""
+    args = get_args()
+    timers = get_timers()
+
+    if return_schedule_plan:
+        # Schedule plans serve MoE communication overlap; MoE is rejected before the build.
+        raise NotImplementedError("combined 1F1B schedule plans are not supported by mixln-megatron pretrain")
+
+    timers("batch-generator", log_level=2).start()
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
+    timers("batch-generator").stop()
+
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+
+    on_report = None
+    if loss_log is not None:
+        on_report = loss_log.reporter(model.training, args.curr_iteration + 1, data_iterator)
+    return output_tensor, partial(loss_func, loss_mask, model=model, on_report=on_report)
+
+
+def is_dataset_built_on_rank(vp_stage=None):
+    """Whether the dataset should be built on the current rank."""
+    return is_first_or_last_pipeline_stage(vp_stage) and mpu.get_tensor_model_parallel_rank() == 0
+
+
+def core_gpt_dataset_config_from_args(args) -> GPTDatasetConfig:
+    """The GPT dataset config of the parsed flags."""
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        multiple_validation_sets=args.multiple_validation_sets,
+        full_validation=args.full_validation,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        context_parallel_size=args.context_parallel_size,
+    )
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """GPTDataset over the indexed datasets of --data-path (or MockGPTDataset with --mock-data)."""
+    args = get_args()
+
+    config = core_gpt_dataset_config_from_args(args)
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+
+    print_rank_0(f"> building {dataset_type.__name__} train, validation and test datasets ...")
+
+    is_dataset_built = partial(is_dataset_built_on_rank, vp_stage=vp_stage)
+    train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
+        dataset_type, train_val_test_num_samples, is_dataset_built, config
+    ).build()
+
+    print_rank_0("> finished creating GPT datasets ...")
+
+    return train_ds, valid_ds, test_ds
+
+
+train_valid_test_datasets_provider.is_distributed = True
