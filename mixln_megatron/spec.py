@@ -1,13 +1,14 @@
 """Mix-LN specs, for Megatron-LM's `--spec` and for megatron-core users.
 
-Megatron-LM (core 0.19):   --spec mixln_megatron.spec mixln_layer_spec         (TransformerEngine)
-                           --spec mixln_megatron.spec mixln_local_layer_spec   (local modules)
-  The builder calls these objects as `spec(model_config, vp_stage=...)` and passes nothing else,
-  so they are an edge: they build the settings (a patched checkout's --mixln-* flags from
-  Megatron-LM's global args, then MIXLN_*, then defaults), install the training hooks the
-  settings ask for (the only place stock Megatron-LM gives a plugin), and return the whole
-  decoder's submodules, so the final norm is the backend's norm too (megatron's default for a
-  layer spec is LayerNormImpl, which on the local path refuses sequence parallelism). A bad
+Megatron-LM (core 0.17-0.19): --spec mixln_megatron.spec mixln_layer_spec        (TransformerEngine)
+                              --spec mixln_megatron.spec mixln_local_layer_spec  (local modules)
+  These objects are an edge: they build the settings (a patched checkout's --mixln-* flags from
+  Megatron-LM's global args, then MIXLN_*, then defaults) and install the training hooks the
+  settings ask for (the only place stock Megatron-LM gives a plugin). On 0.19 the builder calls
+  them as `spec(model_config, vp_stage=...)` and they return the whole decoder's submodules, so
+  the final norm is the backend's norm too. On 0.17/0.18 the builder passes the object uncalled
+  to GPTModel, so they are layer ModuleSpecs that do the same when each layer is built, and the
+  final norm is Megatron's default (LayerNormImpl; mixln_megatron.compat, README). A bad
   setting is printed as one `[mixln_megatron] ERROR:` line on rank 0 before the traceback.
 
 megatron-core (plain data, installs nothing; then call mixln_megatron.install_training_hooks):
@@ -30,7 +31,7 @@ from megatron.core.transformer.transformer_block import (
 )
 
 from .model import backends, env_settings
-from . import megatron_args
+from . import compat, megatron_args
 from .errors import MixLNError, report_once
 from .training.grads_hook import SpikeScalerLayer
 from .model.layer import MixLNTransformerLayer, MixLNUnsupportedError, check_supported
@@ -90,17 +91,21 @@ def get_mixln_decoder_block_spec(
     """Submodules of the whole decoder on this pipeline stage, final norm included. Plain data:
     nothing is installed on `config` (see install_training_hooks)."""
     config = getattr(config, "transformer", config)  # Megatron-LM's GPTModelConfig wraps it
-    check_supported(config, backend=backend)  # mixln_megatron.model.support.TABLE
-    settings = _with_arguments(settings, alpha, post_ln_layers, scheme)
-    resolve_placement(config.num_layers, settings)  # a bad setting fails here, not inside a layer
-    layer = MixLNTransformerLayerSpec(
-        backend=backend, settings=settings,
-        normalization=config.normalization, qk_layernorm=getattr(config, "qk_layernorm", False),
-        config=config,  # every flag megatron's builder takes, from the config (backends.BUILDER_FLAGS)
-    )
+    layer = _checked_layer_spec(config, backend, _with_arguments(settings, alpha, post_ln_layers, scheme))
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(
         layer_specs=[layer] * num_layers, layer_norm=backends.norm_class(backend)
+    )
+
+
+def _checked_layer_spec(config, backend: str, settings: MixLNSettings) -> ModuleSpec:
+    """The layer spec for `config`, after the support table and the placement rule accept it."""
+    check_supported(config, backend=backend)  # mixln_megatron.model.support.TABLE
+    resolve_placement(config.num_layers, settings)  # a bad setting fails here, not inside a layer
+    return MixLNTransformerLayerSpec(
+        backend=backend, settings=settings,
+        normalization=config.normalization, qk_layernorm=getattr(config, "qk_layernorm", False),
+        config=config,  # every flag megatron's builder takes, from the config (backends.BUILDER_FLAGS)
     )
 
 
@@ -121,17 +126,29 @@ def settings_for_spec(environ=None, args=None) -> MixLNSettings:
     return layered(flags, env_settings.settings_from_environ(environ))
 
 
-def stock_decoder_spec(config, backend: str, vp_stage: Optional[int] = None, environ=None,
-                       args=None) -> TransformerBlockSubmodules:
-    """What the two --spec functions do: settings from the edge, spec, hooks; errors in one line."""
+def _at_the_edge(config, build, environ=None, args=None):
+    """Settings from the edge, `build(settings)`, then the hooks; a MixLN error printed in one line."""
     try:
         settings = settings_for_spec(environ, args)
-        spec = get_mixln_decoder_block_spec(config, backend=backend, vp_stage=vp_stage, settings=settings)
+        spec = build(settings)
         install_training_hooks(config, settings)
     except (MixLNError, MixLNUnsupportedError) as error:
         report_once(error)  # one clear line before Megatron-LM's traceback
         raise
     return spec
+
+
+def stock_decoder_spec(config, backend: str, vp_stage: Optional[int] = None, environ=None,
+                       args=None) -> TransformerBlockSubmodules:
+    """What the two --spec functions do: settings from the edge, spec, hooks; errors in one line."""
+    return _at_the_edge(config, lambda settings: get_mixln_decoder_block_spec(
+        config, backend=backend, vp_stage=vp_stage, settings=settings), environ, args)
+
+
+def stock_layer_spec(config, backend: str, environ=None, args=None) -> ModuleSpec:
+    """The same for one layer, on releases that never call the --spec object (0.17/0.18: see
+    compat.stock_spec); runs as each layer is built."""
+    return _at_the_edge(config, lambda settings: _checked_layer_spec(config, backend, settings), environ, args)
 
 
 def mixln_layer_spec(config, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
@@ -142,3 +159,8 @@ def mixln_layer_spec(config, vp_stage: Optional[int] = None) -> TransformerBlock
 def mixln_local_layer_spec(config, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
     """`--spec mixln_megatron.spec mixln_local_layer_spec`: Mix-LN with megatron's local modules."""
     return stock_decoder_spec(config, "local", vp_stage)
+
+
+# What Megatron-LM's --spec gets on this release: the functions above (0.19) or layer ModuleSpecs.
+mixln_layer_spec = compat.stock_spec(mixln_layer_spec, "te")
+mixln_local_layer_spec = compat.stock_spec(mixln_local_layer_spec, "local")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .. import compat
 from ..model.placement import resolve_placement
 from ..model.settings import MixLNSettings
 
@@ -39,4 +40,5 @@ def install_training_hooks(config, settings: Optional[MixLNSettings] = None) -> 
     interval = settings.telemetry.interval or 0
     if interval > 0:
         installed["telemetry"] = telemetry.install_telemetry(config, interval, settings.telemetry.path)
+    compat.keep_finalize_hook(config)  # 0.17/0.18's train() would replace it
     return installed

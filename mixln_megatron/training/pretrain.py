@@ -31,7 +31,6 @@ import os
 import socket
 import sys
 import time
-import warnings
 from functools import partial
 from typing import Optional, Sequence
 
@@ -195,11 +194,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _single_process_defaults()
     use_prebuilt_dataset_helpers()
 
-    from megatron.core.enums import ModelType
-    from megatron.training import pretrain, print_rank_0
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from megatron.training.arguments import parse_and_validate_args, parse_args
+    from megatron.training import print_rank_0
+    from megatron.training.arguments import parse_args
 
+    from .. import compat  # imports megatron: after the CPU harness
     from ..convert.inspect import apply_resume_args
 
     saved_argv = sys.argv
@@ -207,7 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         # The unsupported configurations get a clear message before Megatron validates anything.
         check_supported_args(parse_args(add_pretrain_args))
-        args = parse_and_validate_args(add_pretrain_args)
+        args = compat.parse_and_validate_args(add_pretrain_args)
         check_supported_args(args, spec_from_checkpoint=True)
         checkpoint_args = _checkpoint_args(args)
         apply_resume_args(args, checkpoint_args, argv)  # the shape flags Megatron-LM does not copy
@@ -223,19 +221,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from . import providers  # imports megatron.training: after the CPU harness
 
-    with warnings.catch_warnings():
-        # pretrain_cfg_container_from_args recommends a ModelConfig over a model provider; the
-        # provider is deliberate here (it is how the Mix-LN spec gets in).
-        warnings.filterwarnings("ignore", message=r"[\s\S]*recommended to use a ModelConfig")
-        cfg = pretrain_cfg_container_from_args(args, None)
     try:
-        pretrain(
-            cfg,
-            providers.train_valid_test_datasets_provider,
-            ModelType.encoder_or_decoder,
-            partial(providers.forward_step, loss_log=loss_log),
+        compat.run_pretrain(
+            args, argv,
+            datasets_provider=providers.train_valid_test_datasets_provider,
             model_provider=partial(providers.model_provider, settings=settings, backend=backend_from_args(args)),
+            forward_step=partial(providers.forward_step, loss_log=loss_log),
+            extra_args_provider=add_pretrain_args,
             non_loss_data_func=loss_log.close_eval_pass if loss_log else None,
+            adjust_args=partial(apply_resume_args, checkpoint_args=checkpoint_args, argv=argv),
         )
     except SystemExit as exit_:
         # --exit-interval / --exit-duration-in-mins / signals end pretrain() with sys.exit on

@@ -24,16 +24,12 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.models.gpt import GPTModel
 from megatron.core.rerun_state_machine import get_rerun_state_machine
-from megatron.core.utils import (
-    get_attr_wrapped_model,
-    get_batch_on_this_cp_rank,
-    get_batch_on_this_tp_rank,
-    get_pg_rank,
-)
+from megatron.core.utils import get_attr_wrapped_model, get_pg_rank
 from megatron.training import get_args, get_timers, get_tokenizer, print_rank_0
-from megatron.training.argument_utils import core_transformer_config_from_args
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
+from .. import compat
+from ..compat import core_transformer_config_from_args  # its module differs by release
 from ..model.settings import MixLNSettings
 from ..spec import get_mixln_decoder_block_spec
 from .hooks import install_training_hooks
@@ -86,37 +82,12 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 def get_batch(data_iterator, vp_stage: Optional[int] = None):
     """This rank's micro-batch: read on TP rank 0, broadcast over TP, sliced for CP."""
     args = get_args()
-    tp_rank = mpu.get_tensor_model_parallel_rank()
-
     if not is_first_or_last_pipeline_stage(vp_stage):
         return [None for _ in BATCH_KEYS]
 
-    batch = {}
-    if tp_rank == 0:
-        batch = next(data_iterator)
-        batch = {k: (v.cuda(non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
-        batch.setdefault("attention_mask", None)
-
-    ignore_virtual = vp_stage is None
-    batch = get_batch_on_this_tp_rank(
-        batch,
-        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
-        broadcast_group=mpu.get_tensor_model_parallel_group(),
-        has_cu_seqlens=False,
-        is_hybrid_cp=False,
-        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
-        cp_size=args.context_parallel_size,
-        tp_rank=tp_rank,
-        micro_batch_size=args.micro_batch_size,
-        seq_length=args.seq_length,
-        mtp_on_this_rank=False,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        is_pipeline_first_stage=mpu.is_pipeline_first_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage),
-        is_pipeline_last_stage=mpu.is_pipeline_last_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage),
-    )
-
+    batch = compat.batch_on_this_tp_rank(data_iterator, vp_stage)  # the helpers differ by release
     if args.context_parallel_size > 1:
-        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
+        batch = compat.batch_on_this_cp_rank(batch)
 
     return [batch.get(key) for key in BATCH_KEYS]
 

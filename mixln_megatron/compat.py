@@ -1,0 +1,336 @@
+"""Every difference between the megatron-core releases mixln_megatron supports: 0.17, 0.18, 0.19.
+
+The rest of the package is written against one API; what a release does differently is adapted
+here and nowhere else (docs/megatron-releases.md, sections A-J, says what was measured):
+  A  `core_transformer_config_from_args` moved (0.17: training.arguments; 0.18+: argument_utils).
+  B  0.17's pretrain() parses sys.argv itself and takes no config container.
+  C  0.18's pretrain() takes model_provider third; 0.19 moved it behind the model type.
+  D  Megatron-LM's `--spec`: 0.19 calls a callable with the model config; 0.17/0.18 hand the
+     imported object to GPTModel, which only takes a layer ModuleSpec (final norm: Megatron's).
+  E  0.17/0.18's train() overwrites config.finalize_model_grads_func, dropping our hooks.
+  F  MLP builders: a ModuleSpec on 0.17, MlpBuilder partials on 0.18+ (model/layer.py handles
+     both shapes; nothing to adapt here).
+  K  the batch helpers (get_batch_on_this_tp_rank / _cp_rank) moved and changed arguments.
+  H  dist_checkpointing: 0.19's load() takes process_group=. 0.19 also keeps the common state in
+     the DCP files (object `common_state`) instead of common.pt, so 0.17/0.18 cannot load what
+     0.19 saved (Megatron's limitation; older -> newer loads); the converter's reader
+     (convert/torch_dist_reader.py) reads both layouts without importing megatron.
+A future HybridModel variant (0.19's pretrain_hybrid.py) would add its --spec objects here too.
+
+The release is that of the megatron.core actually imported (a Megatron-LM checkout on sys.path
+wins over the installed wheel), so its own version string decides, not the installed dist-info.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+import warnings
+from typing import Callable, Optional, Sequence, Tuple
+
+from .errors import MixLNError
+
+SUPPORTED = ">=0.17,<0.20"
+OLDEST, FIRST_UNSUPPORTED = (0, 17), (0, 20)
+
+
+class UnsupportedMegatronRelease(MixLNError, RuntimeError):
+    """megatron-core outside SUPPORTED. Not an ImportError: Megatron-LM's spec import swallows those."""
+
+
+def parse_release(version: str) -> Tuple[int, int]:
+    """(major, minor) of a megatron-core version string ('0.18.2+abc123' -> (0, 18))."""
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        raise UnsupportedMegatronRelease(
+            f"cannot read the megatron-core version {version!r}; mixln_megatron supports megatron-core {SUPPORTED}"
+        ) from None
+
+
+def check_release(version: str) -> Tuple[int, int]:
+    """The release of `version`, or UnsupportedMegatronRelease naming the supported range."""
+    release = parse_release(version)
+    if not OLDEST <= release < FIRST_UNSUPPORTED:
+        raise UnsupportedMegatronRelease(
+            f"megatron-core {version.split('+')[0]} found; mixln_megatron supports megatron-core {SUPPORTED} "
+            "(0.17.x, 0.18.x, 0.19.x): install one of those (pip install 'megatron-core>=0.17,<0.20')"
+        )
+    return release
+
+
+def _imported_version() -> str:
+    import megatron.core
+
+    version = getattr(megatron.core, "__version__", None)
+    if version:
+        return version
+    from importlib.metadata import version as dist_version
+
+    return dist_version("megatron-core")
+
+
+VERSION = _imported_version().split("+")[0]
+RELEASE = check_release(VERSION)
+
+
+# ------------------------------------------------------------------ A: the config from Megatron-LM's args
+def core_transformer_config_from_args(args, config_class=None):
+    """Megatron-LM's TransformerConfig from parsed args, wherever this release keeps the function."""
+    if RELEASE >= (0, 18):
+        from megatron.training.argument_utils import core_transformer_config_from_args as build
+    else:
+        from megatron.training.arguments import core_transformer_config_from_args as build
+    return build(args) if config_class is None else build(args, config_class)
+
+
+# ------------------------------------------------------------------ B, C: parsing and pretrain()
+def parse_and_validate_args(extra_args_provider: Callable):
+    """Megatron-LM's args from sys.argv, loaded from the checkpoint with --use-checkpoint-args.
+
+    0.18+: Megatron's parse_and_validate_args (validated; they become the global args). 0.17 has
+    none and its pretrain() parses and validates sys.argv itself, so here the args are parsed
+    (and checkpoint args loaded) for the entry point's own early checks only.
+    """
+    if RELEASE >= (0, 18):
+        from megatron.training.arguments import parse_and_validate_args as parse
+
+        return parse(extra_args_provider)
+    from megatron.training.arguments import parse_args
+
+    args = parse_args(extra_args_provider)
+    if args.use_checkpoint_args:
+        from megatron.training.checkpointing import load_args_from_checkpoint
+
+        load_args_from_checkpoint(args, load_arg="pretrained_checkpoint")
+        load_args_from_checkpoint(args)
+    return args
+
+
+def run_pretrain(args, argv: Sequence[str], *, datasets_provider, model_provider, forward_step,
+                 extra_args_provider, non_loss_data_func=None, adjust_args: Optional[Callable] = None):
+    """megatron.training.pretrain() for a GPT model provider, with `args` from parse_and_validate_args.
+
+    adjust_args(args) is what the caller changed on `args` after parsing; on 0.17 pretrain()
+    parses again, so it is applied to the args Megatron then uses, before the first model build.
+    """
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+
+    shared = dict(  # the keyword names all three releases share
+        train_valid_test_dataset_provider=datasets_provider, model_type=ModelType.encoder_or_decoder,
+        forward_step_func=forward_step, non_loss_data_func=non_loss_data_func,
+    )
+    check_load_dir(getattr(args, "load", None))  # before Megatron's own, less clear error
+    if RELEASE >= (0, 18):
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+        with warnings.catch_warnings():
+            # It recommends a ModelConfig over a model provider; the provider is how Mix-LN gets in.
+            warnings.filterwarnings("ignore", message=r"[\s\S]*recommended to use a ModelConfig")
+            cfg = pretrain_cfg_container_from_args(args, None)
+        return pretrain(cfg, model_provider=model_provider, **shared)
+    saved_argv = sys.argv
+    sys.argv = [saved_argv[0] if saved_argv else "mixln-megatron-pretrain", *argv]
+    try:
+        return pretrain(model_provider=_adjusting_provider(model_provider, adjust_args),
+                        extra_args_provider=extra_args_provider, **shared)
+    finally:
+        sys.argv = saved_argv
+
+
+def _adjusting_provider(model_provider, adjust_args):
+    if adjust_args is None:
+        return model_provider
+    done = []
+
+    def provider(*args, **kwargs):
+        if not done:
+            from megatron.training import get_args
+
+            adjust_args(get_args())
+            done.append(True)
+        return model_provider(*args, **kwargs)
+
+    return provider
+
+
+# ------------------------------------------------------------------ K: the batch helpers
+def batch_on_this_tp_rank(data_iterator, vp_stage: Optional[int] = None) -> dict:
+    """One micro-batch, read on TP rank 0 and broadcast over TP (first/last pipeline stages).
+
+    0.17: megatron.training.utils' version reads the iterator itself; 0.18 moved it to
+    megatron.core.utils taking the batch (flag `is_sft`), 0.19 renamed that flag `has_cu_seqlens`.
+    """
+    import torch
+    from megatron.core import mpu
+    from megatron.training import get_args
+
+    if RELEASE < (0, 18):
+        from megatron.training.utils import get_batch_on_this_tp_rank
+
+        return get_batch_on_this_tp_rank(data_iterator, mtp_on_this_rank=False)
+    from megatron.core.utils import get_batch_on_this_tp_rank
+
+    args = get_args()
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    batch = {}
+    if tp_rank == 0:
+        batch = next(data_iterator)
+        batch = {k: (v.cuda(non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+        batch.setdefault("attention_mask", None)
+    no_packed_sequences = {"has_cu_seqlens" if RELEASE >= (0, 19) else "is_sft": False}
+    ignore_virtual = vp_stage is None
+    return get_batch_on_this_tp_rank(
+        batch,
+        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(),
+        is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        cp_size=args.context_parallel_size,
+        tp_rank=tp_rank,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        mtp_on_this_rank=False,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=mpu.is_pipeline_first_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage),
+        is_pipeline_last_stage=mpu.is_pipeline_last_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage),
+        **no_packed_sequences,
+    )
+
+
+def batch_on_this_cp_rank(batch: dict) -> dict:
+    """This context-parallel rank's slice of the sequence (0.18 added the is_hybrid_cp flag)."""
+    from megatron.core import mpu
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    hybrid = {"is_hybrid_cp": False} if RELEASE >= (0, 18) else {}
+    return get_batch_on_this_cp_rank(batch, cp_group=mpu.get_context_parallel_group(), **hybrid)
+
+
+# ------------------------------------------------------------------ D: what `--spec` imports
+SPEC_GETS_THE_CONFIG = RELEASE >= (0, 19)
+
+
+def stock_spec(decoder_spec: Callable, backend: str):
+    """The object `--spec mixln_megatron.spec <name>` imports on this release.
+
+    0.19 calls `decoder_spec(model_config, vp_stage=...)`, which returns the whole decoder (final
+    norm included). 0.17/0.18 pass the object to GPTModel uncalled, which accepts a layer
+    ModuleSpec: then each layer resolves the settings and installs the hooks when it is built
+    (LayerFromStockSpec), and the final norm is Megatron's LayerNormImpl (README: "--spec on
+    megatron-core 0.17 / 0.18").
+    """
+    if SPEC_GETS_THE_CONFIG:
+        return decoder_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return ModuleSpec(module=_layer_from_stock_spec_class(), params={"mixln_backend": backend})
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_from_stock_spec_class():
+    """A MixLNTransformerLayer subclass (so TransformerBlock takes the spec as a layer spec) whose
+    construction builds the real Mix-LN layer from the settings of the --spec edge. Defined on
+    first use: importing this module must stay light."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from .model.layer import MixLNTransformerLayer
+
+    class LayerFromStockSpec(MixLNTransformerLayer):
+        def __new__(cls, config, *args, mixln_backend: str = "local", submodules=None, **kwargs):
+            from . import spec  # the --spec edge: settings, support check, hooks, one error line
+
+            layer_spec = spec.stock_layer_spec(config, mixln_backend)
+            # An instance of the real class, not of cls, so Python does not run __init__ again.
+            return build_module(layer_spec, config, *args, **kwargs)
+
+    return LayerFromStockSpec
+
+
+# ------------------------------------------------------------------ E: the finalize hook survives train()
+TRAIN_KEEPS_FINALIZE_HOOK = RELEASE >= (0, 19)  # 0.19 sets it only when None
+
+
+def keep_finalize_hook(config) -> None:
+    """Make the hook now on config.finalize_model_grads_func survive Megatron-LM's train().
+
+    0.17/0.18's train() assigns its module global `finalize_model_grads` to every model config.
+    That global becomes a dispatcher that runs the hook recorded here for the model's config (and
+    megatron's finalize for any other model). Idempotent; a no-op on 0.19 and where
+    megatron.training is not in use.
+    """
+    if TRAIN_KEEPS_FINALIZE_HOOK:
+        return
+    config = getattr(config, "transformer", config)
+    hook = getattr(config, "finalize_model_grads_func", None)
+    if hook is None or isinstance(hook, _FinalizeWithKeptHook):
+        return
+    config._mixln_finalize_hook = hook
+    training = sys.modules.get("megatron.training.training")
+    if training is None and "megatron.training" in sys.modules:
+        training = importlib.import_module("megatron.training.training")
+    if training is not None and not isinstance(training.finalize_model_grads, _FinalizeWithKeptHook):
+        training.finalize_model_grads = _FinalizeWithKeptHook(training.finalize_model_grads)
+
+
+class _FinalizeWithKeptHook:
+    """Stands in for megatron.training.training.finalize_model_grads on 0.17/0.18."""
+
+    def __init__(self, original: Callable):
+        self.original = original
+
+    def __call__(self, model, *args, **kwargs):
+        from megatron.core.utils import get_model_config
+
+        first = model[0] if isinstance(model, (list, tuple)) else model
+        hook = getattr(get_model_config(first), "_mixln_finalize_hook", None)
+        return (hook or self.original)(model, *args, **kwargs)
+
+
+# ------------------------------------------------------------------ H: dist_checkpointing
+class CheckpointFromNewerRelease(MixLNError, RuntimeError):
+    """A torch_dist checkpoint saved by megatron-core 0.19+, being loaded by 0.17/0.18."""
+
+
+def check_readable(checkpoint_dir: str) -> None:
+    """Refuse, in one line, a torch_dist checkpoint this release cannot load.
+
+    0.19 keeps the common state (args, iteration, content metadata) in the DCP files and writes no
+    common.pt, which 0.17/0.18 require (Megatron's own limitation; older -> newer loads).
+    """
+    import os
+
+    if RELEASE >= (0, 19) or not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
+        return
+    if not os.path.isfile(os.path.join(checkpoint_dir, "common.pt")):
+        raise CheckpointFromNewerRelease(
+            f"{checkpoint_dir} was saved by megatron-core 0.19 or newer (its common state is in the "
+            f"DCP files, there is no common.pt); megatron-core {VERSION} cannot load it: load it with "
+            "megatron-core 0.19, or convert it (mixln-megatron to-hf, then from-hf with this release)"
+        )
+
+
+def check_load_dir(load: Optional[str]) -> None:
+    """check_readable for the iteration a Megatron-LM --load directory would resume from."""
+    if not load or RELEASE >= (0, 19):
+        return
+    from .convert.locate import resolve_checkpoint_dir
+
+    try:
+        directory, _ = resolve_checkpoint_dir(load)
+    except (OSError, ValueError, MixLNError):
+        return  # nothing to load yet, or not a layout we know: Megatron decides
+    check_readable(directory)
+
+
+def dist_load(sharded_state_dict, checkpoint_dir, process_group=None, **kwargs):
+    """dist_checkpointing.load; process_group= exists from 0.19 (older releases use the world)."""
+    from megatron.core import dist_checkpointing
+
+    check_readable(str(checkpoint_dir))
+    if process_group is not None and RELEASE >= (0, 19):
+        kwargs["process_group"] = process_group
+    return dist_checkpointing.load(sharded_state_dict, checkpoint_dir, **kwargs)
