@@ -14,6 +14,7 @@ import pytest
 
 from mixln_megatron.data import corpus
 from mixln_megatron.data import preprocess as pp
+from mixln_megatron.data.austen_dataset import prepare_austen_dataset
 from mixln_megatron.data.tokenizer import EOD_TOKEN, TokenizerSpec, load_tokenizer
 
 BENNET = "My dear Mr. Bennet, said his lady. Mrs. Long came."
@@ -278,16 +279,16 @@ def test_module_entry_point_help():
 
 
 def test_prepare_austen_dataset_is_cached(tmp_path, tok):
-    prefix = pp.prepare_austen_dataset(str(tmp_path), max_chars=30_000)
+    prefix = prepare_austen_dataset(str(tmp_path), max_chars=30_000)
     mtime = os.path.getmtime(prefix + ".bin")
-    assert pp.prepare_austen_dataset(str(tmp_path), max_chars=30_000) == prefix
+    assert prepare_austen_dataset(str(tmp_path), max_chars=30_000) == prefix
     assert os.path.getmtime(prefix + ".bin") == mtime
     paras = corpus.austen_paragraphs(max_chars=30_000)
     assert sum(len(p) + 1 for p in paras) <= 30_000
     assert _decode_docs(prefix, tok) == [p + EOD_TOKEN for p in paras]
     meta = json.load(open(prefix + ".json"))
     assert meta["documents"] == len(paras) and meta["tokens"] == int(_read(prefix).sequence_lengths.sum())
-    other = pp.prepare_austen_dataset(str(tmp_path), max_chars=20_000)
+    other = prepare_austen_dataset(str(tmp_path), max_chars=20_000)
     assert other != prefix
 
 

@@ -2,8 +2,9 @@
 
   mixln_megatron.data.corpus      paths of the shipped Austen corpus, NLTK punkt_tab, tokenizer
   mixln_megatron.data.tokenizer   train / load the byte-level BPE (and other offline tokenizers)
-  mixln_megatron.data.preprocess  text -> <prefix>.bin/.idx (`mixln-megatron preprocess`),
-                                  prepare_austen_dataset() for the demo
+  mixln_megatron.data.preprocess  text -> <prefix>.bin/.idx (`mixln-megatron preprocess`), over
+                                  read_input, encode, indexed_output and report
+  mixln_megatron.data.austen_dataset  prepare_austen_dataset(): the demo's cached dataset
 
 Importing this package is cheap: megatron, torch and transformers are imported only when a
 dataset is written or a Hugging Face tokenizer directory is loaded.
@@ -23,13 +24,9 @@ from .corpus import (
     tokenizer_files,
     use_shipped_punkt,
 )
-from .preprocess import (
-    PreprocessError,
-    PreprocessStats,
-    build_from_documents,
-    prepare_austen_dataset,
-    preprocess_files,
-)
+from .austen_dataset import prepare_austen_dataset
+from .preprocess import build_from_documents, preprocess_files
+from .report import PreprocessError, PreprocessStats
 from .tokenizer import (
     EOD_TOKEN,
     TextTokenizer,

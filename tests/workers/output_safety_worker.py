@@ -47,7 +47,7 @@ def install(point: str, marker: str) -> None:
         for cls in vars(megatron_reader).values():
             if isinstance(cls, type) and "read_vocab_rows" in vars(cls):
                 cls.read_vocab_rows = once(cls.read_vocab_rows, marker)
-        pp._encode_chunk = once(pp._encode_chunk, marker)
+        pp.encode_chunk = once(pp.encode_chunk, marker)
     elif point == "write":
         make_bar = to_hf._progress
 
