@@ -31,8 +31,11 @@ from safetensors.torch import load_file  # noqa: E402
 from mixln_megatron.convert import ConversionError, UnsupportedModelError  # noqa: E402
 from mixln_megatron.convert import convert_from_hf as from_hf  # noqa: E402
 from mixln_megatron.convert import convert_to_hf as to_hf  # noqa: E402
-from mixln_megatron.convert import mapping as M  # noqa: E402
 from mixln_megatron.convert.megatron_reader import open_checkpoint  # noqa: E402
+from mixln_megatron.convert.layouts import (  # noqa: E402
+    deinterleave_rope_rows, hf_row_pieces, merge_qkv, merge_tp_shards, split_qkv, split_tp_shard)
+from mixln_megatron.convert.shape import (  # noqa: E402
+    ModelShape, hf_config_kwargs, padded_vocab_size, shape_from_hf_config, shape_from_megatron_args)
 from mixln_megatron.convert.inspect import mixln_record  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -253,28 +256,28 @@ def test_dtype_option_and_shards(tmp_path):
 
 # --------------------------------------------------------------------------------- layouts
 def test_qkv_and_glu_layouts():
-    shape = M.ModelShape(num_layers=1, hidden_size=8, ffn_hidden_size=6, num_attention_heads=4, num_query_groups=2,
+    shape = ModelShape(num_layers=1, hidden_size=8, ffn_hidden_size=6, num_attention_heads=4, num_query_groups=2,
                          kv_channels=2, vocab_size=10, max_position_embeddings=8)
     rows = torch.arange(shape.qkv_rows)
-    q, k, v = M.split_qkv(rows, shape)
+    q, k, v = split_qkv(rows, shape)
     # group g: [q heads 2g, 2g+1 | k_g | v_g], 2 rows per head
     assert q.tolist() == [0, 1, 2, 3, 8, 9, 10, 11] and k.tolist() == [4, 5, 12, 13] and v.tolist() == [6, 7, 14, 15]
-    assert torch.equal(M.merge_qkv(q, k, v, shape), rows)
+    assert torch.equal(merge_qkv(q, k, v, shape), rows)
     fc1 = torch.arange(12)
-    shards = [M.split_tp_shard("fc1.weight", fc1, 2, r) for r in range(2)]
-    assert shards[0].tolist() == [0, 1, 2, 6, 7, 8] and torch.equal(M.merge_tp_shards("fc1.weight", shards), fc1)
+    shards = [split_tp_shard("fc1.weight", fc1, 2, r) for r in range(2)]
+    assert shards[0].tolist() == [0, 1, 2, 6, 7, 8] and torch.equal(merge_tp_shards("fc1.weight", shards), fc1)
     for role in ("qkv.weight", "proj.weight", "fc2.weight"):
         t = torch.randn(shape.megatron_layer_shapes()[role])
-        assert torch.equal(M.merge_tp_shards(role, [M.split_tp_shard(role, t, 2, r) for r in range(2)]), t)
+        assert torch.equal(merge_tp_shards(role, [split_tp_shard(role, t, 2, r) for r in range(2)]), t)
     # pieces cover each HF tensor's rows exactly, in order, within the byte budget (q by whole heads)
     for role in shape.roles():
         row_bytes = 4 * (shape.megatron_layer_shapes()[role][1:] or (1,))[0]
         for index, (name, hf_shape) in enumerate(shape.hf_role_tensors(role, False)):
-            pieces = M.hf_row_pieces(role, index, shape, row_bytes, piece_bytes=3 * row_bytes)
+            pieces = hf_row_pieces(role, index, shape, row_bytes, piece_bytes=3 * row_bytes)
             assert sum(b - a for a, b in pieces) == hf_shape[0], (role, name)
             assert all(b - a <= max(3, shape.kv_channels) for a, b in pieces)
-    assert M.hf_row_pieces("qkv.weight", 0, shape, 32, 64) == [(0, 2), (2, 4), (8, 10), (10, 12)]
-    assert M.padded_vocab_size(32000, 128, 4) == 32256 and M.padded_vocab_size(250, 128, 2) == 256
+    assert hf_row_pieces("qkv.weight", 0, shape, 32, 64) == [(0, 2), (2, 4), (8, 10), (10, 12)]
+    assert padded_vocab_size(32000, 128, 4) == 32256 and padded_vocab_size(250, 128, 2) == 256
 
 
 def test_interleaved_rope_rows_match_megatron(monkeypatch):
@@ -291,7 +294,7 @@ def test_interleaved_rope_rows_match_megatron(monkeypatch):
     qm, km = (_apply_rotary_pos_emb_bshd(t, emb, rotary_interleaved=True) for t in (q, k))
     want = torch.einsum("ibhd,jbhd->hij", qm, km)
     # the same projections with their rows permuted as the export does, then HF's rotate-half RoPE
-    perm = M.deinterleave_rope_rows(torch.arange(heads * d), heads, d).view(heads, d) % d
+    perm = deinterleave_rope_rows(torch.arange(heads * d), heads, d).view(heads, d) % d
     qh = torch.stack([q[:, 0, h, perm[h]] for h in range(heads)], 0)  # [heads, s, d]
     kh = torch.stack([k[:, 0, h, perm[h]] for h in range(heads)], 0)
     freqs = torch.outer(torch.arange(s, dtype=torch.float32), rope.inv_freq.cpu())
@@ -315,7 +318,7 @@ def test_rope_scaling_maps_to_hf(monkeypatch):
                               max_position_embeddings=16384, normalization="RMSNorm", swiglu=True,
                               position_embedding_type="rope", rotary_base=500000, use_rope_scaling=True,
                               rope_scaling_factor=8.0, add_bias_linear=False, untie_embeddings_and_output_weights=True)
-    kwargs = M.hf_config_kwargs(M.shape_from_megatron_args(args, 100))
+    kwargs = hf_config_kwargs(shape_from_megatron_args(args, 100))
     cfg = LlamaConfig(**kwargs)
     hf_inv, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
     assert torch.allclose(hf_inv.float(), meg.inv_freq.float(), rtol=1e-6, atol=0)
@@ -449,7 +452,7 @@ def test_layernorm_1p_and_interleaved_rope_export(tmp_path):
                  "model.norm.weight"):
         assert torch.equal(b[name], a[name] + 1), name
     q = a["model.layers.1.self_attn.q_proj.weight"]
-    assert torch.equal(b["model.layers.1.self_attn.q_proj.weight"], M.deinterleave_rope_rows(q, 4, 16))
+    assert torch.equal(b["model.layers.1.self_attn.q_proj.weight"], deinterleave_rope_rows(q, 4, 16))
     assert torch.equal(b["model.layers.1.self_attn.v_proj.weight"], a["model.layers.1.self_attn.v_proj.weight"])
 
 
@@ -457,7 +460,7 @@ def test_config_fields_match_the_hf_model_code(tmp_path):
     from mixln_megatron.convert.to_hf import hf_config_dict
     from mixln_megatron.hf import export_config_fields
 
-    shape = M.shape_from_hf_config({**TINY, "model_type": "llama"})
+    shape = shape_from_hf_config({**TINY, "model_type": "llama"})
     for post, scheme in ((0, "mixln"), (2, "mixln"), (0, "lns"), (1, "mixln+lns")):
         cfg = hf_config_dict(shape, post, scheme, None, "bfloat16", {})
         want = export_config_fields(post, scheme, None)

@@ -60,7 +60,7 @@ def test_entry_point_converter_and_analysis_use_the_table(monkeypatch):
     from mixln_megatron.analysis import models
     from mixln_megatron.convert import inspect as ckpt_inspect
     from mixln_megatron.convert import UnsupportedModelError
-    from mixln_megatron.convert.mapping import check_megatron_args_supported
+    from mixln_megatron.convert.shape import check_megatron_args_supported
     from mixln_megatron.training.pretrain import MixLNPretrainUnsupported, check_supported_args
 
     with pytest.raises(MixLNPretrainUnsupported, match="op fuser"):

@@ -10,13 +10,15 @@ Python API (same options as the command line, see cli.py):
     convert_from_hf("hf/out", "runs/ckpt2", tp=2, pp=2)
 
 Modules
-  mapping         model shape from Megatron args / HF config, what Llama cannot express, name maps,
-                  QKV (per query group) and fc1 ([gate; up]) layouts, vocabulary padding.
-  megatron_reader read torch_dist (without process groups, sub-box reads of one layer at a time)
-                  and legacy per-rank checkpoints, plus their args / Mix-LN settings record.
-  to_hf           streaming export: config.json (+ auto_map and model code when P > 0),
-                  safetensors shards written tensor by tensor, index, generation_config.json.
-  from_hf         streaming import: torch_dist written lazily chunk by chunk, or legacy files.
+  mapping           tensor names on both sides (torch_dist keys, legacy module names, HF names)
+  shape             the model shape from Megatron args / HF config; what Llama cannot express
+  layouts           QKV (per query group), fc1 ([gate; up]) and TP-shard layouts; streaming row ranges
+  inspect           what a checkpoint says about its model (args, shape, epsilon, Mix-LN record)
+  megatron_reader   open_checkpoint over locate, torch_dist_reader (+ dcp_metadata, zip_chunk),
+                    legacy_reader, safe_unpickle
+  to_hf             streaming export: config.json (+ auto_map and model code when P > 0),
+                    safetensors shards written tensor by tensor, index, generation_config.json
+  from_hf           streaming import over hf_folder, hf_roles, megatron_writers, written_args
 
 Both directions write into a temporary directory next to the output and rename it at the end, so a
 failed or interrupted conversion leaves nothing behind; an existing non-empty output directory is

@@ -35,39 +35,37 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{to-hf,from-hf}")
     sub.required = True
 
-    to = sub.add_parser(
-        "to-hf", help="Megatron-LM checkpoint -> Hugging Face folder",
-        description="Export a Megatron-LM checkpoint (any TP/PP/VPP, torch_dist or legacy torch format) as a "
+    to = _direction(
+        sub, "to-hf", "Megatron-LM checkpoint -> Hugging Face folder",
+        "Export a Megatron-LM checkpoint (any TP/PP/VPP, torch_dist or legacy torch format) as a "
         "Hugging Face folder: config.json (auto_map + model code when Post-LN layers or LNS are used; a stock "
         "LlamaForCausalLM otherwise), safetensors shards + index, generation_config.json. The model shape and "
         "the Mix-LN settings are read from the checkpoint.",
+        load="Megatron-LM --save directory (or one iter_*/release dir in it)",
+        save="output Hugging Face folder (must not exist or be empty)",
+        dtype="dtype of the exported weights (auto: the checkpoint's)",
     )
-    to.add_argument("--load", required=True, help="Megatron-LM --save directory (or one iter_*/release dir in it)")
     to.add_argument("--iteration", default=None,
                     help="iteration to export (default: latest_checkpointed_iteration.txt); 'release' allowed")
-    to.add_argument("--save", required=True, help="output Hugging Face folder (must not exist or be empty)")
-    to.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                    help="dtype of the exported weights (auto: the checkpoint's)")
     to.add_argument("--tokenizer", default=None,
                     help="tokenizer directory to copy into the output (also gives the true vocabulary size and "
                     "the special token ids)")
     to.add_argument("--vocab-size", type=int, default=None,
                     help="true (unpadded) vocabulary size, when the checkpoint's args do not record it")
     to.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
-    to.add_argument("--overwrite", action="store_true", help="replace a non-empty --save directory")
-    to.add_argument("--no-progress", action="store_true", help="no progress bar")
     to.add_argument("--slow-reads", action="store_true",
                     help=argparse.SUPPRESS)  # read torch_dist chunks through torch's reader only (debugging)
 
-    fr = sub.add_parser(
-        "from-hf", help="Hugging Face folder -> Megatron-LM checkpoint",
-        description="Write a Megatron-LM checkpoint (iteration 'release': loaded as iteration 0, no optimizer "
+    fr = _direction(
+        sub, "from-hf", "Hugging Face folder -> Megatron-LM checkpoint",
+        "Write a Megatron-LM checkpoint (iteration 'release': loaded as iteration 0, no optimizer "
         "state) from a Mix-LN or stock Llama Hugging Face folder. torch_dist (default) is layout-free: it loads "
         "at any TP/PP/VPP whose padded vocabulary matches; --tp sets that padding (make-vocab-size-divisible-by "
         "x TP) and is recorded in the args. The legacy torch format is written for exactly --tp x --pp ranks.",
+        load="Hugging Face folder (config.json + safetensors or .bin)",
+        save="output Megatron-LM checkpoint directory (for --load)",
+        dtype="dtype of the written weights (auto: the folder's)",
     )
-    fr.add_argument("--load", required=True, help="Hugging Face folder (config.json + safetensors or .bin)")
-    fr.add_argument("--save", required=True, help="output Megatron-LM checkpoint directory (for --load)")
     fr.add_argument("--tp", type=int, default=1, help="tensor-parallel size the checkpoint is written for")
     fr.add_argument("--pp", type=int, default=1, help="pipeline-parallel size the checkpoint is written for")
     fr.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist", "torch"],
@@ -75,8 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
     fr.add_argument("--transformer-impl", default="transformer_engine", choices=["transformer_engine", "local"],
                     help="module names of legacy files and the --spec recorded in the args (torch_dist keys are "
                     "the same for both)")
-    fr.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                    help="dtype of the written weights (auto: the folder's)")
     fr.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                     help="Megatron's vocabulary padding unit (default 128; padded to a multiple of it x TP)")
     group = fr.add_mutually_exclusive_group()
@@ -88,9 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="stock Llama folders only: the scheme to convert as")
     fr.add_argument("--tokenizer-model", default=None,
                     help="tokenizer path recorded in the args (default: the HF folder when it has tokenizer files)")
-    fr.add_argument("--overwrite", action="store_true", help="replace a non-empty --save directory")
-    fr.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
+
+
+def _direction(sub, name: str, summary: str, description: str, *, load: str, save: str, dtype: str):
+    """A sub-command with the options both directions share (their help says which side is which)."""
+    p = sub.add_parser(name, help=summary, description=description)
+    p.add_argument("--load", required=True, help=load)
+    p.add_argument("--save", required=True, help=save)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help=dtype)
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --save directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

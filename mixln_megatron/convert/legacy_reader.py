@@ -17,9 +17,11 @@ import torch
 
 from . import ConversionError, UnsupportedModelError
 from . import mapping as M
+from .layouts import merge_tp_shards
 from .locate import LEGACY_DIR
 from .reader_base import ReaderBase, RowSource
 from .safe_unpickle import safe_load
+from .shape import ModelShape
 
 LEGACY_FILE = "model_optim_rng.pt"
 
@@ -156,7 +158,7 @@ class LegacyCheckpoint(ReaderBase):
                     "another model type?)"
                 )
             del model, sd
-        return {r: M.merge_tp_shards(r, shards[r]) for r in roles}
+        return {r: merge_tp_shards(r, shards[r]) for r in roles}
 
     def _stage_tensor(self, p: int, key_index: int, name: str, dim: Optional[int]) -> torch.Tensor:
         parts = []
@@ -190,7 +192,7 @@ class LegacyCheckpoint(ReaderBase):
             del sd
         return total
 
-    def check_shapes(self, shape: M.ModelShape) -> None:
+    def check_shapes(self, shape: ModelShape) -> None:
         if self.num_layers_found != shape.num_layers:
             raise ConversionError(
                 f"the checkpoint holds {self.num_layers_found} layers but its args say num_layers={shape.num_layers}"

@@ -32,6 +32,8 @@ import torch
 from . import ConversionError, UnsupportedModelError, prepare_output, staged_output_dir
 from . import mapping as M
 from .inspect import inspect_checkpoint
+from .layouts import deinterleave_rope_rows, hf_row_pieces
+from .shape import ModelShape, shape_from_megatron_args, v4_rope_keys
 
 TRANSFORMERS_RANGE = ("4.56", "6")  # >= 4.56, < 6 (tested with 5.24)
 _ST_DTYPES = {
@@ -186,7 +188,7 @@ def _numel(shape) -> int:
 
 
 # --------------------------------------------------------------------------- config files
-def hf_config_dict(shape: M.ModelShape, post_ln: int, scheme: str, alpha, dtype_name: str, token_ids: dict) -> dict:
+def hf_config_dict(shape: ModelShape, post_ln: int, scheme: str, alpha, dtype_name: str, token_ids: dict) -> dict:
     """config.json of the export, written without importing transformers (kept light for the export).
 
     Holds the LlamaConfig fields of the model, the architecture fields of mixln_megatron.hf
@@ -224,7 +226,7 @@ def hf_config_dict(shape: M.ModelShape, post_ln: int, scheme: str, alpha, dtype_
     if shape.rope_scaling is not None:
         rope.update(shape.rope_scaling)
     cfg["rope_parameters"] = rope
-    cfg.update(M.v4_rope_keys(shape))
+    cfg.update(v4_rope_keys(shape))
     if is_stock_llama(post_ln, scheme):
         cfg.update(model_type="llama", architectures=list(LLAMA_ARCHITECTURES))
     else:
@@ -300,7 +302,7 @@ def convert_to_hf(
     info = inspect_checkpoint(load, iteration, fast_reads=fast_reads)
     reader = info.reader
     true_vocab, vocab_source = resolve_true_vocab(reader, vocab_size, tokenizer)
-    shape = M.shape_from_megatron_args(reader.args, true_vocab)
+    shape = shape_from_megatron_args(reader.args, true_vocab)
     if true_vocab > reader.padded_vocab_size:
         raise ConversionError(
             f"true vocabulary {true_vocab} ({vocab_source}) exceeds the checkpoint's embedding rows "
@@ -367,17 +369,17 @@ def convert_to_hf(
     }
 
 
-def _postprocess(role: str, index: int, t: torch.Tensor, shape: M.ModelShape) -> torch.Tensor:
+def _postprocess(role: str, index: int, t: torch.Tensor, shape: ModelShape) -> torch.Tensor:
     """Per-piece fix-ups: q / k rows for interleaved RoPE, gamma + 1 for --apply-layernorm-1p."""
     if role.startswith("qkv.") and index < 2 and shape.rotary_interleaved:
         d = shape.kv_channels
-        return M.deinterleave_rope_rows(t, t.shape[0] // d, d)
+        return deinterleave_rope_rows(t, t.shape[0] // d, d)
     if role in ("norm_a", "norm_b") and shape.layernorm_1p:
         return t.float() + 1
     return t
 
 
-def _stream_tensors(reader, shape: M.ModelShape, post_ln: int, out_dtype, writer, bar) -> None:
+def _stream_tensors(reader, shape: ModelShape, post_ln: int, out_dtype, writer, bar) -> None:
     """Read, convert and write every tensor in plan order, in pieces of at most PIECE_BYTES (torch_dist)."""
     from .megatron_reader import PIECE_BYTES
 
@@ -400,7 +402,7 @@ def _stream_tensors(reader, shape: M.ModelShape, post_ln: int, out_dtype, writer
         for role in roles:
             row_bytes = _numel(role_shapes[role][1:]) * itemsize
             for index, (name, _) in enumerate(shape.hf_role_tensors(role, layer < post_ln)):
-                for a, b in M.hf_row_pieces(role, index, shape, row_bytes, PIECE_BYTES):
+                for a, b in hf_row_pieces(role, index, shape, row_bytes, PIECE_BYTES):
                     piece = _postprocess(role, index, source.rows(role, a, b), shape)
                     bar.update(writer.write(prefix + name, piece.to(out_dtype)))
                     del piece

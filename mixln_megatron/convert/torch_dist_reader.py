@@ -27,6 +27,7 @@ from . import zip_chunk
 from .dcp_metadata import MetadataUnpickler, TensorMeta, light_metadata
 from .reader_base import ReaderBase, RowSource
 from .safe_unpickle import safe_load
+from .shape import ModelShape
 
 COMMON_PT = "common.pt"
 COMMON_STATE_KEY = "common_state/shard_0_1"
@@ -306,7 +307,7 @@ class TorchDistCheckpoint(ReaderBase):
                 total += n * md.dtype.itemsize
         return total
 
-    def check_shapes(self, shape: M.ModelShape) -> None:
+    def check_shapes(self, shape: ModelShape) -> None:
         """The stacked tensors have the shapes the args describe."""
         n = self.num_stacked_layers()
         if n is not None and n != shape.num_layers:

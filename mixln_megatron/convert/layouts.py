@@ -1,0 +1,162 @@
+"""How Megatron lays out a layer's tensors, and the conversions to HF's layout.
+
+  * QKV rows are grouped per query group: for group g, [the q heads of g; k_g; v_g], each head
+    kv_channels rows. Tensor parallelism splits whole groups, so concatenating the TP shards of a
+    legacy checkpoint gives the same grouped layout as torch_dist.
+  * fc1 (SwiGLU) is [gate; up]. torch_dist stores the layout-independent [gate_all; up_all]; each
+    legacy TP rank holds [gate_r; up_r] of its own slice.
+  * Row ranges ("pieces", "chunks") let both directions stream a tensor in bounded memory
+    without a range ever straddling what the other side keeps apart.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+from .shape import ModelShape
+
+# Legacy tensor-parallel layout of each role: ("cat", dim), "glu" ([gate_r; up_r] per rank) or
+# "replicated" (every rank holds the full tensor).
+LEGACY_TP_LAYOUT: Dict[str, object] = {
+    "qkv.weight": ("cat", 0),
+    "qkv.bias": ("cat", 0),
+    "proj.weight": ("cat", 1),
+    "proj.bias": "replicated",
+    "fc1.weight": "glu",
+    "fc1.bias": "glu",
+    "fc2.weight": ("cat", 1),
+    "fc2.bias": "replicated",
+    "norm_a": "replicated",
+    "norm_b": "replicated",
+}
+
+
+def _ranges(start: int, stop: int, step: int):
+    """[start, stop) cut into consecutive ranges of at most `step`."""
+    return [(i, min(stop, i + step)) for i in range(start, stop, step)]
+
+
+def split_qkv(qkv, shape: ModelShape):
+    """Megatron's grouped QKV rows -> (q, k, v) in HF head order (weight [rows, h] or bias [rows])."""
+    d, ng, qpg = shape.kv_channels, shape.num_query_groups, shape.q_per_group
+    rest = tuple(qkv.shape[1:])
+    grouped = qkv.reshape(ng, qpg + 2, d, *rest)
+    q = grouped[:, :qpg].reshape(ng * qpg * d, *rest)
+    k = grouped[:, qpg].reshape(ng * d, *rest)
+    v = grouped[:, qpg + 1].reshape(ng * d, *rest)
+    return q, k, v
+
+
+def merge_qkv(q, k, v, shape: ModelShape):
+    """HF q, k, v -> Megatron's QKV rows grouped per query group."""
+    import torch
+
+    d, ng, qpg = shape.kv_channels, shape.num_query_groups, shape.q_per_group
+    rest = tuple(q.shape[1:])
+    return torch.cat(
+        [q.reshape(ng, qpg, d, *rest), k.reshape(ng, 1, d, *rest), v.reshape(ng, 1, d, *rest)], dim=1
+    ).reshape(ng * (qpg + 2) * d, *rest)
+
+
+def deinterleave_rope_rows(t, num_heads: int, head_dim: int):
+    """Rows of q or k for Megatron's interleaved RoPE -> HF's rotate-half order, per head.
+
+    Interleaved RoPE rotates the pairs (2j, 2j+1) with frequency j, rotate-half the pairs
+    (j, j + d/2); moving row 2j to j and 2j+1 to j + d/2 in both q and k maps one onto the other
+    (the attention scores are sums over the head dimension, so a shared permutation cancels).
+    """
+    rest = tuple(t.shape[1:])
+    return t.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(num_heads * head_dim, *rest)
+
+
+def merge_glu_ranks(shards: Sequence):
+    """Legacy TP shards [gate_r; up_r] -> the global [gate_all; up_all]."""
+    import torch
+
+    gates, ups = [], []
+    for shard in shards:
+        half = shard.shape[0] // 2
+        gates.append(shard[:half])
+        ups.append(shard[half:])
+    return torch.cat(gates + ups, dim=0)
+
+
+def split_glu_rank(fc1, tp: int, rank: int):
+    """The global [gate_all; up_all] -> legacy TP rank `rank`'s [gate_r; up_r]."""
+    import torch
+
+    ffn = fc1.shape[0] // 2
+    part = ffn // tp
+    gate = fc1[rank * part:(rank + 1) * part]
+    up = fc1[ffn + rank * part:ffn + (rank + 1) * part]
+    return torch.cat([gate, up], dim=0)
+
+
+def merge_tp_shards(role: str, shards: Sequence):
+    """Legacy TP shards of one role (rank order) -> the global tensor."""
+    import torch
+
+    layout = LEGACY_TP_LAYOUT[role]
+    if layout == "replicated" or len(shards) == 1:
+        return shards[0]
+    if layout == "glu":
+        return merge_glu_ranks(shards)
+    return torch.cat(list(shards), dim=layout[1])
+
+
+def split_tp_shard(role: str, tensor, tp: int, rank: int):
+    """The global tensor of a role -> legacy TP rank `rank`'s shard (a contiguous copy)."""
+    layout = LEGACY_TP_LAYOUT[role]
+    if layout == "replicated" or tp == 1:
+        return tensor.contiguous()
+    if layout == "glu":
+        return split_glu_rank(tensor, tp, rank).contiguous()
+    dim = layout[1]
+    size = tensor.shape[dim] // tp
+    return tensor.narrow(dim, rank * size, size).contiguous()
+
+
+def hf_row_pieces(role: str, index: int, shape: ModelShape, row_bytes: int, piece_bytes: int):
+    """Row ranges of a layer's Megatron `role` tensor that make up its `index`-th HF tensor, in order.
+
+    Each range is at most `piece_bytes` (but at least one row, or one head for q / k / v), so an
+    export can read, convert and write any tensor in bounded pieces: q is gathered group by group
+    from the grouped QKV rows, k and v take one head per group, gate / up are the two halves of
+    fc1, everything else is split into plain row blocks.
+    """
+    per = max(1, piece_bytes // max(1, row_bytes))
+    d = shape.kv_channels
+
+    if role.startswith("qkv."):
+        group = (shape.q_per_group + 2) * d
+        out = []
+        for g in range(shape.num_query_groups):
+            base = g * group
+            if index == 0:
+                out += _ranges(base, base + shape.q_per_group * d, max(d, per // d * d))
+            else:
+                start = base + (shape.q_per_group + index - 1) * d
+                out.append((start, start + d))
+        return out
+    if role.startswith("fc1."):
+        f = shape.ffn_hidden_size
+        return _ranges(index * f, (index + 1) * f, per)
+    rows = shape.megatron_layer_shapes()[role][0]
+    return _ranges(0, rows, per)
+
+
+def megatron_row_chunks(role: str, shape: ModelShape, row_bytes: int, piece_bytes: int):
+    """Row ranges [a, b) that split one layer's Megatron `role` tensor into chunks of <= piece_bytes.
+
+    Chunks never straddle what HF keeps apart: QKV chunks are whole query groups (so each is built
+    from row slices of q, k and v), fc1 chunks lie inside the gate or the up half.
+    """
+    per = max(1, piece_bytes // max(1, row_bytes))
+
+    if role.startswith("qkv."):
+        group = (shape.q_per_group + 2) * shape.kv_channels
+        return _ranges(0, shape.qkv_rows, max(1, per // group) * group)
+    if role.startswith("fc1."):
+        f = shape.ffn_hidden_size
+        return _ranges(0, f, per) + _ranges(f, 2 * f, per)
+    return _ranges(0, shape.megatron_layer_shapes()[role][0], per)

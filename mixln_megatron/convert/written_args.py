@@ -1,0 +1,145 @@
+"""The Megatron-LM args a converted checkpoint carries, and the flags that rebuild its model."""
+
+from __future__ import annotations
+
+import argparse
+from typing import List, Optional
+
+from .mapping import uses_mixln_layout
+from .shape import ModelShape
+
+SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+              "kv_channels", "max_position_embeddings")
+
+def megatron_args_namespace(
+    shape: ModelShape,
+    *,
+    tp: int,
+    pp: int,
+    ckpt_format: str,
+    params_dtype,
+    padded_vocab: int,
+    make_vocab_size_divisible_by: int,
+    placement_record: dict,
+    transformer_impl: str,
+    tokenizer_type: Optional[str],
+    tokenizer_model: Optional[str],
+    source: str,
+) -> argparse.Namespace:
+    """The args a converted checkpoint carries (what Megatron-LM's loader and --use-checkpoint-args read).
+
+    Only model-defining arguments are set (plus what Megatron-LM's load_checkpoint compares);
+    everything about training (batch sizes, lr, data) is left to the run that loads it.
+    """
+    import torch
+
+    stock = not uses_mixln_layout(placement_record)
+    spec = None
+    if not stock:
+        spec = ["mixln_megatron.spec",
+                "mixln_layer_spec" if transformer_impl == "transformer_engine" else "mixln_local_layer_spec"]
+    scaling = shape.rope_scaling or {}
+    ns = argparse.Namespace(
+        # shape: ModelShape's fields carry Megatron-LM's argument names
+        **{name: getattr(shape, name) for name in SHAPE_ARGS},
+        group_query_attention=shape.num_query_groups != shape.num_attention_heads,
+        seq_length=shape.max_position_embeddings,
+        encoder_seq_length=shape.max_position_embeddings,
+        # Llama flavour
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.norm_epsilon,
+        norm_epsilon=shape.norm_epsilon,
+        layernorm_zero_centered_gamma=False,
+        apply_layernorm_1p=False,
+        swiglu=True,
+        squared_relu=False,
+        add_bias_linear=shape.add_bias_linear,
+        add_qkv_bias=shape.add_bias_linear,
+        position_embedding_type="rope",
+        add_position_embedding=True,
+        use_rotary_position_embeddings=False,
+        rotary_base=shape.rotary_base,
+        rotary_percent=1.0,
+        rotary_interleaved=False,
+        rotary_seq_len_interpolation_factor=(
+            scaling.get("factor") if scaling.get("rope_type") == "linear" else None),
+        use_rope_scaling=scaling.get("rope_type") == "llama3",
+        rope_scaling_factor=float(scaling.get("factor", 8.0)) if scaling.get("rope_type") == "llama3" else 8.0,
+        untie_embeddings_and_output_weights=not shape.tie_embeddings,
+        apply_query_key_layer_scaling=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        num_experts=None,
+        moe_layer_freq=1,
+        mtp_num_layers=None,
+        multi_latent_attention=False,
+        spec=spec,
+        transformer_impl=transformer_impl,
+        # vocabulary / tokenizer
+        vocab_size=shape.vocab_size,
+        padded_vocab_size=padded_vocab,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        tokenizer_type=tokenizer_type,
+        tokenizer_model=tokenizer_model,
+        vocab_file=None,
+        merge_file=None,
+        # precision
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        # checkpoint / parallel layout it was written for
+        ckpt_format=ckpt_format,
+        use_dist_ckpt=ckpt_format == "torch_dist",
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=None,
+        expert_model_parallel_size=1,
+        context_parallel_size=1,
+        world_size=tp * pp,
+        data_parallel_size=1,
+        data_parallel_random_init=False,
+        # no optimizer / RNG state in a converted checkpoint
+        no_save_optim=True,
+        no_save_rng=True,
+        iteration=0,
+        consumed_train_samples=0,
+        skipped_train_samples=0,
+        consumed_valid_samples=0,
+        # Mix-LN: the integer P is authoritative (alpha only informational)
+        mixln_post_ln_layers=int(placement_record.get("post_ln_layers", 0)),
+        mixln_alpha=None,
+        mixln_scheme=placement_record.get("scheme", "mixln"),
+        mixln_converted_from=source,
+    )
+    return ns
+
+
+def launch_flags(ns: argparse.Namespace) -> List[str]:
+    """The Megatron-LM flags that rebuild the model a converted checkpoint's args describe.
+
+    Every shape flag, including those Megatron-LM's --use-checkpoint-args does not copy (the norm
+    epsilon, rope scaling), and the Mix-LN placement: what the launch hint after from-hf prints.
+    """
+    flags = ["--num-layers", ns.num_layers, "--hidden-size", ns.hidden_size, "--ffn-hidden-size", ns.ffn_hidden_size,
+             "--num-attention-heads", ns.num_attention_heads, "--kv-channels", ns.kv_channels]
+    if ns.group_query_attention:
+        flags += ["--group-query-attention", "--num-query-groups", ns.num_query_groups]
+    flags += ["--max-position-embeddings", ns.max_position_embeddings, "--normalization", ns.normalization,
+              "--norm-epsilon", repr(float(ns.layernorm_epsilon)), "--swiglu",
+              "--position-embedding-type", "rope", "--rotary-base", f"{ns.rotary_base:g}"]
+    if not ns.add_bias_linear:
+        flags.append("--disable-bias-linear")
+    if ns.rotary_seq_len_interpolation_factor:
+        flags += ["--rotary-seq-len-interpolation-factor", f"{ns.rotary_seq_len_interpolation_factor:g}"]
+    if ns.use_rope_scaling:
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", f"{ns.rope_scaling_factor:g}"]
+    if ns.untie_embeddings_and_output_weights:
+        flags.append("--untie-embeddings-and-output-weights")
+    flags += ["--make-vocab-size-divisible-by", ns.make_vocab_size_divisible_by,
+              "--mixln-post-ln-layers", ns.mixln_post_ln_layers]
+    if ns.mixln_scheme != "mixln":
+        flags += ["--mixln-scheme", ns.mixln_scheme]
+    if ns.ckpt_format == "torch":
+        flags += ["--ckpt-format", "torch", "--tensor-model-parallel-size", ns.tensor_model_parallel_size,
+                  "--pipeline-model-parallel-size", ns.pipeline_model_parallel_size]
+    return [str(f) for f in flags]
