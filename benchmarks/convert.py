@@ -27,13 +27,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = dict(num_layers=24, hidden=2048, ffn=5632, heads=32, groups=8, vocab=32000, post_ln=6, seq=4096)
 GIB = 2 ** 30
 
@@ -44,39 +42,20 @@ def create_worker(out_dir: str) -> None:
     import argparse as ap
 
     import torch
-    import torch.nn.functional as F
-
-    sys.path.insert(0, REPO)
-    from mixln_megatron.dev import cpu
-
-    cpu.enable()
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from mixln_megatron.dev import testing
     from mixln_megatron.spec import get_mixln_decoder_block_spec
 
-    torch.distributed.init_process_group(backend="gloo")
-    ps.initialize_model_parallel(2, 2)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    testing.init_distributed(tp=2, pp=2)
     s = SHAPE
-    cfg = TransformerConfig(
-        num_layers=s["num_layers"], hidden_size=s["hidden"], ffn_hidden_size=s["ffn"],
-        num_attention_heads=s["heads"], num_query_groups=s["groups"], normalization="RMSNorm",
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16, bf16=True, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-        use_cpu_initialization=True, perform_initialization=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        masked_softmax_fusion=False, bias_activation_fusion=False,
+    cfg = testing.tiny_config(
+        num_layers=s["num_layers"], hidden=s["hidden"], heads=s["heads"], query_groups=s["groups"], tp=2, pp=2,
+        ffn_hidden_size=s["ffn"], params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bf16=True,
+        perform_initialization=False,  # every weight is overwritten below
     )
     spec = get_mixln_decoder_block_spec(cfg, backend="local", post_ln_layers=s["post_ln"])
-    model = GPTModel(
-        config=cfg, transformer_layer_spec=spec, vocab_size=s["vocab"], max_sequence_length=s["seq"],
-        position_embedding_type="rope", pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
-    )
+    model = testing.build_gpt(cfg, spec, vocab=s["vocab"], seq=s["seq"], untie=True)
     gen = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -114,17 +93,13 @@ def create_checkpoint(ckpt_dir: str) -> float:
         return 0.0
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     t0 = time.time()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={port}",
-           os.path.abspath(__file__), "--create-worker", ckpt_dir]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-        raise SystemExit(f"creating the synthetic checkpoint failed ({proc.returncode})")
+    from mixln_megatron.dev.testing import torchrun
+
+    try:
+        torchrun(os.path.abspath(__file__), 4, "--create-worker", ckpt_dir, timeout=None)
+    except AssertionError as failed:
+        sys.stderr.write(str(failed)[-9000:])
+        raise SystemExit("creating the synthetic checkpoint failed")
     return time.time() - t0
 
 
@@ -175,10 +150,8 @@ def main(argv=None) -> int:
     iter_dir = os.path.join(ckpt, "iter_0000001")
     ckpt_bytes = sum(os.path.getsize(os.path.join(iter_dir, f)) for f in os.listdir(iter_dir))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("HF_HUB_OFFLINE", "1")
 
-    sys.path.insert(0, REPO)
     from mixln_megatron.convert.megatron_reader import open_checkpoint
 
     weights = open_checkpoint(ckpt).model_tensor_bytes()

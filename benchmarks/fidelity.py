@@ -48,7 +48,6 @@ from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 warnings.filterwarnings("ignore", message=".*absl.logging is not installed.*")
@@ -58,6 +57,7 @@ import torch  # noqa: E402
 from mixln_megatron.analysis import grad_norms, textdata  # noqa: E402
 from mixln_megatron.analysis.layer_drop import evaluate  # noqa: E402
 from mixln_megatron.analysis.models import REFERENCE_EMBEDDING_STD, ModelShape, build_megatron_gpt  # noqa: E402
+from mixln_megatron.dev import cpu  # noqa: E402
 
 EMB_MEGATRON = "megatron"
 EMB_REFERENCE = "ref"
@@ -337,6 +337,11 @@ def _worker_init(recipe: Recipe, cache_dir: Optional[str], threads: int) -> None
     _WORKER.update(train=train_batches, valid=valid_batches)
 
 
+def _pool_worker_init(recipe: Recipe, cache_dir: Optional[str], threads: int) -> None:
+    cpu.enable()  # the worker process is ours: the CPU harness for its whole life
+    _worker_init(recipe, cache_dir, threads)
+
+
 def _run_task(setup: Setup, task):
     depth, variant, emb, seed = task
     r = setup.recipe
@@ -421,8 +426,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"[{len(results)}/{len(tasks)}, elapsed {time.time() - t_start:.0f}s]", flush=True)
 
     if a.jobs <= 1:
-        for task in tasks:
-            report(*_run_task(setup, task))
+        with cpu.harness():
+            for task in tasks:
+                report(*_run_task(setup, task))
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -430,7 +436,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # Deepest first, so the longest runs do not end up alone at the tail.
         order = sorted(tasks, key=lambda t: -t[0])
         with ProcessPoolExecutor(max_workers=a.jobs, mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=_worker_init, initargs=(r, a.cache_dir, a.threads)) as pool:
+                                 initializer=_pool_worker_init, initargs=(r, a.cache_dir, a.threads)) as pool:
             futures = [pool.submit(_run_task, setup, task) for task in order]
             for fut in as_completed(futures):
                 report(*fut.result())

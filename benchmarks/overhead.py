@@ -12,14 +12,11 @@ Last line: RESULT mixln_over_preln=<ratio> steps=<n>
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-import mcore_utils as mu  # noqa: E402
+from mixln_megatron.dev import testing
 
 
 def build(kind, cfg, post_ln_layers):
@@ -32,7 +29,7 @@ def build(kind, cfg, post_ln_layers):
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     else:
         spec = get_mixln_decoder_block_spec(cfg, backend="local", post_ln_layers=post_ln_layers)
-    return mu.build_gpt(cfg, spec, vocab=1024)
+    return testing.build_gpt(cfg, spec, vocab=1024)
 
 
 def main(argv=None):
@@ -48,11 +45,11 @@ def main(argv=None):
     if a.quick:
         a.layers, a.hidden, a.seq, a.batch, a.steps = 4, 128, 128, 2, 12
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    mu.init_distributed()
+    testing.init_distributed()
     from mixln_megatron.model.placement import post_ln_count
 
     post = post_ln_count(a.alpha, a.layers)
-    cfg = mu.tiny_config(num_layers=a.layers, hidden=a.hidden, heads=max(1, a.hidden // 32))
+    cfg = testing.tiny_config(num_layers=a.layers, hidden=a.hidden, heads=max(1, a.hidden // 32))
     models = {
         "preln": build("mixln", cfg, 0),
         "mixln": build("mixln", cfg, post),

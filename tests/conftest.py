@@ -1,9 +1,7 @@
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -13,10 +11,9 @@ def mcore_single():
     """A single-process gloo group with megatron's parallel state (TP1 PP1), torn down after."""
     import torch
 
-    import mcore_utils
-    from mixln_megatron.dev import cpu
+    from mixln_megatron.dev import cpu, testing
 
-    mcore_utils.init_distributed()
+    testing.init_distributed()
     yield
     from megatron.core import parallel_state as ps
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import mcore_utils as mu
+from mixln_megatron.dev import testing as mu
 
 pytestmark = pytest.mark.usefixtures("mcore_single")
 

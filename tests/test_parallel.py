@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from torchrun import torchrun
+from mixln_megatron.dev.testing import torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "parallel_worker.py")
 pytestmark = pytest.mark.mp

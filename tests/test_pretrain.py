@@ -17,7 +17,7 @@ from argparse import Namespace
 
 import pytest
 
-import mcore_utils as mu
+from mixln_megatron.dev import testing as mu
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

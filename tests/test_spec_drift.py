@@ -16,7 +16,7 @@ import inspect
 
 import pytest
 
-import mcore_utils as mu
+from mixln_megatron.dev import testing as mu
 
 
 def _stand_in_te(monkeypatch):

@@ -262,7 +262,7 @@ def test_targets():
 
 
 def test_the_spec_is_plain_data_and_install_training_hooks_installs(mcore_single):
-    from mcore_utils import tiny_config
+    from mixln_megatron.dev.testing import tiny_config
     from mixln_megatron.training.grads_hook import (
         SpikeGradsHook,
         SpikeScalerLayer,

@@ -5,7 +5,7 @@ from argparse import Namespace
 
 import pytest
 
-import mcore_utils as mu
+from mixln_megatron.dev import testing as mu
 from mixln_megatron.model import support
 
 

@@ -10,12 +10,11 @@
 """
 
 import functools
-import os
 
 import pytest
 import torch
 
-import mcore_utils as mu
+from mixln_megatron.dev import testing as mu
 
 
 def test_post_ln_variant_replaces_fused_te_linears(monkeypatch):
@@ -62,8 +61,7 @@ def test_post_ln_variant_replaces_fused_te_linears(monkeypatch):
 
 WORKER_CODE = r'''
 import os, sys, torch
-sys.path.insert(0, sys.argv[2])
-import mcore_utils as mu
+from mixln_megatron.dev import testing as mu
 from mixln_megatron.model.norms import MixLNNorm
 
 class NormWithExtraState(MixLNNorm):
@@ -106,11 +104,11 @@ if __name__ == "__main__":
 
 
 def test_norm_extra_state_in_post_ln_layers_only_saves_and_loads(tmp_path):
-    from torchrun import torchrun
+    from mixln_megatron.dev.testing import torchrun
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER_CODE)
-    proc = torchrun(str(script), 1, tmp_path / "ckpt", os.path.dirname(__file__))
+    proc = torchrun(str(script), 1, tmp_path / "ckpt")
     assert "OK" in proc.stdout
 
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from torchrun import torchrun
+from mixln_megatron.dev.testing import torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "telemetry_worker.py")
 pytestmark = pytest.mark.mp

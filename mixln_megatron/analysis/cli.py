@@ -254,6 +254,17 @@ def _run_layer_drop(a) -> int:
     return 0
 
 
+def _megatron_on_this_machine():
+    """The command owns its process: without CUDA it enters the CPU harness for the analyses."""
+    import contextlib
+
+    import torch
+
+    from ..dev import cpu
+
+    return contextlib.nullcontext() if torch.cuda.is_available() else cpu.harness()
+
+
 def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
     import warnings
 
@@ -266,11 +277,9 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
 
             return train_health.main(argv[1:])
         a = build_parser(prog).parse_args(argv)
-        if a.command == "grad-norms":
-            return _run_grad_norms(a)
-        if a.command == "angular-distance":
-            return _run_angular(a)
-        return _run_layer_drop(a)
+        run = {"grad-norms": _run_grad_norms, "angular-distance": _run_angular}.get(a.command, _run_layer_drop)
+        with _megatron_on_this_machine():
+            return run(a)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,7 +1,7 @@
 """Models the analyses run on: fresh megatron-core GPTs, Megatron torch_dist checkpoints, HF folders.
 
-Everything here runs in one process: on CPU through mixln_megatron.dev.cpu.enable() + a single-rank
-gloo group, which is enough for the model sizes the diagnostics are meant for. On a machine with
+Everything here runs in one process: on CPU inside the caller's mixln_megatron.dev.cpu.harness()
+(the command line enters it) + a single-rank gloo group, which is enough for the model sizes the diagnostics are meant for. On a machine with
 CUDA the megatron models are moved to the current GPU instead (that path is untested here).
 
 Three ways in, one interface out (`LanguageModel`):
@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 from typing import List, Optional, Sequence
 
 import torch
@@ -40,24 +39,20 @@ REFERENCE_EMBEDDING_STD = math.sqrt(2.0 / 5.0)
 
 # ----------------------------------------------------------------------------------- single process
 def ensure_megatron_cpu(seed: int = 1234) -> None:
-    """cpu.enable(), a one-rank gloo group and megatron's parallel state (TP = PP = 1), once.
+    """A one-rank gloo group and megatron's parallel state (TP = PP = 1), once.
 
+    Without CUDA the caller must have entered the CPU harness (`with mixln_megatron.dev.cpu.
+    harness(): ...`, as the analysis command line does): a library does not patch the process.
     Reuses a process group / parallel state that already exists (e.g. inside tests).
     """
     from megatron.core import parallel_state as ps
 
-    from ..dev import cpu
+    from ..dev import cpu, testing
 
-    if not torch.cuda.is_available():
-        cpu.enable()
-    if not torch.distributed.is_initialized():
-        if "RANK" in os.environ:  # launched by torchrun: its rendezvous
-            torch.distributed.init_process_group(backend="gloo")
-        else:  # one process: a file store, no TCP port to race for
-            import tempfile
-
-            store = torch.distributed.FileStore(tempfile.mktemp(prefix="mixln_analysis_store_"), 1)
-            torch.distributed.init_process_group(backend="gloo", store=store, rank=0, world_size=1)
+    if not torch.cuda.is_available() and not cpu.is_enabled():
+        raise RuntimeError("megatron-core needs the CPU harness on a machine without CUDA: run this inside "
+                           "`with mixln_megatron.dev.cpu.harness(): ...`")
+    testing.init_process_group("gloo")
     if torch.distributed.get_world_size() != 1:
         raise RuntimeError("the analysis tools run in a single process (world size 1), not under torchrun")
     if not ps.model_parallel_is_initialized():

@@ -2,8 +2,9 @@
 
 A development aid for tests, the CPU demo and debugging on a laptop; never for production.
 Nothing here happens at import time: call `enable()` (megatron-core) and, for
-`megatron.training.pretrain`, also `enable_training()`. Both are idempotent; both refuse to run
-when CUDA is available, since then the shims would hide real bugs.
+`megatron.training.pretrain`, also `enable_training()`, or enter `harness()` for a block that
+undoes them on exit. All are idempotent; all refuse to run when CUDA is available, since then
+the shims would hide real bugs.
 
 What they change, and why (measured on megatron-core 0.19.2; see the project README):
   enable()
@@ -191,6 +192,23 @@ def disable() -> None:
 
 def is_enabled() -> bool:
     return _state["core"]
+
+
+@contextlib.contextmanager
+def harness(training: bool = False):
+    """`with cpu.harness(): ...`: megatron-core on CPU inside the block, the process as it was after.
+
+    For callers that own the process (a command line, a script): library code asks for the
+    harness instead of patching the process itself. A harness already in place (a test's, an
+    outer block's) is reused and left in place. training=True also applies enable_training().
+    """
+    owner = not _state["core"]
+    enable_training() if training else enable()
+    try:
+        yield
+    finally:
+        if owner:
+            disable()
 
 
 CPU_MEGATRON_FLAGS = (

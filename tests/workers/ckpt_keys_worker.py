@@ -9,23 +9,13 @@ after it, or the error a load raised.
 """
 
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import mcore_utils  # noqa: E402, F401  (puts the repository on sys.path)
-
-from mixln_megatron.dev import cpu  # noqa: E402
+from mixln_megatron.dev import cpu, testing
 
 ARGS = [
-    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
-    "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "1", "--mock-data",
-    "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--normalization", "RMSNorm",
-    "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
-    "--use-cpu-initialization", "--ckpt-format", "torch_dist", "--no-save-optim", "--no-save-rng",
-    "--no-load-optim", "--no-load-rng", *cpu.CPU_MEGATRON_FLAGS,
+    *testing.TINY_MEGATRON_LM_ARGS, "--ckpt-format", "torch_dist", "--no-save-optim", "--no-save-rng",
+    "--no-load-optim", "--no-load-rng",
 ]
 
 
@@ -36,7 +26,7 @@ def sums(model):
 def main():
     spec, actions = sys.argv[1], sys.argv[2:]
     cpu.enable_training()
-    mcore_utils.init_distributed()
+    testing.init_distributed()
     import torch
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.training.argument_utils import gpt_config_from_args

@@ -16,16 +16,13 @@ import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-import mcore_utils as mu  # noqa: E402
+from mixln_megatron.dev import testing
 
 NUM_LAYERS = 4
 P = 2
 MICRO_BATCHES = 2
-STEPS = 3
 
 
 def spec_for(cfg, post_ln_layers, vp_stage, stock=False, scheme=None):
@@ -39,37 +36,23 @@ def spec_for(cfg, post_ln_layers, vp_stage, stock=False, scheme=None):
                                         scheme=scheme, vp_stage=vp_stage)
 
 
-class Run:
-    """One parallel layout: model chunks (DDP-wrapped), optimizer, and the step functions."""
+class Run(testing.TinyTrainer):
+    """One parallel layout: the harness's training loop over Mix-LN (or stock) model chunks."""
 
     def __init__(self, tp=1, pp=1, vpp=None, sp=False, distopt=False, post_ln_layers=P, stock=False,
                  load=None, seed=1234, num_layers=NUM_LAYERS, metadata_check=True, scheme=None,
                  **cfg_overrides):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        mu.init_distributed(tp, pp, vpp, seed=seed)
-        self.cfg = mu.tiny_config(num_layers=num_layers, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp,
+        testing.init_distributed(tp, pp, vpp, seed=seed)
+        cfg = testing.tiny_config(num_layers=num_layers, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp,
                                   **cfg_overrides)
-        self.vpp = vpp
         self.models = [
-            mu.build_gpt(self.cfg, spec_for(self.cfg, post_ln_layers, i if vpp else None, stock, scheme),
-                         vp_stage=i if vpp else None)
+            testing.build_gpt(cfg, spec_for(cfg, post_ln_layers, i if vpp else None, stock, scheme),
+                              vp_stage=i if vpp else None)
             for i in range(vpp or 1)
         ]
         if load:
             self.load(load, metadata_check)
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distopt)
-        self.chunks = [
-            DistributedDataParallel(config=self.cfg, ddp_config=ddp_config, module=m) for m in self.models
-        ]
-        self.cfg.finalize_model_grads_func = finalize_model_grads
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=1.0, bf16=False,
-                            params_dtype=torch.float32, use_distributed_optimizer=distopt),
-            self.chunks,
-        )
+        super().__init__(cfg, self.models, distributed_optimizer=distopt, micro_batches=MICRO_BATCHES)
 
     # ------------------------------------------------------------------ checkpoints
     def sharded_state_dict(self, metadata=None):
@@ -91,56 +74,6 @@ class Run:
         loaded = dist_checkpointing.load(self.sharded_state_dict(metadata), path)
         for key, model in zip(sorted(k for k in loaded if k.startswith("model")), self.models):
             model.load_state_dict(loaded[key])
-
-    # ------------------------------------------------------------------ steps
-    def _forward_backward(self, forward_only, seed):
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        batches = [mu.batch(seed=seed + i) for i in range(MICRO_BATCHES)]
-
-        def forward_step(data_iterator, model):
-            ids, labels, pos, mask = next(data_iterator)
-            output = model(ids, pos, mask, labels=labels)
-
-            def loss_func(output_tensor):
-                loss = output_tensor.float().mean()
-                return loss, {"loss": loss.detach()}
-
-            return output, loss_func
-
-        iterators = [iter(batches) for _ in self.chunks]
-        losses = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators if self.vpp else iterators[0],
-            model=self.chunks if self.vpp else self.chunks[0],
-            num_microbatches=MICRO_BATCHES, seq_length=mu.SEQ, micro_batch_size=2,
-            forward_only=forward_only,
-        )
-        local = float(sum(l["loss"] for l in losses) / len(losses)) if losses else None
-        gathered = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, local)
-        return next(v for v in gathered if v is not None)
-
-    def eval_loss(self, seed=100):
-        for m in self.chunks:
-            m.eval()
-        with torch.no_grad():
-            loss = self._forward_backward(True, seed)
-        for m in self.chunks:
-            m.train()
-        return loss
-
-    def train(self, steps=STEPS, seed=200):
-        losses, grad_norms = [], []
-        for step in range(steps):
-            for m in self.chunks:
-                m.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            losses.append(self._forward_backward(False, seed + 10 * step))
-            ok, grad_norm, _ = self.optimizer.step()
-            assert ok
-            grad_norms.append(float(grad_norm))
-        return losses, grad_norms
 
     def layer_kinds(self):
         local = {l.layer_number: bool(l.is_post_ln) for m in self.models for l in m.decoder.layers}

@@ -24,11 +24,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.dirname(HERE)
-ROOT = os.path.dirname(TESTS)
-for _path in (ROOT, TESTS):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
@@ -257,7 +255,7 @@ def build(run: Run, layout: dict):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    from mcore_utils import build_gpt, tiny_config
+    from mixln_megatron.dev.testing import build_gpt, tiny_config
     from mixln_megatron.training.grads_hook import get_spike_scaler, install_spike_scaler
     from mixln_megatron.spec import get_mixln_decoder_block_spec
     from mixln_megatron.training.hooks import install_training_hooks
@@ -331,7 +329,7 @@ def train_step(run: Run, config, model, optimizer, scaler=None, size=None) -> No
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from mcore_utils import batch
+    from mixln_megatron.dev.testing import batch
 
     size = size or _size({})
     ids, labels, pos, mask = batch(seed=1000 + run.step, b=size["global_batch"], s=size["seq"])
@@ -433,7 +431,7 @@ def _scaler_state(scaler) -> dict:
 def run_layout(name: str, layout: dict, out_dir: str, steps: int) -> None:
     from megatron.core import parallel_state as ps
 
-    from mcore_utils import init_distributed
+    from mixln_megatron.dev.testing import init_distributed
 
     init_distributed(tp=layout.get("tp", 1), pp=layout.get("pp", 1), seed=1234)
     run = Run(name, bench=bool(layout.get("bench")))
@@ -664,7 +662,7 @@ def main():
     torch.set_num_threads(1)
     logging.getLogger("megatron").setLevel(logging.WARNING)
     os.makedirs(args.out, exist_ok=True)
-    from mcore_utils import init_distributed
+    from mixln_megatron.dev.testing import init_distributed
 
     init_distributed()
     for name in args.layouts.split(","):

@@ -1,0 +1,229 @@
+"""The development harness: gloo bootstrap, the tiny LLaMA config and a tiny training loop.
+
+One place for what the tests, their torchrun workers and the benchmarks all need, so that none of
+them carries its own copy (and benchmarks never import from tests/):
+  - init_process_group / init_distributed: a torch.distributed group (torchrun's rendezvous when
+    launched by it, else a one-process file store: no TCP port to race for) and megatron's
+    parallel state; init_distributed also enters the CPU harness (mixln_megatron.dev.cpu);
+  - tiny_config / build_gpt / batch: a LLaMA-shaped megatron-core GPT small enough for 2 cores
+    (RMSNorm, SwiGLU, RoPE, no biases, every CUDA-only fusion off);
+  - TinyTrainer: megatron's DDP, its optimizer and its pipeline schedule over model chunks, the
+    loop Megatron-LM runs, without Megatron-LM's entry point;
+  - torchrun: launch a worker script under torchrun from a test or a benchmark.
+Development only: nothing here is used by training, conversion or analysis.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu
+
+VOCAB = 128
+SEQ = 16
+
+
+# ------------------------------------------------------------------ process group
+def init_process_group(backend: str = "gloo") -> None:
+    """A torch.distributed group: torchrun's when RANK is set, else one process on a file store."""
+    if torch.distributed.is_initialized():
+        return
+    if "RANK" in os.environ:
+        torch.distributed.init_process_group(backend=backend)
+        return
+    fd, path = tempfile.mkstemp(prefix="mixln_store_")
+    os.close(fd)
+    os.unlink(path)  # the store creates it; a stale file would hold a previous run's keys
+    store = torch.distributed.FileStore(path, 1)
+    torch.distributed.init_process_group(backend=backend, store=store, rank=0, world_size=1)
+
+
+def init_model_parallel(tp: int = 1, pp: int = 1, vpp=None, seed: int = 1234, **kwargs) -> None:
+    """megatron's parallel state (re-initialised if it exists) and its RNG trackers, seeded."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp, **kwargs)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def init_distributed(tp: int = 1, pp: int = 1, vpp=None, seed: int = 1234, **kwargs) -> None:
+    """The CPU harness, a gloo group (one process when not under torchrun) and parallel state."""
+    cpu.enable()
+    init_process_group("gloo")
+    init_model_parallel(tp, pp, vpp, seed=seed, **kwargs)
+
+
+def shutdown() -> None:
+    """Tear down parallel state and the process group (the CPU harness stays as it is)."""
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+# ------------------------------------------------------------------ the tiny LLaMA
+def tiny_config(num_layers=4, hidden=64, heads=4, query_groups=None, tp=1, pp=1, vpp=None, **overrides):
+    """TransformerConfig of a tiny LLaMA (fp32, CPU initialisation, fusions off); `overrides` win."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = dict(
+        num_layers=num_layers, hidden_size=hidden, num_attention_heads=heads,
+        num_query_groups=query_groups, ffn_hidden_size=hidden * 2,
+        use_cpu_initialization=True, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, params_dtype=torch.float32,
+        pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        attention_dropout=0.0, hidden_dropout=0.0, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        masked_softmax_fusion=False, bias_activation_fusion=False, deallocate_pipeline_outputs=True,
+    )
+    cfg.update(overrides)
+    return TransformerConfig(**cfg)
+
+
+# The same tiny LLaMA as Megatron-LM flags, for workers that go through megatron.training.
+TINY_MEGATRON_LM_ARGS = (
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--micro-batch-size", "2",
+    "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "1", "--mock-data",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--normalization", "RMSNorm",
+    "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
+    "--use-cpu-initialization", *cpu.CPU_MEGATRON_FLAGS,
+)
+
+
+def build_gpt(config, spec, vp_stage=None, pre_process=None, post_process=None, vocab=VOCAB, untie=False,
+              seq=SEQ):
+    """GPTModel (RoPE) for this pipeline stage; pre/post_process default to the stage's place."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    if pre_process is None:
+        pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    return GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=seq,
+        position_embedding_type="rope", pre_process=pre_process, post_process=post_process,
+        share_embeddings_and_output_weights=not untie, vp_stage=vp_stage,
+    )
+
+
+def batch(seed=7, b=2, s=SEQ, vocab=VOCAB):
+    """(token ids, next-token labels, positions, causal mask) of random tokens, seeded."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, s), generator=g)
+    labels = torch.roll(ids, -1, dims=1)
+    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), 1)
+    return ids, labels, pos, mask
+
+
+# ------------------------------------------------------------------ the tiny training loop
+class TinyTrainer:
+    """Model chunks in megatron's DDP, its optimizer (Adam) and its pipeline schedule.
+
+    `models`: one GPTModel per virtual stage (one without VPP). Each step runs `micro_batches`
+    micro-batches of `batch(seed=...)` through get_forward_backward_func, then optimizer.step();
+    the loss is the mean token loss, gathered from the last stage to every rank.
+    """
+
+    def __init__(self, config, models: List, distributed_optimizer: bool = False, lr: float = 1e-2,
+                 micro_batches: int = 2, micro_batch_size: int = 2):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.cfg = config
+        self.models = models
+        self.micro_batches = micro_batches
+        self.micro_batch_size = micro_batch_size
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                   use_distributed_optimizer=distributed_optimizer)
+        self.chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=m) for m in models]
+        if config.finalize_model_grads_func is None:  # hooks installed before (spike, telemetry) stay
+            config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.01, clip_grad=1.0, bf16=False,
+                            params_dtype=torch.float32, use_distributed_optimizer=distributed_optimizer),
+            self.chunks,
+        )
+
+    def forward_backward(self, forward_only: bool, seed: int) -> float:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        batches = [batch(seed=seed + i, b=self.micro_batch_size) for i in range(self.micro_batches)]
+
+        def forward_step(data_iterator, model):
+            ids, labels, pos, mask = next(data_iterator)
+            output = model(ids, pos, mask, labels=labels)
+
+            def loss_func(output_tensor):
+                loss = output_tensor.float().mean()
+                return loss, {"loss": loss.detach()}
+
+            return output, loss_func
+
+        virtual = len(self.chunks) > 1
+        iterators = [iter(batches) for _ in self.chunks]
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if virtual else iterators[0],
+            model=self.chunks if virtual else self.chunks[0],
+            num_microbatches=self.micro_batches, seq_length=SEQ, micro_batch_size=self.micro_batch_size,
+            forward_only=forward_only,
+        )
+        local = float(sum(l["loss"] for l in losses) / len(losses)) if losses else None
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, local)
+        return next(v for v in gathered if v is not None)
+
+    def eval_loss(self, seed: int = 100) -> float:
+        for m in self.chunks:
+            m.eval()
+        with torch.no_grad():
+            loss = self.forward_backward(True, seed)
+        for m in self.chunks:
+            m.train()
+        return loss
+
+    def train(self, steps: int = 3, seed: int = 200):
+        """`steps` optimizer steps -> (losses, gradient norms), one of each per step."""
+        losses, grad_norms = [], []
+        for step in range(steps):
+            for m in self.chunks:
+                m.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            losses.append(self.forward_backward(False, seed + 10 * step))
+            ok, grad_norm, _ = self.optimizer.step()
+            assert ok, "the optimizer skipped a step (non-finite gradients)"
+            grad_norms.append(float(grad_norm))
+        return losses, grad_norms
+
+
+# ------------------------------------------------------------------ subprocess launchers
+def torchrun(script, nproc, *args, timeout=600, env: Optional[dict] = None):
+    """Run `script` under torchrun with `nproc` processes; raise with its output when it fails.
+
+    MIXLN_* from the caller's environment is dropped: a worker sets what it measures.
+    """
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
+    run_env.update(env or {})
+    # --standalone: torchrun binds its rendezvous to a port the OS picks (no free-port race).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           script, *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
