@@ -17,9 +17,9 @@ the JSON in benchmarks/results/ rewritten after each phase so that a cut-off run
              Scope: the decoder block only (layers + final norm); no embedding, output layer or
              loss, so the ratios are upper bounds of the whole-model ratios.
 3. spike     the gradient-spike scaler's time per step on the same slice: the P = 2 slice is
-             wrapped in megatron's DDP, mixln_megatron.training.grads_hook.install_spike_scaler installs
+             wrapped in megatron's DDP, mixln_megatron.training.spike.install_spike_scaler installs
              the hook, and the scaler's work after finalize_model_grads is timed between device
-             syncs (skipped with a message when grads_hook / spike are not in the checkout).
+             syncs (skipped with a message when training/spike is not in the checkout).
 4. result    one JSON (machine, versions, every figure) and the line
                  RESULT step_ratio=<r> mem_ratio=<m> gpu_vs_cpu_max_abs=<d>
              step_ratio / mem_ratio: Mix-LN P = 2 over megatron's stock local spec (median step
@@ -638,7 +638,7 @@ def phase_spike(rt: Runtime, variant: Variant, shape: Shape, warmup: int, repeat
     """The gradient-spike scaler's cost per step, on the Mix-LN P = 2 slice of the timing phase.
 
     The slice is wrapped in megatron's DistributedDataParallel (fp32 grad buffers, as in training)
-    and mixln_megatron.training.grads_hook.install_spike_scaler puts the hook on its config. Each round runs
+    and mixln_megatron.training.spike.install_spike_scaler puts the hook on its config. Each round runs
     forward + backward and megatron's finalize_model_grads, then times the scaler's own work
     (`after_finalize`: propose on the boundary norms' reduced grads, and the commit, which is eager
     without an optimizer) between device syncs. warmup_steps = 0 so the rule is live from step 1.
@@ -646,9 +646,9 @@ def phase_spike(rt: Runtime, variant: Variant, shape: Shape, warmup: int, repeat
     import torch
 
     try:
-        grads_hook = importlib.import_module("mixln_megatron.training.grads_hook")
+        spike = importlib.import_module("mixln_megatron.training.spike")
     except ModuleNotFoundError as exc:
-        if exc.name in ("mixln_megatron.training.grads_hook", "mixln_megatron.training.spike"):
+        if exc.name == "mixln_megatron.training.spike":
             reason = f"{exc.name} is not in this checkout"
             log(f"spike: SKIP ({reason})")
             return {"status": "skipped", "reason": reason}
@@ -665,7 +665,7 @@ def phase_spike(rt: Runtime, variant: Variant, shape: Shape, warmup: int, repeat
         config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                               use_distributed_optimizer=False), block,
     )
-    scaler = grads_hook.install_spike_scaler([ddp], config=config, settings={"warmup_steps": 0})
+    scaler = spike.install_spike_scaler([ddp], config=config, settings={"warmup_steps": 0})
     if scaler is None:
         return {"status": "skipped", "reason": "install_spike_scaler found no Post/Pre-LN boundary"}
     host_timing = scaler.enable_timing()
@@ -692,7 +692,7 @@ def phase_spike(rt: Runtime, variant: Variant, shape: Shape, warmup: int, repeat
                 step_ms.append((t1 - t0) * 1e3)
                 hook_ms.append((t2 - t1) * 1e3)
     finally:
-        grads_hook.remove_spike_scaler(config)
+        spike.remove_spike_scaler(config)
     stats = _stats(hook_ms)
     step = _stats(step_ms)
     targets = [t.name for t in scaler.targets]

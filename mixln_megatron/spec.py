@@ -33,7 +33,7 @@ from megatron.core.transformer.transformer_block import (
 from .model import backends, env_settings
 from . import compat, megatron_args
 from .errors import MixLNError, report_once
-from .training.grads_hook import SpikeScalerLayer
+from .training.spike import SpikeScalerLayer
 from .model.layer import MixLNTransformerLayer, MixLNUnsupportedError, check_supported
 from .model.placement import resolve_placement
 from .model.settings import MixLNSettings, layered

@@ -48,19 +48,17 @@ def variant_placement(name: str, num_layers: int, alpha: float = 0.25) -> Tuple[
     raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
 
 
-def is_norm_parameter(name: str) -> bool:
-    """Parameters of the layer's norms (megatron local *layernorm*, TE fused *layer_norm_*, HF *_layernorm)."""
-    return "layernorm" in name or "layer_norm" in name or name.endswith("norm.weight")
-
-
 def layer_grad_norms(lm: LanguageModel, exclude_norms: bool = False) -> List[float]:
     """L2 norm of the current .grad over all parameters of each decoder layer (optionally over the
-    weight matrices only, leaving out the norms' scale vectors)."""
+    weight matrices only, leaving out the two norms: MixLNTransformerLayer.norm_parameters())."""
     out = []
     for layer in lm.layers:
+        if exclude_norms and not hasattr(layer, "norm_parameters"):
+            raise ValueError(f"exclude_norms needs Mix-LN layers (norm_parameters()), got {type(layer).__name__}")
+        norms = {id(p) for _, p in layer.norm_parameters()} if exclude_norms else set()
         sq = 0.0
-        for name, p in layer.named_parameters():
-            if p.grad is None or (exclude_norms and is_norm_parameter(name)):
+        for p in layer.parameters():
+            if p.grad is None or id(p) in norms:
                 continue
             sq += float(p.grad.detach().double().pow(2).sum())
         out.append(math.sqrt(sq))

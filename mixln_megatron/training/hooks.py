@@ -27,8 +27,8 @@ from ..model.settings import MixLNSettings
 
 def install_training_hooks(config, settings: Optional[MixLNSettings] = None) -> dict:
     """Install what `settings` asks for on `config`; returns {"spike_scaler": ..., "telemetry": ...}."""
-    from . import grads_hook, telemetry
-    from .spike import resolve_spike_settings
+    from . import telemetry
+    from .spike import install_on_config, resolve_spike_settings
 
     config = getattr(config, "transformer", config)  # Megatron-LM's GPTModelConfig wraps it
     settings = settings or MixLNSettings()
@@ -36,7 +36,7 @@ def install_training_hooks(config, settings: Optional[MixLNSettings] = None) -> 
     spike = resolve_spike_settings(settings.spike)
     if spike.enabled:
         placement = resolve_placement(config.num_layers, settings)
-        installed["spike_scaler"] = grads_hook.install_on_config(config, placement, spike)
+        installed["spike_scaler"] = install_on_config(config, placement, spike)
     interval = settings.telemetry.interval or 0
     if interval > 0:
         installed["telemetry"] = telemetry.install_telemetry(config, interval, settings.telemetry.path)

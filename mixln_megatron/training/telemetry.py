@@ -5,9 +5,9 @@ finalize_model_grads and, when installed, the gradient-spike scaler), so it sees
 gradients the optimizer receives, after the scaler. Off by default (N = 0): zero cost.
 
 For each transformer layer (global number) it logs the gradient norm of all its parameters and,
-separately, of its two norm weights (first and second in forward order: Pre-LN N_in / N_mlp,
-Post-LN N1 / N2), plus the Post-LN-group and Pre-LN-group aggregates. Squared sums are formed
-like megatron's grad norm: TP-duplicated parameters count once (TP rank 0), TP-sharded ones are
+separately, of its two norms (layer.norm_parameters(): first and second in forward order,
+Pre-LN N_in / N_mlp, Post-LN N1 / N2), plus the Post-LN-group and Pre-LN-group aggregates.
+Squared sums are formed like megatron's grad norm: TP-duplicated parameters count once (TP rank 0), TP-sharded ones are
 summed over TP, stages are summed over PP (each holds its own layers), and under the
 distributed optimizer each rank adds only the shard of main_grad it owns (the rest is not
 reduced) and the shards are summed over the data-parallel group. One all-reduce of an
@@ -30,6 +30,7 @@ from typing import List, Optional
 
 import torch
 
+from . import runtime
 from .ddp_shards import owned_range
 from ..model.layer import MixLNTransformerLayer
 
@@ -38,22 +39,9 @@ logger = logging.getLogger(__name__)
 JSONL_NAME = "mixln_telemetry.jsonl"
 
 
-def norm_roles(layer) -> List[tuple]:
-    """[(column, parameter)] for the layer's two norm weights: column 1 first, 2 second."""
-    if layer.is_post_ln:
-        modules = [layer.post_attention_layernorm, layer.post_mlp_layernorm]
-        return [(i + 1, m.weight) for i, m in enumerate(modules)]
-    out = []
-    for column, norm, fused in (
-        (1, layer.input_layernorm, layer.self_attention.linear_qkv),
-        (2, layer.pre_mlp_layernorm, getattr(layer.mlp, "linear_fc1", None)),
-    ):
-        weight = getattr(norm, "weight", None)
-        if weight is None and fused is not None:
-            weight = getattr(fused, "layer_norm_weight", None)  # TE fused norm+linear
-        if weight is not None:
-            out.append((column, weight))
-    return out
+def norm_columns(layer) -> dict:
+    """{id(parameter): column} of the layer's two norms' parameters: column 1 first, 2 second."""
+    return {id(p): 1 if role.startswith("norm1.") else 2 for role, p in layer.norm_parameters()}
 
 
 class GradTelemetry:
@@ -83,7 +71,7 @@ class GradTelemetry:
                     continue
                 placement = layer.placement
                 num_layers = placement.num_layers
-                norms = {id(p): c for c, p in norm_roles(layer)}
+                norms = norm_columns(layer)
                 for param in layer.parameters():
                     if not param.requires_grad:
                         continue
@@ -146,7 +134,7 @@ class GradTelemetry:
             return math.sqrt(sum(norms[r][0] ** 2 for r in rows)) if rows else None
 
         record = {
-            "step": _megatron_iteration(self.calls),
+            "step": _iteration_or(self.calls),
             "num_layers": placement.num_layers,
             "post_ln_layers": P,
             "scheme": placement.scheme,
@@ -168,7 +156,7 @@ class TelemetryHook:
         self.original = original
 
     @property
-    def mixln_spike_scaler(self):  # so that grads_hook.get_spike_scaler(config) still finds it
+    def mixln_spike_scaler(self):  # so that spike.get_spike_scaler(config) still finds it
         return getattr(self.original, "mixln_spike_scaler", None)
 
     def __call__(self, model, *args, **kwargs):
@@ -182,45 +170,23 @@ class TelemetryHook:
         return result
 
 
-def _megatron_iteration(fallback: int) -> int:
-    try:
-        from megatron.training.global_vars import get_args
-
-        iteration = getattr(get_args(), "curr_iteration", None)
-        if iteration is not None:
-            return int(iteration) + 1
-    except Exception:  # noqa: BLE001 - not inside Megatron-LM's training loop
-        pass
-    return fallback
-
-
-def _writers():
-    try:
-        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
-
-        return get_tensorboard_writer(), get_wandb_writer()
-    except Exception:  # noqa: BLE001 - no Megatron-LM run
-        return None, None
+def _iteration_or(fallback: int) -> int:
+    """Megatron-LM's current iteration; outside its training loop, the hook's own call count."""
+    iteration = runtime.current_iteration()
+    return fallback if iteration is None else iteration
 
 
 def default_path() -> str:
     """<save>/mixln_telemetry.jsonl in a Megatron-LM run, else runs/ (a path in the settings wins)."""
-    try:
-        from megatron.training.global_vars import get_args
-
-        save = getattr(get_args(), "save", None)
-        if save:
-            return os.path.join(save, JSONL_NAME)
-    except Exception:  # noqa: BLE001
-        pass
-    return os.path.join("runs", JSONL_NAME)
+    save = runtime.arg("save")
+    return os.path.join(save if save else "runs", JSONL_NAME)
 
 
 def write_record(record: dict, path: Optional[str] = None) -> None:
     """On the last rank (where Megatron keeps its writers): TensorBoard / W&B, and the JSONL."""
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != torch.distributed.get_world_size() - 1:
+    if not runtime.is_last_rank():
         return
-    tensorboard, wandb = _writers()
+    tensorboard, wandb = runtime.writers()
     step = record["step"]
     scalars = {}
     for i, value in enumerate(record["layer_grad_norm"]):

@@ -1,9 +1,5 @@
-"""The gradient-spike scaler's rule and state: plain tensor code, no torch.distributed, no megatron.
-
-Where it acts: the norm parameters at the Post-LN / Pre-LN boundary of a Mix-LN model (by default
-the two norms of the last Post-LN layer and the two of the first Pre-LN layer), on the fully
-reduced gradient of each step. The adapter that finds those gradients inside Megatron's
-`finalize_model_grads` lives in grads_hook.py; this module only sees [targets, elements] matrices.
+"""The gradient-spike scaler's rule and its state: plain tensor code, no torch.distributed, no
+megatron. It only sees [targets, elements] matrices of reduced gradients (targets.py finds them).
 
 The rule, per element i of a target tensor (t_i = the steps element i has seen so far):
 
@@ -39,90 +35,18 @@ differs between Adam variants), it runs on the reduced gradient before clipping 
 computation, and scaling to the momentum removes the spike's energy rather than keeping
 sqrt(5000) ~ 71x of it. `ReferenceSpikeRule` below is the rule as plain Python, element by element:
 the tensor code is tested against it.
-
-Settings: SpikeSettings (settings.py, with where each value came from; flags --mixln-spike-*, or
-MIXLN_SPIKE_* on the stock --spec path) and resolve_spike_settings. Defaults: threshold 50 (the Mix-LN authors' value), beta 0.99 (a ~100-step
-memory, so one unlucky step does not define "typical"), warm-up 100 steps (one such memory span). Targets: "boundary" (default), "all" (both norms of every transformer
-layer; the decoder's final norm is not included), or a list of global 1-based layer numbers.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Mapping, Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence
 
 import torch
 
-# The settings themselves (validation, sources) are settings.py's; re-exported for callers.
-from ..model.settings import (
-    DEFAULT_BETA,
-    DEFAULT_TARGETS,
-    DEFAULT_THRESHOLD,
-    DEFAULT_WARMUP_STEPS,
-    SpikeConfigError,
-    SpikeSettings,
-    parse_targets,
-)
+from ...model.settings import DEFAULT_BETA, DEFAULT_THRESHOLD, DEFAULT_WARMUP_STEPS
 
 
-@dataclasses.dataclass(frozen=True)
-class ResolvedSpikeSettings:
-    enabled: bool
-    threshold: float
-    beta: float
-    warmup_steps: int
-    targets: Union[str, Tuple[int, ...]]
-    log_interval: Optional[int]
-
-    def describe(self) -> str:
-        targets = self.targets if isinstance(self.targets, str) else ",".join(map(str, self.targets))
-        return (
-            f"threshold={self.threshold:g} beta={self.beta:g} warmup_steps={self.warmup_steps} "
-            f"targets={targets}"
-        )
-
-
-def resolve_spike_settings(settings: Optional[Union[SpikeSettings, Mapping]] = None) -> ResolvedSpikeSettings:
-    """The given settings with the defaults filled in. `enabled` defaults to False."""
-    if settings is None:
-        settings = SpikeSettings()
-    elif isinstance(settings, Mapping):
-        settings = SpikeSettings(**settings)
-
-    def pick(name, default):
-        value = getattr(settings, name)
-        return default if value is None else value
-
-    return ResolvedSpikeSettings(
-        enabled=bool(pick("enabled", False)),
-        threshold=float(pick("threshold", DEFAULT_THRESHOLD)),
-        beta=float(pick("beta", DEFAULT_BETA)),
-        warmup_steps=int(pick("warmup_steps", DEFAULT_WARMUP_STEPS)),
-        targets=parse_targets(pick("targets", DEFAULT_TARGETS), "the settings"),
-        log_interval=settings.log_interval,
-    )
-
-
-def target_layers(targets: Union[str, Tuple[int, ...]], placement) -> Tuple[int, ...]:
-    """Global 1-based layer numbers whose norm parameters the scaler watches.
-
-    `placement` is a mixln_megatron.model.placement.Placement. "boundary" gives () when the model has no
-    Post/Pre boundary (P = 0 or P = L): the scaler is then disabled.
-    """
-    if targets == "boundary":
-        return tuple(placement.boundary_layers)
-    if targets == "all":
-        return tuple(range(1, placement.num_layers + 1))
-    bad = [n for n in targets if not 1 <= n <= placement.num_layers]
-    if bad:
-        raise SpikeConfigError(
-            f"spike target layers {bad} are outside 1..{placement.num_layers} (global, 1-based)"
-        )
-    return tuple(targets)
-
-
-# --------------------------------------------------------------------------------------- the rule
 class SpikeState:
     """State of the rule for K target tensors, as rows of [K, n] matrices (n = the largest size).
 
@@ -145,6 +69,9 @@ class SpikeState:
     Statistics of the proposal (`pending_stats`, over the decided elements): [number of scaled
     elements, largest |g| / momentum over finite elements that have a momentum, number of
     non-finite elements]. After a commit they are in `last_stats`.
+
+    The work is a fixed number of whole-matrix tensor ops, whatever K is: the hook's cost per step
+    does not grow with the number of targets.
     """
 
     STATS = ("scaled", "max_ratio", "nonfinite")
@@ -174,6 +101,7 @@ class SpikeState:
         self.pending_momentum, self.pending_step = self._pending[0], self._pending[1]
         self.pending_valid = torch.zeros(1, dtype=torch.bool, device=device)
         self.pending_stats = torch.zeros(3, dtype=torch.float32, device=device)
+        self._stat_slots = self.pending_stats.unbind(0)  # views made once: no indexing per step
         self.last_stats = torch.zeros(3, dtype=torch.float32, device=device)
         self._zero_stats = torch.zeros(3, dtype=torch.float32, device=device)
 
@@ -209,24 +137,41 @@ class SpikeState:
         g = grad.float()
         if scale is not None:
             g = g / scale
+        return self._decide(g, scale, owned)
+
+    @torch.no_grad()
+    def propose_in_place(
+        self,
+        grad: torch.Tensor,
+        scale: Optional[torch.Tensor] = None,
+        owned: Optional[torch.Tensor] = None,
+    ):
+        """propose() on an fp32 [K, n] buffer that then holds the result: the spiking elements
+        replaced, every other element untouched. Returns (spike, replacement) as propose()."""
+        spike, replacement = self._decide(grad if scale is None else grad / scale, scale, owned)
+        torch.where(spike, replacement, grad, out=grad)
+        return spike, replacement
+
+    def _decide(self, g: torch.Tensor, scale, owned):
+        """The rule on unscaled fp32 gradients g; `scale` only multiplies the replacement back."""
         mag = g.abs()
         finite = mag < math.inf  # False for inf and nan
         valid = finite & owned if owned is not None else finite
         mhat = self.momentum / torch.rsub(torch.pow(self.beta, self.step), 1.0).clamp_min_(1e-30)
         compared = (mhat > 0) & valid
         spike = (mag > mhat * self.threshold) & compared & (self.step >= self.warmup_steps)
-        replacement = torch.sign(g).mul_(mhat)
+        replacement = torch.copysign(mhat, g)  # a spike has |g| > 0: sign(g) * mhat
         if scale is not None:
             replacement.mul_(scale)
         kept = torch.where(spike, mhat, mag)
         new_momentum = torch.lerp(self.momentum, kept, 1.0 - self.beta)  # beta*m + (1-beta)*kept
         torch.where(valid, new_momentum, self.momentum, out=self.pending_momentum)
         torch.add(self.step, valid, out=self.pending_step)
-        stats = self.pending_stats
-        torch.sum(spike, dim=(0, 1), dtype=torch.float32, out=stats[0])
-        torch.amax(torch.where(compared, mag / mhat, 0.0), dim=(0, 1), out=stats[1])
+        scaled, max_ratio, nonfinite = self._stat_slots
+        torch.sum(spike, dim=(0, 1), dtype=torch.float32, out=scaled)
+        torch.amax(torch.where(compared, mag / mhat, 0.0), dim=(0, 1), out=max_ratio)
         bad = ~finite if owned is None else owned & ~finite
-        torch.sum(bad, dim=(0, 1), dtype=torch.float32, out=stats[2])
+        torch.sum(bad, dim=(0, 1), dtype=torch.float32, out=nonfinite)
         self.pending_valid.fill_(True)
         return spike, replacement
 
@@ -267,7 +212,6 @@ class SpikeState:
         self.momentum[k, :n].copy_(momentum.reshape(-1).to(torch.float32))
         self.step[k, :n].copy_(torch.as_tensor(step).reshape(-1).to(torch.float32).expand(n))
         self.pending_valid.fill_(False)
-
 
 # --------------------------------------------------------------------------------------- reference
 class ReferenceSpikeRule:

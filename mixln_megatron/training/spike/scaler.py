@@ -1,0 +1,277 @@
+"""SpikeScaler: one process's owner of the rule's state, the per-step work after Megatron's
+finalize_model_grads, the commit after the optimizer step, and the reporting.
+
+Correctness under each kind of parallelism (targets.py says which elements a rank decides for):
+  * DDP: main_grad is the reduced gradient on every DP rank; the rule runs as is.
+  * Distributed optimizer: each rank decides for its own shard of each target and advances only
+    that shard's state; `synchronize()` (a masked all-reduce: every element from its one owner)
+    makes the state replicated again whenever it is checkpointed, so what is saved does not
+    depend on the layout. (Considered instead: all-reduce the target grads every step with the
+    non-owned parts zeroed. Same decisions, but one more collective per step inside a possibly
+    captured region, for nothing the optimizer reads.)
+  * TP / SP: replicated norm grads give identical decisions. PP / VPP: each stage handles the
+    targets it holds; the decisions do not depend on where the stages split the model.
+  * fp16 loss scaling: main_grad still carries the loss scale; the rule divides by the
+    optimizer's current scale (a device tensor) and multiplies the replacement back.
+  * Skipped steps: the hook only proposes the next state; the optimizer's `step` (wrapped on the
+    instance, the class is untouched) commits it when it reports success and discards it
+    otherwise (fp16 overflow, grad-norm skip). A rerun of the same step proposes again from the
+    same committed state. Without a known optimizer each proposal is committed at once
+    (documented fallback for custom loops; then fp16 skips cannot be seen).
+  * CUDA graphs: nothing in the per-step work reads a device value on the host; statistics stay
+    on the device and are read at the logging interval, from the optimizer-step wrapper.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Callable, List, Optional
+
+import torch
+
+from ...model.placement import Placement
+from .. import runtime
+from .options import ResolvedSpikeSettings, target_layers
+from .rule import SpikeState
+from .state import HOLDER_NAME, CheckpointState, SpikeStateHolder
+from .stats import DEFAULT_LOG_INTERVAL, StepStats
+from .targets import Target, TargetSet, find_targets, mixln_layers
+
+logger = logging.getLogger(__name__)
+
+
+class SpikeScaler:
+    """Per-process owner of the rule's state, the hook's work, the commit and the reporting."""
+
+    def __init__(self, settings: ResolvedSpikeSettings, placement: Placement, config=None):
+        self.config = config
+        self._configure(settings, placement)
+        self.optimizer = None
+        self.has_grad_scaler = False
+        self.eager_commit = False
+        self.state: Optional[SpikeState] = None
+        self.targets: List[Target] = []
+        self.target_set: Optional[TargetSet] = None
+        self.is_set_up = False
+        self.checkpoint = CheckpointState(self)
+        self.stats = StepStats()
+        self.committed_steps = 0
+        self.optimizer_steps = 0
+        self._pp_group = None
+        self.timing: Optional[dict] = None  # enable_timing()
+        # debug: recorder(scaler, grads [K, n] before the rule, spike, replacement, scale, owned mask or None)
+        self.recorder: Optional[Callable] = None
+
+    def _configure(self, settings: ResolvedSpikeSettings, placement: Placement) -> None:
+        self.settings = settings
+        self.placement = placement
+        self.layers = target_layers(settings.targets, placement)
+
+    def describe(self) -> str:
+        return (
+            f"[mixln_megatron] gradient-spike scaler on the norms of global layers "
+            f"{', '.join(map(str, self.layers))} (P={self.placement.post_ln_layers} of "
+            f"L={self.placement.num_layers}): {self.settings.describe()}"
+        )
+
+    @property
+    def last_report(self) -> Optional[List[dict]]:
+        return self.stats.last_report
+
+    # -- installation pieces ---------------------------------------------------------------------
+    def attach(self, layer) -> SpikeStateHolder:
+        """Give `layer` its checkpoint holder (idempotent)."""
+        holder = layer._modules.get(HOLDER_NAME)
+        if isinstance(holder, SpikeStateHolder):
+            holder.bind(self, layer)
+        else:
+            holder = SpikeStateHolder(self, layer)
+            layer.add_module(HOLDER_NAME, holder)
+        if holder.is_target:
+            self.checkpoint.holders[holder.layer_number] = holder
+        return holder
+
+    def set_optimizer(self, optimizer) -> None:
+        """Commit proposals after `optimizer.step()` reports success (wraps the instance's step)."""
+        if optimizer is None or optimizer is self.optimizer:
+            return
+        self.optimizer = optimizer
+        subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+        self.has_grad_scaler = any(getattr(o, "grad_scaler", None) is not None for o in subs)
+        self.eager_commit = False
+        if getattr(optimizer, "_mixln_spike_scaler", None) is self:
+            return
+        original = optimizer.step
+        scaler = self
+
+        @functools.wraps(original)
+        def step(*args, **kwargs):
+            result = original(*args, **kwargs)
+            success = result[0] if isinstance(result, tuple) else result
+            scaler.after_optimizer_step(bool(success))
+            return result
+
+        optimizer.step = step
+        optimizer._mixln_spike_scaler = self
+
+    def enable_timing(self) -> dict:
+        """Accumulate the wall-clock time of the hook's own work, of the commit and of the reports."""
+        self.timing = {"hook_s": 0.0, "commit_s": 0.0, "hook_calls": 0, "commits": 0,
+                       "report_s": 0.0, "reports": 0}
+        return self.timing
+
+    # -- set-up at the first hook call (eager, before any CUDA graph capture) -----------------------
+    def _setup(self, model_chunks) -> None:
+        for _, layer in mixln_layers(model_chunks):
+            self.attach(layer)
+        targets, chunk_of = find_targets(model_chunks, self.layers)
+        self.targets = targets
+        self._find_optimizer()
+        if targets:
+            self.target_set = TargetSet(targets, chunk_of, (len(targets), max(t.numel for t in targets)))
+            self.state = SpikeState(
+                [t.numel for t in targets], self.settings.threshold, self.settings.beta,
+                self.settings.warmup_steps, device=self.target_set.device,
+            )
+            for k, t in enumerate(targets):
+                data = self.checkpoint.take_loaded(t.layer_number, t.role)
+                if data is not None:
+                    self.state.set_target(k, data["momentum"], data["step"])
+        self.is_set_up = True
+
+    def _find_optimizer(self) -> None:
+        """Megatron-LM sets config.grad_scale_func to the optimizer's bound scale_loss."""
+        if self.optimizer is None and self.config is not None:
+            candidate = getattr(getattr(self.config, "grad_scale_func", None), "__self__", None)
+            if candidate is not None and hasattr(candidate, "step") and hasattr(candidate, "get_loss_scale"):
+                self.set_optimizer(candidate)
+        if self.optimizer is None:
+            self.eager_commit = True
+            logger.warning(
+                "mixln spike scaler: no optimizer known (pass optimizer= to install_spike_scaler, or "
+                "set config.grad_scale_func = optimizer.scale_loss as Megatron-LM does); each step's "
+                "decisions are committed at once, so a step the optimizer skips still counts"
+            )
+            if self.config is not None and getattr(self.config, "fp16", False):
+                logger.warning("mixln spike scaler: fp16 without a known optimizer: the loss scale is unknown")
+
+    def target_index(self) -> dict:
+        return {(t.layer_number, t.role): k for k, t in enumerate(self.targets)}
+
+    def target_names(self) -> List[str]:
+        return [t.name for t in self.targets]
+
+    # -- the hook's own work ---------------------------------------------------------------------
+    def after_finalize(self, model_chunks, force_all_reduce: bool = False, pg_collection=None) -> None:
+        """Runs right after the original finalize_model_grads. With force_all_reduce megatron
+        all-reduced even under the distributed optimizer: the owned shards are reduced all the same,
+        so the hook proceeds unchanged. A fixed number of tensor ops, whatever the number of targets."""
+        if not self.is_set_up:
+            if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
+                self._pp_group = pg_collection.pp
+            self._setup(model_chunks)
+        if not self.targets:
+            if self.eager_commit:
+                self._after_commit(True)
+            return
+        started = time.perf_counter() if self.timing is not None else 0.0
+        targets = self.target_set
+        grads = targets.gather()  # fp32 [K, n], rewritten in place below
+        before = grads.clone() if self.recorder is not None else None
+        scale = self.optimizer.get_loss_scale() if self.has_grad_scaler else None
+        spike, replacement = self.state.propose_in_place(grads, scale, targets.owned)
+        targets.scatter()  # only the spiking elements differ from what main_grad holds
+        if self.timing is not None:
+            self.timing["hook_s"] += time.perf_counter() - started
+            self.timing["hook_calls"] += 1
+        if self.recorder is not None:
+            self.recorder(self, before, spike, replacement, scale, targets.owned)
+        if self.eager_commit:
+            self._after_commit(True)
+
+    # -- commit / discard ------------------------------------------------------------------------
+    def after_optimizer_step(self, update_successful: bool) -> None:
+        """Called by the wrapped optimizer.step with its success flag."""
+        self._after_commit(update_successful)
+
+    def commit(self, update_successful: bool = True) -> None:
+        """For custom loops without a megatron optimizer: commit (or drop) the last proposal."""
+        self._after_commit(update_successful)
+
+    def _after_commit(self, success: bool) -> None:
+        started = time.perf_counter() if self.timing is not None else 0.0
+        self.optimizer_steps += 1
+        if self.state is not None:
+            if success:
+                self.state.commit()
+            else:
+                self.state.discard()
+        interval = self.log_interval()
+        if success:
+            self.committed_steps += 1
+            iteration = runtime.current_iteration()
+            self.stats.record(self.state.last_stats if self.state is not None else None,
+                              iteration if iteration is not None else self.committed_steps,
+                              interval, self._stats_device())
+        if self.timing is not None:
+            self.timing["commit_s"] += time.perf_counter() - started
+            self.timing["commits"] += 1
+        if self.optimizer_steps % interval == 0:
+            started = time.perf_counter()
+            self.report()
+            if self.timing is not None:  # kept apart: once per logging interval, like Megatron's own
+                self.timing["report_s"] += time.perf_counter() - started
+                self.timing["reports"] += 1
+
+    # -- statistics ------------------------------------------------------------------------------
+    def log_interval(self) -> int:
+        if self.settings.log_interval:
+            return int(self.settings.log_interval)
+        return int(runtime.arg("log_interval", DEFAULT_LOG_INTERVAL))
+
+    def _stats_device(self) -> torch.device:
+        if self.state is not None:
+            return self.state.device
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _stat_groups(self) -> list:
+        """Where statistics are split: the distributed optimizer's shards, the pipeline stages."""
+        groups = []
+        if self.target_set is not None and self.target_set.group is not None:
+            groups.append(self.target_set.group)
+        group = self._pp_group
+        if group is None and torch.distributed.is_initialized():
+            from megatron.core import parallel_state
+
+            if parallel_state.model_parallel_is_initialized():
+                group = parallel_state.get_pipeline_model_parallel_group()
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            groups.append(group)
+        return groups
+
+    def report(self) -> List[dict]:
+        """Reduce the steps recorded since the last report and write them (host sync and
+        collectives: every rank calls it at the same step, through the optimizer-step wrapper)."""
+        return self.stats.report(self._stat_groups())
+
+    def totals(self, reduce: bool = False) -> dict:
+        """Totals over committed steps (host sync). reduce=False: this rank's own counts (its
+        shard, its stage); reduce=True: over shards and stages, a collective every rank must call."""
+        out = self.stats.totals(self._stat_groups() if reduce else [], reduce, self._stats_device())
+        return {**out, "committed_steps": self.committed_steps}
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Make the state replicated over the distributed optimizer's DP group (each element from
+        its owner). Collective over that group; a no-op without the distributed optimizer."""
+        if self.state is None or self.target_set is None or self.target_set.group is None:
+            return
+        owned, group = self.target_set.owned, self.target_set.group
+        for tensor in (self.state.momentum, self.state.step):
+            mine = torch.where(owned, tensor, torch.zeros((), dtype=tensor.dtype, device=tensor.device))
+            torch.distributed.all_reduce(mine, group=group)
+            tensor.copy_(mine)

@@ -1,0 +1,132 @@
+"""Which gradients the spike scaler edits, which of their elements this rank owns, and the views
+through which one step reads and writes all of them at once.
+
+Targets: the two norms' parameters (MixLNTransformerLayer.norm_parameters()) of the target layers
+held by this pipeline stage, sorted by (layer, role). Multi-token-prediction layers are never
+targets.
+
+Ownership (megatron DDP): under the all-reduce every element of main_grad is reduced on every
+rank. Under the distributed optimizer only this rank's shard of each bucket is reduced (the rest
+still holds the local gradient) and only that shard is read by the optimizer, so the rule decides
+for exactly those elements (ddp_shards.owned_range): no communication per step, no double
+counting. TP/SP replicas hold identical reduced norm grads and decide alike without talking.
+
+Batched access: each target's flat main_grad is copied into its row of one fp32 [K, n] buffer
+and the owned slices are copied back, each direction one foreach op over views made once, so a
+step's op count does not grow with the number of targets. Copying back through fp32 is exact for
+every element the rule leaves alone (bf16/fp16 -> fp32 -> bf16/fp16 round-trips).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ...model.layer import MixLNTransformerLayer
+from ..ddp_shards import owned_range
+
+
+class Target:
+    __slots__ = ("layer_number", "role", "param", "numel", "owned")
+
+    def __init__(self, layer_number: int, role: str, param: torch.nn.Parameter):
+        self.layer_number, self.role, self.param = layer_number, role, param
+        self.numel = param.numel()
+        self.owned = (0, self.numel)  # elements of main_grad this rank's optimizer reads
+
+    @property
+    def name(self) -> str:
+        return f"layer{self.layer_number}.{self.role}"
+
+
+def mixln_layers(model_chunks) -> List[Tuple[torch.nn.Module, MixLNTransformerLayer]]:
+    """(chunk, layer) for every Mix-LN layer of the model chunks."""
+    return [(chunk, module) for chunk in model_chunks for module in chunk.modules()
+            if isinstance(module, MixLNTransformerLayer)]
+
+
+def is_target_layer(layer, layers: Sequence[int]) -> bool:
+    return layer.layer_number in layers and not getattr(layer, "is_mtp_layer", False)
+
+
+def find_targets(model_chunks, layers: Sequence[int]) -> Tuple[List[Target], Dict[int, torch.nn.Module]]:
+    """The trainable norm parameters of the target layers on this rank, and each one's chunk (by id)."""
+    targets, chunk_of = [], {}
+    for chunk, layer in mixln_layers(model_chunks):
+        if not is_target_layer(layer, layers):
+            continue
+        for role, param in layer.norm_parameters():
+            if param.requires_grad:
+                targets.append(Target(layer.layer_number, role, param))
+                chunk_of[id(param)] = chunk
+    targets.sort(key=lambda t: (t.layer_number, t.role))
+    return targets, chunk_of
+
+
+class TargetSet:
+    """The targets of one rank, their ownership, and the fp32 [K, n] buffer the rule runs on."""
+
+    def __init__(self, targets: List[Target], chunk_of: Dict[int, torch.nn.Module], shape: Tuple[int, int]):
+        for t in targets:
+            if getattr(t.param, "main_grad", None) is None:
+                raise RuntimeError(
+                    f"mixln spike scaler: {t.name} has no main_grad; the scaler needs the model "
+                    "chunks wrapped in megatron.core.distributed.DistributedDataParallel"
+                )
+        self.targets = targets
+        self.device = targets[0].param.main_grad.device
+        self.owned: Optional[torch.Tensor] = None  # [K, n] bool under the distributed optimizer
+        self.group = None  # the distributed optimizer's intra-instance DP group (size > 1)
+        self._find_ownership(chunk_of, shape)
+        self.buffer = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self._make_views()
+
+    def _find_ownership(self, chunk_of, shape) -> None:
+        chunk = chunk_of[id(self.targets[0].param)]
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is None or not hasattr(chunk, "param_to_bucket_group"):
+            raise RuntimeError(
+                "mixln spike scaler: the model chunks must be megatron.core.distributed."
+                "DistributedDataParallel instances (found " + type(chunk).__name__ + ")"
+            )
+        if getattr(ddp_config, "use_megatron_fsdp", False):
+            raise NotImplementedError("mixln spike scaler: Megatron-FSDP is not supported")
+        if not ddp_config.use_distributed_optimizer:
+            return
+        group = None
+        owned = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        for k, t in enumerate(self.targets):
+            chunk = chunk_of[id(t.param)]
+            this_group = chunk.param_to_bucket_group[t.param].intra_distributed_optimizer_instance_group
+            if group is not None and this_group is not group:
+                raise NotImplementedError(
+                    "mixln spike scaler: target norm parameters in different data-parallel groups"
+                )
+            group = this_group
+            t.owned = owned_range(chunk, t.param)
+            owned[k, t.owned[0]:t.owned[1]] = True
+        if group.size() > 1:
+            self.owned, self.group = owned, group
+
+    def _make_views(self) -> None:
+        """Views made once (main_grad is a fixed view into DDP's grad buffer); remade if it changes."""
+        self._sources = [t.param.main_grad for t in self.targets]
+        grads = [g.view(-1) for g in self._sources]
+        self._rows = [self.buffer[k, :t.numel] for k, t in enumerate(self.targets)]
+        owned = [(k, t.owned) for k, t in enumerate(self.targets) if t.owned[1] > t.owned[0]]
+        self._out_grads = [grads[k][lo:hi] for k, (lo, hi) in owned]
+        self._out_rows = [self._rows[k][lo:hi] for k, (lo, hi) in owned]
+        self._in_grads = grads
+
+    def gather(self) -> torch.Tensor:
+        """The targets' main_grad, as rows of the fp32 buffer (one foreach copy)."""
+        if any(t.param.main_grad is not source for t, source in zip(self.targets, self._sources)):
+            self._make_views()
+        torch._foreach_copy_(self._rows, self._in_grads)
+        return self.buffer
+
+    def scatter(self) -> None:
+        """Write the buffer's owned elements back into main_grad (one foreach copy)."""
+        if self._out_grads:
+            torch._foreach_copy_(self._out_grads, self._out_rows)
