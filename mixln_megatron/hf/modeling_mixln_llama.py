@@ -31,18 +31,8 @@ from transformers.models.llama.modeling_llama import (
 from .configuration_mixln_llama import MixLNLlamaConfig
 
 
-class MixLNLlamaPreLNDecoderLayer(LlamaDecoderLayer):
-    """LLaMA's decoder layer (same parameters) whose two norm outputs are multiplied by `norm_output_scale`."""
-
-    def __init__(self, config: MixLNLlamaConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
-        self.layer_idx = layer_idx
-        self.norm_output_scale = float(config.norm_output_scale(layer_idx))
-
-    def _scaled(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.norm_output_scale != 1.0:
-            hidden_states = hidden_states * self.norm_output_scale
-        return hidden_states
+class _MixLNDecoderLayer(LlamaDecoderLayer):
+    """LLaMA's attention and MLP; the subclasses say where the norms sit around them."""
 
     def forward(
         self,
@@ -55,12 +45,32 @@ class MixLNLlamaPreLNDecoderLayer(LlamaDecoderLayer):
         # Cache, use_cache, cache_position etc. travel in **kwargs under whatever names the installed
         # transformers uses, straight to LlamaAttention.
         attn_output, _ = self.self_attn(
-            hidden_states=self._scaled(self.input_layernorm(hidden_states)),
+            hidden_states=self.attention_input(hidden_states),
             attention_mask=attention_mask,
             position_ids=position_ids,
             position_embeddings=position_embeddings,
             **kwargs,
         )
+        return self.residuals_and_mlp(hidden_states, attn_output)
+
+
+class MixLNLlamaPreLNDecoderLayer(_MixLNDecoderLayer):
+    """LLaMA's decoder layer (same parameters) whose two norm outputs are multiplied by `norm_output_scale`."""
+
+    def __init__(self, config: MixLNLlamaConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.layer_idx = layer_idx
+        self.norm_output_scale = float(config.norm_output_scale(layer_idx))
+
+    def _scaled(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.norm_output_scale != 1.0:
+            hidden_states = hidden_states * self.norm_output_scale
+        return hidden_states
+
+    def attention_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self._scaled(self.input_layernorm(hidden_states))
+
+    def residuals_and_mlp(self, hidden_states: torch.Tensor, attn_output: torch.Tensor) -> torch.Tensor:
         hidden_states = hidden_states + attn_output
         return hidden_states + self.mlp(self._scaled(self.post_attention_layernorm(hidden_states)))
 
@@ -68,7 +78,7 @@ class MixLNLlamaPreLNDecoderLayer(LlamaDecoderLayer):
         return f"layer_idx={self.layer_idx}, norm_output_scale={self.norm_output_scale:.6g}"
 
 
-class MixLNLlamaPostLNDecoderLayer(LlamaDecoderLayer):
+class MixLNLlamaPostLNDecoderLayer(_MixLNDecoderLayer):
     """Post-LN layer: LLaMA's attention and MLP, a norm after each residual add, none in front of attention.
 
     N1 = `post_attention_layernorm`, N2 = `post_feedforward_layernorm`; there is no `input_layernorm`.
@@ -80,21 +90,10 @@ class MixLNLlamaPostLNDecoderLayer(LlamaDecoderLayer):
         self.post_feedforward_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.layer_idx = layer_idx
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.LongTensor] = None,
-        position_embeddings: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-        **kwargs,
-    ) -> torch.Tensor:
-        attn_output, _ = self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
+    def attention_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states
+
+    def residuals_and_mlp(self, hidden_states: torch.Tensor, attn_output: torch.Tensor) -> torch.Tensor:
         hidden_states = self.post_attention_layernorm(hidden_states + attn_output)
         return self.post_feedforward_layernorm(hidden_states + self.mlp(hidden_states))
 
