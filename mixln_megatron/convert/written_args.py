@@ -8,8 +8,24 @@ from typing import List, Optional
 from .mapping import uses_mixln_layout
 from .shape import ModelShape
 
+# ModelShape's fields carry Megatron-LM's argument names.
 SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
               "kv_channels", "max_position_embeddings")
+# What every Llama is in Megatron-LM's terms (RMSNorm, SwiGLU, full RoPE, dense, no dropout).
+LLAMA_FIXED_ARGS = dict(
+    normalization="RMSNorm", layernorm_zero_centered_gamma=False, apply_layernorm_1p=False, swiglu=True,
+    squared_relu=False, position_embedding_type="rope", add_position_embedding=True,
+    use_rotary_position_embeddings=False, rotary_percent=1.0, rotary_interleaved=False,
+    apply_query_key_layer_scaling=False, attention_dropout=0.0, hidden_dropout=0.0, num_experts=None,
+    moe_layer_freq=1, mtp_num_layers=None, multi_latent_attention=False, vocab_file=None, merge_file=None,
+)
+# A converted checkpoint starts training afresh: no optimizer / RNG state, no data consumed, one
+# model replica, and P (not alpha) recorded.
+FRESH_START_ARGS = dict(
+    virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1, context_parallel_size=1,
+    data_parallel_size=1, data_parallel_random_init=False, no_save_optim=True, no_save_rng=True, iteration=0,
+    consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0, mixln_alpha=None,
+)
 
 def megatron_args_namespace(
     shape: ModelShape,
@@ -39,40 +55,23 @@ def megatron_args_namespace(
         spec = ["mixln_megatron.spec",
                 "mixln_layer_spec" if transformer_impl == "transformer_engine" else "mixln_local_layer_spec"]
     scaling = shape.rope_scaling or {}
-    ns = argparse.Namespace(
-        # shape: ModelShape's fields carry Megatron-LM's argument names
+    return argparse.Namespace(
         **{name: getattr(shape, name) for name in SHAPE_ARGS},
+        **LLAMA_FIXED_ARGS,
+        **FRESH_START_ARGS,
         group_query_attention=shape.num_query_groups != shape.num_attention_heads,
         seq_length=shape.max_position_embeddings,
         encoder_seq_length=shape.max_position_embeddings,
-        # Llama flavour
-        normalization="RMSNorm",
         layernorm_epsilon=shape.norm_epsilon,
         norm_epsilon=shape.norm_epsilon,
-        layernorm_zero_centered_gamma=False,
-        apply_layernorm_1p=False,
-        swiglu=True,
-        squared_relu=False,
         add_bias_linear=shape.add_bias_linear,
         add_qkv_bias=shape.add_bias_linear,
-        position_embedding_type="rope",
-        add_position_embedding=True,
-        use_rotary_position_embeddings=False,
         rotary_base=shape.rotary_base,
-        rotary_percent=1.0,
-        rotary_interleaved=False,
         rotary_seq_len_interpolation_factor=(
             scaling.get("factor") if scaling.get("rope_type") == "linear" else None),
         use_rope_scaling=scaling.get("rope_type") == "llama3",
         rope_scaling_factor=float(scaling.get("factor", 8.0)) if scaling.get("rope_type") == "llama3" else 8.0,
         untie_embeddings_and_output_weights=not shape.tie_embeddings,
-        apply_query_key_layer_scaling=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        num_experts=None,
-        moe_layer_freq=1,
-        mtp_num_layers=None,
-        multi_latent_attention=False,
         spec=spec,
         transformer_impl=transformer_impl,
         # vocabulary / tokenizer
@@ -81,8 +80,6 @@ def megatron_args_namespace(
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         tokenizer_type=tokenizer_type,
         tokenizer_model=tokenizer_model,
-        vocab_file=None,
-        merge_file=None,
         # precision
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -92,26 +89,12 @@ def megatron_args_namespace(
         use_dist_ckpt=ckpt_format == "torch_dist",
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=None,
-        expert_model_parallel_size=1,
-        context_parallel_size=1,
         world_size=tp * pp,
-        data_parallel_size=1,
-        data_parallel_random_init=False,
-        # no optimizer / RNG state in a converted checkpoint
-        no_save_optim=True,
-        no_save_rng=True,
-        iteration=0,
-        consumed_train_samples=0,
-        skipped_train_samples=0,
-        consumed_valid_samples=0,
         # Mix-LN: the integer P is authoritative (alpha only informational)
         mixln_post_ln_layers=int(placement_record.get("post_ln_layers", 0)),
-        mixln_alpha=None,
         mixln_scheme=placement_record.get("scheme", "mixln"),
         mixln_converted_from=source,
     )
-    return ns
 
 
 def launch_flags(ns: argparse.Namespace) -> List[str]:
