@@ -46,16 +46,14 @@ import time
 # deterministic mode before anything imports TE, so the exact-repeat checks below are meaningful.
 os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import gpu_check as gchk  # noqa: E402  (the shared helpers: shapes, builders, timing loop, JSON)
-from gpu_check import fmt, log  # noqa: E402
+import device_checks as checks  # noqa: E402  (what gpu_check and te_check share)
+from device_checks import fmt, log  # noqa: E402
 
 PARITY_POST_LN = 2
 # TE vs local on identical weights (relative to the local fp32 result on the same device). TE's
 # fp32 GEMMs may run in TF32, hence the looser fp32 bound; a misplaced norm is an O(1) error.
 TOL_TE_FP32 = 1e-2
-TOL_TE_BF16 = gchk.TOL_BF16
+TOL_TE_BF16 = checks.TOL_BF16
 TOL_FP8 = 0.25  # fp8 vs bf16 output: a smoke bound, not a parity claim
 # The same model and weights run twice: outputs must agree exactly; gradients within this bound,
 # relative to the largest gradient (a TE build may keep an order-dependent wgrad accumulation even
@@ -159,7 +157,7 @@ def run_keyed(block, x, gout, rope) -> dict:
     x = x.detach().clone().requires_grad_(True)
     for p in block.parameters():
         p.grad = None
-    out = gchk.fwd_bwd(block, x, gout, rope)
+    out = checks.fwd_bwd(block, x, gout, rope)
     grads = {_label(k): p.grad.detach().float().cpu() for k, (_, p) in sharded_index(block).items()
              if p.grad is not None}
     return {"out": out.detach().float().cpu(), "x_grad": x.grad.detach().float().cpu(), "grads": grads}
@@ -192,9 +190,9 @@ def phase_parity(rt, shape, backend: str, seed: int) -> tuple:
         ref_runs = {}
         local_fp32 = None
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            cfg = gchk.make_config(shape, dtype, on_cpu=rt.dry_run)
+            cfg = checks.make_config(shape, dtype, on_cpu=rt.dry_run)
             _seed_all(seed)
-            local = gchk.build_block(cfg, "mixln_local", PARITY_POST_LN, rt.device, dtype)
+            local = checks.build_block(cfg, "mixln_local", PARITY_POST_LN, rt.device, dtype)
             if local_fp32 is None:
                 with torch.no_grad():  # norm weights start at 1: perturb so a misplaced norm shows
                     for n, p in local.named_parameters():
@@ -204,18 +202,18 @@ def phase_parity(rt, shape, backend: str, seed: int) -> tuple:
             else:
                 transfer_weights(local_fp32, local)
             _seed_all(seed + 17)  # a different init, so that only the transfer can make them agree
-            cand = gchk.build_block(cfg, f"mixln_{backend}", PARITY_POST_LN, rt.device, dtype)
+            cand = checks.build_block(cfg, f"mixln_{backend}", PARITY_POST_LN, rt.device, dtype)
             mapping = transfer_weights(local_fp32, cand)
-            rope = gchk.rotary(cfg, shape.seq, rt.device, on_cpu=rt.dry_run)
+            rope = checks.rotary(cfg, shape.seq, rt.device, on_cpu=rt.dry_run)
             xd, gd = x.to(rt.device, dtype), gout.to(rt.device, dtype)
             entry = {"mapping": mapping}
             try:
                 ref_runs[name] = run_keyed(local, xd, gd, rope)
                 run = run_keyed(cand, xd, gd, rope)
                 rt.sync()
-                entry["vs_local_fp32"] = gchk.compare_run(run, ref_runs["fp32"])
+                entry["vs_local_fp32"] = checks.compare_run(run, ref_runs["fp32"])
                 if name == "bf16":
-                    entry["local_bf16_vs_local_fp32"] = gchk.compare_run(ref_runs["bf16"], ref_runs["fp32"])
+                    entry["local_bf16_vs_local_fp32"] = checks.compare_run(ref_runs["bf16"], ref_runs["fp32"])
                 tol = TOL_TE_FP32 if name == "fp32" else TOL_TE_BF16
                 clean = not (mapping["only_in_source"] or mapping["only_in_target"]
                              or mapping["target_params_without_key"])
@@ -246,8 +244,8 @@ def phase_checkpoint(rt, shape, backend: str, model, inputs, seed: int) -> dict:
     from megatron.core import dist_checkpointing
 
     dtype = torch.bfloat16
-    cfg = gchk.make_config(shape, dtype, on_cpu=rt.dry_run)
-    rope = gchk.rotary(cfg, shape.seq, rt.device, on_cpu=rt.dry_run)
+    cfg = checks.make_config(shape, dtype, on_cpu=rt.dry_run)
+    rope = checks.rotary(cfg, shape.seq, rt.device, on_cpu=rt.dry_run)
     x, gout = (t.to(rt.device, dtype) for t in inputs)
     report = {}
     with tempfile.TemporaryDirectory(prefix="mixln_te_ckpt_") as root:
@@ -262,13 +260,13 @@ def phase_checkpoint(rt, shape, backend: str, model, inputs, seed: int) -> dict:
         want = run_keyed(model, x, gout, rope)
 
         _seed_all(seed + 99)
-        same = gchk.build_block(cfg, f"mixln_{backend}", PARITY_POST_LN, rt.device, dtype)
+        same = checks.build_block(cfg, f"mixln_{backend}", PARITY_POST_LN, rt.device, dtype)
         t = time.monotonic()
         loaded = dist_checkpointing.load(same.sharded_state_dict(prefix=""), ckpt)
         same.load_state_dict(loaded, strict=True)
         report["load_s"] = time.monotonic() - t
         got = run_keyed(same, x, gout, rope)
-        report["same_backend"] = same = gchk.compare_run(got, want)
+        report["same_backend"] = same = checks.compare_run(got, want)
         report["same_backend_rule"] = f"output exact; input and parameter grads rel <= {TOL_REPEAT_GRAD:g}"
         same_ok = (same["output"]["max_abs"] == 0.0
                    and max(same["input_grad"]["rel"], same["param_grads"]["worst_rel"]) <= TOL_REPEAT_GRAD
@@ -279,11 +277,11 @@ def phase_checkpoint(rt, shape, backend: str, model, inputs, seed: int) -> dict:
             f"; {len(extra)} _extra_state keys")
 
         _seed_all(seed + 123)
-        local = gchk.build_block(cfg, "mixln_local", PARITY_POST_LN, rt.device, dtype)
+        local = checks.build_block(cfg, "mixln_local", PARITY_POST_LN, rt.device, dtype)
         loaded = dist_checkpointing.load(local.sharded_state_dict(prefix=""), ckpt)
         local.load_state_dict(loaded, strict=True)
         cross = run_keyed(local, x, gout, rope)
-        report["into_local"] = gchk.compare_run(cross, want)
+        report["into_local"] = checks.compare_run(cross, want)
         cross_ok = report["into_local"]["max_rel"] <= TOL_TE_BF16 and not report["into_local"]["param_grads"]["name_mismatch"]
         log(f"checkpoint: the {backend} checkpoint loaded into a local-spec model: max_rel "
             f"{report['into_local']['max_rel']:.3e} (tol {TOL_TE_BF16:g}) -> {'ok' if cross_ok else 'FAIL'}")
@@ -308,18 +306,18 @@ def phase_fp8(rt, shape, bf16_model, inputs, seed: int, steps: int = 3) -> dict:
     dtype = torch.bfloat16
     report = {"format": "hybrid", "recipe": "delayed", "steps": steps}
     try:
-        cfg = gchk.make_config(shape, dtype, on_cpu=False, fp8="hybrid", fp8_recipe="delayed")
+        cfg = checks.make_config(shape, dtype, on_cpu=False, fp8="hybrid", fp8_recipe="delayed")
         _seed_all(seed + 7)
-        model = gchk.build_block(cfg, "mixln_te", PARITY_POST_LN, rt.device, dtype)
+        model = checks.build_block(cfg, "mixln_te", PARITY_POST_LN, rt.device, dtype)
         report["mapping"] = transfer_weights(bf16_model, model)
-        rope = gchk.rotary(cfg, shape.seq, rt.device, on_cpu=False)
+        rope = checks.rotary(cfg, shape.seq, rt.device, on_cpu=False)
         x, gout = (t.to(rt.device, dtype) for t in inputs)
         want = run_keyed(bf16_model, x, gout, rope)
         runs = [run_keyed(model, x, gout, rope) for _ in range(steps)]
         rt.sync()
         last = runs[-1]
         finite = all(r["out"].isfinite().all() and all(g.isfinite().all() for g in r["grads"].values()) for r in runs)
-        cmp = gchk.compare(last["out"], want["out"])
+        cmp = checks.compare(last["out"], want["out"])
         report.update(finite=bool(finite), output_vs_bf16=cmp, tol_rel=TOL_FP8)
         report["status"] = "ok" if finite and cmp["rel"] <= TOL_FP8 else "failed"
     except Exception as exc:
@@ -337,7 +335,7 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="same code with the local backend in place of TE, tiny shapes, on the CPU")
-    ap.add_argument("--out-dir", default=gchk.DEFAULT_RESULTS)
+    ap.add_argument("--out-dir", default=checks.DEFAULT_RESULTS)
     ap.add_argument("--warmup", type=int, default=None, help="warmup rounds (default 3; dry run 1)")
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds (default 20; dry run 3)")
     ap.add_argument("--layers", type=int, default=None, help="layers of the timed slice (default 8)")
@@ -352,7 +350,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    gchk.clear_mixln_env()
+    checks.clear_mixln_env()
     dry = args.cpu_dry_run
     if not dry:
         why = te_unavailable_reason()
@@ -360,10 +358,10 @@ def main(argv=None) -> int:
             print(f"SKIP te_check: {why}. Nothing to check here; run it where TE is installed (e.g. an "
                   "NGC PyTorch container), or `benchmarks/te_check.sh --cpu-dry-run`.", flush=True)
             return 0
-    gchk.preflight(need_gpu_modules=not dry, extra=(("psutil", "megatron's dist_checkpointing save"),))
+    checks.preflight(need_gpu_modules=not dry, extra=(("psutil", "megatron's dist_checkpointing save"),))
     import torch
 
-    gchk.start_watchdog(args.max_seconds)
+    checks.start_watchdog(args.max_seconds)
     backend = "local" if dry else "te"
     if not dry:
         from megatron.core.extensions.transformer_engine import HAVE_TE
@@ -375,22 +373,22 @@ def main(argv=None) -> int:
             return 2
     warmup = args.warmup if args.warmup is not None else (1 if dry else 3)
     repeats = args.repeats if args.repeats is not None else (3 if dry else 20)
-    base = gchk.DRY_SLICE if dry else gchk.SLICE_7B
+    base = checks.DRY_SLICE if dry else checks.SLICE_7B
     shape = dataclasses.replace(base, layers=args.layers or base.layers, seq=args.seq or base.seq)
-    parity_shape = gchk.DRY_PARITY_SHAPE if dry else gchk.PARITY_SHAPE
+    parity_shape = checks.DRY_PARITY_SHAPE if dry else checks.PARITY_SHAPE
 
-    rt = gchk.init_runtime(dry, seed=args.seed, backend=args.dist_backend)
-    path = gchk.result_path(args.out_dir, "te_check", rt.mode)
+    rt = checks.init_runtime(dry, seed=args.seed, backend=args.dist_backend)
+    path = checks.result_path(args.out_dir, "te_check", rt.mode)
     log(f"te_check ({rt.mode}, candidate backend {backend}); torch {torch.__version__}; JSON -> {path}")
     report = {
         "check": "te_check", "schema": 1, "mode": rt.mode, "candidate_backend": backend,
         "started": _dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": gchk.machine_facts(rt), "versions": gchk.versions(), "phases": {},
+        "machine": checks.machine_facts(rt), "versions": checks.versions(), "phases": {},
         "te_deterministic": os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") == "0",
         "notes": ["dry run: the local backend stands in for TE, so only the code paths are exercised"] if dry else [
             "timing scope: decoder block only (layers + final norm), no embedding / output layer / loss"],
     }
-    gchk.write_json(path, report)
+    checks.write_json(path, report)
     ok = True
 
     t = time.monotonic()
@@ -402,7 +400,7 @@ def main(argv=None) -> int:
     parity["seconds"] = time.monotonic() - t
     report["phases"]["parity"] = parity
     ok = ok and parity.get("ok", False)
-    gchk.write_json(path, report)
+    checks.write_json(path, report)
 
     if "bf16" in keep:
         t = time.monotonic()
@@ -414,31 +412,31 @@ def main(argv=None) -> int:
         ckpt["seconds"] = time.monotonic() - t
         report["phases"]["checkpoint"] = ckpt
         ok = ok and ckpt.get("ok", False)
-        gchk.write_json(path, report)
+        checks.write_json(path, report)
 
         fp8 = phase_fp8(rt, parity_shape, keep["bf16"], inputs, args.seed)
         if fp8["status"] == "skipped":
             log(f"fp8: SKIP ({fp8['reason']})")
         report["phases"]["fp8"] = fp8
         ok = ok and fp8["status"] != "failed"
-        gchk.write_json(path, report)
+        checks.write_json(path, report)
     keep.clear()
 
     if not args.skip_timing:
         t = time.monotonic()
-        variants = gchk.slice_variants(shape, backend)
+        variants = checks.slice_variants(shape, backend)
         timing = {"shape": dataclasses.asdict(shape), "dtype": "bf16", "warmup": warmup, "repeats": repeats,
                   "scope": "decoder block only (TransformerBlock: layers + final norm)"}
         report["phases"]["timing"] = timing
 
         def partial(vs):
-            timing["variants"] = gchk.summarize_variants(vs, shape)
-            gchk.write_json(path, report)
+            timing["variants"] = checks.summarize_variants(vs, shape)
+            checks.write_json(path, report)
 
-        summary = gchk.time_variants(rt, lambda s, d: gchk.make_config(s, d, on_cpu=dry), shape, variants,
+        summary = checks.time_variants(rt, lambda s, d: checks.make_config(s, d, on_cpu=dry), shape, variants,
                                    warmup, repeats, args.seed, on_round=partial)
         timing["variants"] = summary
-        timing["figures"] = gchk.derive_figures(summary, shape, backend)
+        timing["figures"] = checks.derive_figures(summary, shape, backend)
         timing["seconds"] = time.monotonic() - t
         fig = timing["figures"]
         for v in variants:
@@ -455,25 +453,25 @@ def main(argv=None) -> int:
             f"+{fmt(at_7b.get('overhead_pct'), '.2f')}% of the decoder step (fusion only, no TP overlap)")
         for v in variants:
             v.block = v.params = None
-        gchk.write_json(path, report)
+        checks.write_json(path, report)
 
     fig = report["phases"].get("timing", {}).get("figures", {})
     fp8_status = report["phases"].get("fp8", {}).get("status", "not-run")
     result = {
-        "te_step_ratio": gchk.finite_or_none(fig.get("step_ratio_p2_vs_stock")),
-        "te_mem_ratio": gchk.finite_or_none(fig.get("mem_ratio_p2_vs_stock")),
-        "te_vs_local_max_abs": gchk.finite_or_none(parity.get("te_vs_local_max_abs")),
+        "te_step_ratio": checks.finite_or_none(fig.get("step_ratio_p2_vs_stock")),
+        "te_mem_ratio": checks.finite_or_none(fig.get("mem_ratio_p2_vs_stock")),
+        "te_vs_local_max_abs": checks.finite_or_none(parity.get("te_vs_local_max_abs")),
         "fp8": fp8_status, "ok": bool(ok),
-        "postln_7b_pct": gchk.finite_or_none(fig.get("extrapolated_7b", {}).get("overhead_pct")),
+        "postln_7b_pct": checks.finite_or_none(fig.get("extrapolated_7b", {}).get("overhead_pct")),
         "definition": f"step/mem ratio: Mix-LN {backend} P=2 over megatron's stock {backend} spec on the slice; "
                       "te_vs_local_max_abs: fp32 parity, max over output, input grad and param grads; "
                       "postln_7b_pct: extra decoder step time of P=2 Post-LN layers in a 32-layer model, "
                       "from the per-layer cost (P=L minus P=0) of the slice, TP=1 (no overlap measured)",
     }
     report["result"] = result
-    report["elapsed_s"] = time.monotonic() - gchk._T0
-    gchk.write_json(path, report)
-    gchk.shutdown()
+    report["elapsed_s"] = checks.elapsed()
+    checks.write_json(path, report)
+    checks.shutdown()
     log(f"wrote {path}")
     if not ok:
         print("FAIL te_check: a check failed (see the lines above and the JSON)", flush=True)
