@@ -130,7 +130,7 @@ def test_building_a_model_from_the_spec_installs_nothing(mcore_single):
 
 def test_the_spec_functions_install_what_the_environment_asks(mcore_single):
     from mixln_megatron.dev.testing import tiny_config
-    from mixln_megatron.training.grads_hook import get_spike_scaler
+    from mixln_megatron.training.spike import get_spike_scaler
     from mixln_megatron.spec import stock_decoder_spec
     from mixln_megatron.training.telemetry import get_telemetry
 

@@ -1,4 +1,4 @@
-"""The gradient-spike scaler: the rule (spike.py) and the adapter in Megatron's grads (grads_hook.py).
+"""The gradient-spike scaler (training/spike/): the rule, and the scaler on Megatron's reduced grads.
 
 Unit tests run in-process. The multi-process tests launch tests/workers/spike_worker.py once per
 world size (torchrun, gloo, CPU), covering several layouts per launch; each layout trains a tiny
@@ -263,7 +263,7 @@ def test_targets():
 
 def test_the_spec_is_plain_data_and_install_training_hooks_installs(mcore_single):
     from mixln_megatron.dev.testing import tiny_config
-    from mixln_megatron.training.grads_hook import (
+    from mixln_megatron.training.spike import (
         SpikeGradsHook,
         SpikeScalerLayer,
         get_spike_scaler,
@@ -292,37 +292,71 @@ def test_the_spec_is_plain_data_and_install_training_hooks_installs(mcore_single
 
 
 def _bare_scaler(**settings):
-    from mixln_megatron.training.grads_hook import SpikeScaler
+    from mixln_megatron.training.spike import SpikeScaler
 
     return SpikeScaler(resolve_spike_settings(SpikeSettings(enabled=True, **settings)),
                        Placement(num_layers=4, post_ln_layers=2))
 
 
+def _ops_per_step(targets):
+    """Tensor ops (torch-function calls) of one step of the scaler's work, hook and commit, on a
+    DDP-wrapped tiny Mix-LN GPT, after the one-off set-up."""
+    from torch.overrides import TorchFunctionMode
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from mixln_megatron.dev.testing import build_gpt, tiny_config
+    from mixln_megatron.model.settings import MixLNSettings
+    from mixln_megatron.spec import get_mixln_decoder_block_spec
+    from mixln_megatron.training.spike import install_spike_scaler
+
+    class Count(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    config = tiny_config(num_layers=4)
+    spec = get_mixln_decoder_block_spec(config, backend="local", settings=MixLNSettings(post_ln_layers=2))
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), build_gpt(config, spec))
+    scaler = install_spike_scaler([model], config, settings={"targets": targets, "warmup_steps": 1})
+    scaler.after_finalize([model])  # set-up (eager, once) and a first step
+    with Count():
+        scaler.after_finalize([model])  # no optimizer known: commits at once
+    return len(scaler.targets), Count.calls
+
+
+def test_ops_per_step_do_not_grow_with_the_targets(mcore_single):
+    boundary, all_layers = _ops_per_step("boundary"), _ops_per_step("all")
+    assert (boundary[0], all_layers[0]) == (4, 8)  # two norms of layers 2, 3 / of all four layers
+    assert boundary[1] == all_layers[1] <= 35, (boundary, all_layers)  # 32 when written
+
+
 def test_checkpoint_requests_follow_the_metadata_marker():
-    """Which layers' state a sharded_state_dict carries (see grads_hook's module doc)."""
-    from mixln_megatron.training.grads_hook import METADATA_KEY
+    """Which layers' state a sharded_state_dict carries (see training/spike/state.py's doc)."""
+    from mixln_megatron.training.spike import METADATA_KEY
 
     scaler = _bare_scaler()
-    assert scaler.checkpoint_layers(None) == (2, 3)
+    assert scaler.checkpoint.layers_for(None) == (2, 3)
     core = {"dp_cp_group": None}  # what megatron-core makes of metadata=None: always carry the state
-    assert scaler.checkpoint_layers(core) == (2, 3) and core[METADATA_KEY]["layers"] == [2, 3]
+    assert scaler.checkpoint.layers_for(core) == (2, 3) and core[METADATA_KEY]["layers"] == [2, 3]
     old = {"dp_cp_group": None, "singleton_local_shards": False}  # Megatron-LM, no marker: a load of
-    assert scaler.checkpoint_layers(old) == ()  # a checkpoint saved without the scaler, or a fresh save
+    assert scaler.checkpoint.layers_for(old) == ()  # a checkpoint saved without the scaler, or a fresh save
     assert old[METADATA_KEY]["layers"] == []
-    assert not scaler.state_from_checkpoint
+    assert not scaler.checkpoint.from_checkpoint
     scaler.committed_steps = 3  # trained: a save
     save = {"dp_cp_group": None, "singleton_local_shards": False}
-    assert scaler.checkpoint_layers(save) == (2, 3) and save[METADATA_KEY]["layers"] == [2, 3]
-    assert scaler.checkpoint_layers(save) == (2, 3)  # the next holder of the same save
+    assert scaler.checkpoint.layers_for(save) == (2, 3) and save[METADATA_KEY]["layers"] == [2, 3]
+    assert scaler.checkpoint.layers_for(save) == (2, 3)  # the next holder of the same save
     fresh = _bare_scaler()
     loaded = {"dp_cp_group": None, "singleton_local_shards": False, METADATA_KEY: {"format": 1, "layers": [3]}}
-    assert fresh.checkpoint_layers(loaded) == (3,) and fresh.state_from_checkpoint
+    assert fresh.checkpoint.layers_for(loaded) == (3,) and fresh.checkpoint.from_checkpoint
 
 
 def test_report_goes_to_megatron_writers():
     from megatron.training import global_vars
 
-    from mixln_megatron.training.grads_hook import _write_report
+    from mixln_megatron.training.spike import write_report
 
     class Writer:
         def __init__(self):
@@ -338,7 +372,7 @@ def test_report_goes_to_megatron_writers():
     saved = (global_vars._GLOBAL_TENSORBOARD_WRITER, global_vars._GLOBAL_WANDB_WRITER)
     global_vars._GLOBAL_TENSORBOARD_WRITER, global_vars._GLOBAL_WANDB_WRITER = tb, wandb
     try:
-        _write_report([{"iteration": 7, "scaled": 2, "max_ratio": 900.0, "nonfinite": 0}])
+        write_report([{"iteration": 7, "scaled": 2, "max_ratio": 900.0, "nonfinite": 0}])
     finally:
         global_vars._GLOBAL_TENSORBOARD_WRITER, global_vars._GLOBAL_WANDB_WRITER = saved
     assert ("mixln-spike/scaled-elements", 2, 7) in tb.calls and ("mixln-spike/max-ratio", 900.0, 7) in tb.calls

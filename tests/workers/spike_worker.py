@@ -157,13 +157,12 @@ def _bench_plan(steps: int) -> dict:
 
 
 def _named_targets(model):
-    from mixln_megatron.training.grads_hook import norm_parameters
     from mixln_megatron.model.layer import MixLNTransformerLayer
 
     out = {}
     for module in model.modules():
         if isinstance(module, MixLNTransformerLayer):
-            for role, p in norm_parameters(module):
+            for role, p in module.norm_parameters():
                 out[f"layer{module.layer_number}.{role}"] = p
     return out
 
@@ -231,7 +230,7 @@ def _recorder(run: Run):
     def _record(scaler, grads, spike, replacement, scale, owned):
         g, r = grads.float(), replacement.float()
         if owned is not None:  # distributed optimizer: put the owners' pieces together (debug only)
-            group = scaler._distopt[1]
+            group = scaler.target_set.group
             g = torch.where(owned, g, 0.0)
             r = torch.where(spike, r, 0.0)
             flags = spike.to(torch.int32)
@@ -256,7 +255,7 @@ def build(run: Run, layout: dict):
     from megatron.core.transformer.module import Float16Module
 
     from mixln_megatron.dev.testing import build_gpt, tiny_config
-    from mixln_megatron.training.grads_hook import get_spike_scaler, install_spike_scaler
+    from mixln_megatron.training.spike import get_spike_scaler, install_spike_scaler
     from mixln_megatron.spec import get_mixln_decoder_block_spec
     from mixln_megatron.training.hooks import install_training_hooks
 
@@ -436,7 +435,7 @@ def run_layout(name: str, layout: dict, out_dir: str, steps: int) -> None:
     init_distributed(tp=layout.get("tp", 1), pp=layout.get("pp", 1), seed=1234)
     run = Run(name, bench=bool(layout.get("bench")))
     handler = _ListHandler(run.warnings)
-    logging.getLogger("mixln_megatron.training.grads_hook").addHandler(handler)
+    logging.getLogger("mixln_megatron.training.spike").addHandler(handler)
     steps = layout.get("steps", steps)
     layout = dict(layout, steps=steps)
     try:
@@ -484,15 +483,15 @@ def run_layout(name: str, layout: dict, out_dir: str, steps: int) -> None:
         )
         torch.save(result, os.path.join(out_dir, f"{name}.rank{torch.distributed.get_rank()}.pt"))
     finally:
-        logging.getLogger("mixln_megatron.training.grads_hook").removeHandler(handler)
+        logging.getLogger("mixln_megatron.training.spike").removeHandler(handler)
         torch.distributed.barrier()
 
 
 def _holder_states(scaler) -> dict:
     """The state each local target holds right after a load, before any step (from the holders)."""
     out = {}
-    for layer_number, holder in scaler._holders.items():
-        data = scaler.layer_state(layer_number, holder.roles)
+    for layer_number, holder in scaler.checkpoint.holders.items():
+        data = scaler.checkpoint.layer_state(layer_number, holder.roles)
         for role, entry in data["targets"].items():
             out[f"layer{layer_number}.{role}"] = entry
     return out
@@ -528,7 +527,7 @@ def _mlm_attach(model) -> None:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config
 
-    from mixln_megatron.training.grads_hook import SpikeGradsHook
+    from mixln_megatron.training.spike import SpikeGradsHook
 
     _MLM["model"] = model
     hook = get_model_config(model).finalize_model_grads_func
@@ -615,7 +614,7 @@ def run_megatron_lm(out_dir: str, tag: str, megatron_argv) -> None:
 
     minit._compile_dependencies = _helpers_prebuilt
     handler = _ListHandler(_MLM["warnings"])
-    logging.getLogger("mixln_megatron.training.grads_hook").addHandler(handler)
+    logging.getLogger("mixln_megatron.training.spike").addHandler(handler)
     sys.argv = [sys.argv[0]] + list(megatron_argv)
     from megatron.core.enums import ModelType
     from megatron.training import pretrain

@@ -18,15 +18,16 @@ from parallel_worker import Run, run_phase  # noqa: E402
 def direct_norms(run):
     """Per-layer norms straight from main_grad; valid at TP1 PP1 without the distributed optimizer."""
     from mixln_megatron.model.layer import MixLNTransformerLayer
-    from mixln_megatron.training.telemetry import norm_roles
 
     rows = {}
     for model in run.models:
         for layer in model.modules():
             if isinstance(layer, MixLNTransformerLayer):
                 total = sum(p.main_grad.double().pow(2).sum() for p in layer.parameters())
-                norms = {c: p.main_grad.double().norm().item() for c, p in norm_roles(layer)}
-                rows[layer.layer_number] = [total.sqrt().item(), norms[1], norms[2]]
+                norms = {"norm1": 0.0, "norm2": 0.0}  # each of the two norms: all its parameters
+                for role, p in layer.norm_parameters():
+                    norms[role.split(".")[0]] += p.main_grad.double().pow(2).sum().item()
+                rows[layer.layer_number] = [total.sqrt().item(), norms["norm1"] ** 0.5, norms["norm2"] ** 0.5]
     return [rows[k] for k in sorted(rows)]
 
 
@@ -61,7 +62,7 @@ def phase_reference(workdir):
     out = {"tp1pp1": telemetry_step(Run(load=base), os.path.join(workdir, "t1.jsonl"), capture_direct=True)}
 
     # Every N steps only, after the spike scaler (installed first), whose counts join the records.
-    from mixln_megatron.training.grads_hook import install_spike_scaler
+    from mixln_megatron.training.spike import install_spike_scaler
     from mixln_megatron.training.telemetry import install_telemetry
 
     run = Run(load=base)

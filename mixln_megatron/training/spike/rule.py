@@ -139,7 +139,6 @@ class SpikeState:
             g = g / scale
         return self._decide(g, scale, owned)
 
-    @torch.no_grad()
     def propose_in_place(
         self,
         grad: torch.Tensor,
@@ -147,7 +146,8 @@ class SpikeState:
         owned: Optional[torch.Tensor] = None,
     ):
         """propose() on an fp32 [K, n] buffer that then holds the result: the spiking elements
-        replaced, every other element untouched. Returns (spike, replacement) as propose()."""
+        replaced, every other element untouched. Returns (spike, replacement) as propose().
+        The hook's path: no grad-mode switch, since neither the buffer nor the state needs grad."""
         spike, replacement = self._decide(grad if scale is None else grad / scale, scale, owned)
         torch.where(spike, replacement, grad, out=grad)
         return spike, replacement
@@ -183,15 +183,14 @@ class SpikeState:
         self.commit()
         return out
 
-    @torch.no_grad()
     def commit(self) -> None:
-        """Make the pending proposal the state (no-op when none is pending). No host sync."""
+        """Make the pending proposal the state (no-op when none is pending). No host sync. (No
+        grad-mode switch: the state never requires grad, and this runs every step.)"""
         ok = self.pending_valid
         torch.where(ok, self._pending, self._state, out=self._state)
         torch.where(ok, self.pending_stats, self._zero_stats, out=self.last_stats)
         ok.fill_(False)
 
-    @torch.no_grad()
     def discard(self) -> None:
         self.pending_valid.fill_(False)
 

@@ -214,7 +214,7 @@ class SpikeScaler:
             iteration = runtime.current_iteration()
             self.stats.record(self.state.last_stats if self.state is not None else None,
                               iteration if iteration is not None else self.committed_steps,
-                              interval, self._stats_device())
+                              interval, self._stats_device)
         if self.timing is not None:
             self.timing["commit_s"] += time.perf_counter() - started
             self.timing["commits"] += 1

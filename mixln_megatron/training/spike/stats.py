@@ -10,7 +10,7 @@ writers when the run has them, else to this package's logger (INFO, from the las
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -44,10 +44,11 @@ class StepStats:
         self.local_totals = [0.0, 0.0, 0.0]  # this rank's own counts
         self.last_report: Optional[List[dict]] = None
 
-    def record(self, stats: Optional[torch.Tensor], iteration: int, size: int, device) -> None:
-        """Keep one committed step's [3] statistics (None: this rank has no targets). No host sync."""
-        if self._ring is None or self._ring.shape[0] < size:
-            self._ring = torch.zeros(size, 3, dtype=torch.float32, device=device)
+    def record(self, stats: Optional[torch.Tensor], iteration: int, size: int, device: Callable) -> None:
+        """Keep one committed step's [3] statistics (None: this rank has no targets). No host sync;
+        `device()` is asked only when the ring is (re)made."""
+        if len(self._slots) < size:
+            self._ring = torch.zeros(size, 3, dtype=torch.float32, device=device())
             self._slots = list(self._ring.unbind(0))
         index = len(self.iterations)
         if index >= len(self._slots):
