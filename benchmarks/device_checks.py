@@ -126,6 +126,40 @@ TOL_FP32 = 1e-3
 TOL_BF16 = 1e-1
 
 
+def add_run_options(ap, dry_run_help: str, seed: int) -> None:
+    """The options every device check takes; each check adds its own after these."""
+    ap.add_argument("--cpu-dry-run", action="store_true", help=dry_run_help)
+    ap.add_argument("--out-dir", default=DEFAULT_RESULTS, help="where the JSON goes (default benchmarks/results)")
+    ap.add_argument("--warmup", type=int, default=None, help="warmup rounds (default 3; dry run 1)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed rounds (default 20; dry run 3)")
+    ap.add_argument("--layers", type=int, default=None, help="layers of the timed slice (default 8)")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length of the timed slice (default 4096)")
+    ap.add_argument("--seed", type=int, default=seed)
+    ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--dist-backend", default=None, help="torch.distributed backend (default nccl; dry run gloo)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What add_run_options' flags ask for: rounds and shapes (tiny ones in the dry run)."""
+
+    warmup: int
+    repeats: int
+    shape: Shape
+    parity_shape: Shape
+
+    @classmethod
+    def from_args(cls, args) -> "RunPlan":
+        dry = args.cpu_dry_run
+        base = DRY_SLICE if dry else SLICE_7B
+        return cls(
+            warmup=args.warmup if args.warmup is not None else (1 if dry else 3),
+            repeats=args.repeats if args.repeats is not None else (3 if dry else 20),
+            shape=dataclasses.replace(base, layers=args.layers or base.layers, seq=args.seq or base.seq),
+            parity_shape=DRY_PARITY_SHAPE if dry else PARITY_SHAPE,
+        )
+
+
 def make_config(shape: Shape, dtype, on_cpu: bool, **overrides):
     """TransformerConfig of a LLaMA-style decoder; every fused kernel that needs apex/TE is off."""
     import torch
@@ -321,6 +355,21 @@ def compare_run(run: dict, ref: dict) -> dict:
     out["max_abs"] = max(out["output"]["max_abs"], out["input_grad"]["max_abs"], max_abs)
     out["max_rel"] = max(out["output"]["rel"], out["input_grad"]["rel"], worst["rel"])
     return out
+
+
+def checked_phase(report: dict, path: str, name: str, run: Callable, *args) -> dict:
+    """Run a pass/fail phase: `run(*args)` -> its dict with "ok". An exception fails the phase
+    (recorded, not raised: the other phases still measure); timed, stored and written at once."""
+    t = time.monotonic()
+    try:
+        phase = run(*args)
+    except Exception as exc:
+        log(f"{name}: ERROR {type(exc).__name__}: {exc}")
+        phase = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    phase["seconds"] = time.monotonic() - t
+    report["phases"][name] = phase
+    write_json(path, report)
+    return phase
 
 
 def finite_or_none(v):

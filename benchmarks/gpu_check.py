@@ -52,11 +52,11 @@ import tempfile
 import time
 
 from device_checks import (  # what gpu_check shares with te_check
-    DEFAULT_RESULTS, DRY_PARITY_SHAPE, DRY_SLICE, PAPER_7B_POST_LN, PARITY_POST_LN, PARITY_SHAPE,
-    SLICE_7B, TOL_BF16, TOL_FP32, build_block, clear_mixln_env, compare_run, derive_figures, elapsed,
-    finite_or_none, fmt, fwd_bwd, init_runtime, log, machine_facts, make_config, preflight,
-    quartile_stats, require_cuda, result_path, rotary, Runtime, Shape, shutdown, slice_variants,
-    spec_missing, start_watchdog, summarize_variants, time_variants, Variant, versions, write_json,
+    PAPER_7B_POST_LN, PARITY_POST_LN, TOL_BF16, TOL_FP32, add_run_options, build_block, checked_phase,
+    clear_mixln_env, compare_run, derive_figures, elapsed, finite_or_none, fmt, fwd_bwd, init_runtime,
+    log, machine_facts, make_config, preflight, quartile_stats, require_cuda, result_path, rotary,
+    RunPlan, Runtime, Shape, shutdown, slice_variants, spec_missing, start_watchdog, summarize_variants,
+    time_variants, Variant, versions, write_json,
 )
 
 
@@ -253,17 +253,8 @@ def phase_spike(rt: Runtime, variant: Variant, shape: Shape, warmup: int, repeat
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cpu-dry-run", action="store_true",
-                    help="same code on the CPU (mixln_megatron.dev.cpu + gloo) with tiny shapes")
-    ap.add_argument("--out-dir", default=DEFAULT_RESULTS, help="where the JSON goes (default benchmarks/results)")
-    ap.add_argument("--warmup", type=int, default=None, help="warmup rounds (default 3; dry run 1)")
-    ap.add_argument("--repeats", type=int, default=None, help="timed rounds (default 20; dry run 3)")
-    ap.add_argument("--layers", type=int, default=None, help="layers of the timed slice (default 8)")
-    ap.add_argument("--seq", type=int, default=None, help="sequence length of the timed slice (default 4096)")
-    ap.add_argument("--seed", type=int, default=1234)
+    add_run_options(ap, "same code on the CPU (mixln_megatron.dev.cpu + gloo) with tiny shapes", seed=1234)
     ap.add_argument("--skip-parity", action="store_true")
-    ap.add_argument("--skip-timing", action="store_true")
-    ap.add_argument("--dist-backend", default=None, help="torch.distributed backend (default nccl; dry run gloo)")
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="watchdog: dump every thread's stack and exit after this long (default 450 on "
                          "the GPU, keeping the whole run under 8 minutes; 0 = off; off in the dry run)")
@@ -285,11 +276,8 @@ def main(argv=None) -> int:
 
     dry = args.cpu_dry_run
     start_watchdog(args.max_seconds if args.max_seconds is not None else (0 if dry else 450))
-    warmup = args.warmup if args.warmup is not None else (1 if dry else 3)
-    repeats = args.repeats if args.repeats is not None else (3 if dry else 20)
-    base_slice = DRY_SLICE if dry else SLICE_7B
-    shape = dataclasses.replace(base_slice, layers=args.layers or base_slice.layers, seq=args.seq or base_slice.seq)
-    parity_shape = DRY_PARITY_SHAPE if dry else PARITY_SHAPE
+    plan = RunPlan.from_args(args)
+    warmup, repeats, shape, parity_shape = plan.warmup, plan.repeats, plan.shape, plan.parity_shape
 
     rt = init_runtime(dry, seed=args.seed, backend=args.dist_backend)
     path = result_path(args.out_dir, "gpu_check", rt.mode)
@@ -315,16 +303,8 @@ def main(argv=None) -> int:
 
     # 1. parity
     if not args.skip_parity:
-        t = time.monotonic()
-        try:
-            parity = phase_parity(rt, parity_shape, PARITY_POST_LN, args.seed)
-        except Exception as exc:
-            log(f"parity: ERROR {type(exc).__name__}: {exc}")
-            parity = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        parity["seconds"] = time.monotonic() - t
-        report["phases"]["parity"] = parity
+        parity = checked_phase(report, path, "parity", phase_parity, rt, parity_shape, PARITY_POST_LN, args.seed)
         ok = ok and parity.get("ok", False)
-        write_json(path, report)
 
     # 2. timing
     spike_variant = None

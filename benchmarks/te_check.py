@@ -333,16 +333,8 @@ def phase_fp8(rt, shape, bf16_model, inputs, seed: int, steps: int = 3) -> dict:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cpu-dry-run", action="store_true",
-                    help="same code with the local backend in place of TE, tiny shapes, on the CPU")
-    ap.add_argument("--out-dir", default=checks.DEFAULT_RESULTS)
-    ap.add_argument("--warmup", type=int, default=None, help="warmup rounds (default 3; dry run 1)")
-    ap.add_argument("--repeats", type=int, default=None, help="timed rounds (default 20; dry run 3)")
-    ap.add_argument("--layers", type=int, default=None, help="layers of the timed slice (default 8)")
-    ap.add_argument("--seq", type=int, default=None, help="sequence length of the timed slice (default 4096)")
-    ap.add_argument("--seed", type=int, default=4321)
-    ap.add_argument("--skip-timing", action="store_true")
-    ap.add_argument("--dist-backend", default=None, help="torch.distributed backend (default nccl; dry run gloo)")
+    checks.add_run_options(ap, "same code with the local backend in place of TE, tiny shapes, on the CPU",
+                           seed=4321)
     ap.add_argument("--max-seconds", type=float, default=0,
                     help="watchdog: dump every thread's stack and exit after this long (0 = off)")
     return ap.parse_args(argv)
@@ -371,11 +363,8 @@ def main(argv=None) -> int:
                   "(megatron.core.extensions.transformer_engine.HAVE_TE is False); check the TE version",
                   file=sys.stderr, flush=True)
             return 2
-    warmup = args.warmup if args.warmup is not None else (1 if dry else 3)
-    repeats = args.repeats if args.repeats is not None else (3 if dry else 20)
-    base = checks.DRY_SLICE if dry else checks.SLICE_7B
-    shape = dataclasses.replace(base, layers=args.layers or base.layers, seq=args.seq or base.seq)
-    parity_shape = checks.DRY_PARITY_SHAPE if dry else checks.PARITY_SHAPE
+    plan = checks.RunPlan.from_args(args)
+    warmup, repeats, shape, parity_shape = plan.warmup, plan.repeats, plan.shape, plan.parity_shape
 
     rt = checks.init_runtime(dry, seed=args.seed, backend=args.dist_backend)
     path = checks.result_path(args.out_dir, "te_check", rt.mode)
@@ -391,28 +380,20 @@ def main(argv=None) -> int:
     checks.write_json(path, report)
     ok = True
 
-    t = time.monotonic()
-    try:
-        parity, keep, inputs = phase_parity(rt, parity_shape, backend, args.seed)
-    except Exception as exc:
-        log(f"parity: ERROR {type(exc).__name__}: {exc}")
-        parity, keep, inputs = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, {}, None
-    parity["seconds"] = time.monotonic() - t
-    report["phases"]["parity"] = parity
+    kept = {}  # phase_parity's models and inputs, for the phases after it
+
+    def parity_phase():
+        parity, kept["models"], kept["inputs"] = phase_parity(rt, parity_shape, backend, args.seed)
+        return parity
+
+    parity = checks.checked_phase(report, path, "parity", parity_phase)
+    keep, inputs = kept.get("models", {}), kept.get("inputs")
     ok = ok and parity.get("ok", False)
-    checks.write_json(path, report)
 
     if "bf16" in keep:
-        t = time.monotonic()
-        try:
-            ckpt = phase_checkpoint(rt, parity_shape, backend, keep["bf16"], inputs, args.seed)
-        except Exception as exc:
-            log(f"checkpoint: ERROR {type(exc).__name__}: {exc}")
-            ckpt = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        ckpt["seconds"] = time.monotonic() - t
-        report["phases"]["checkpoint"] = ckpt
+        ckpt = checks.checked_phase(report, path, "checkpoint", phase_checkpoint, rt, parity_shape, backend,
+                                    keep["bf16"], inputs, args.seed)
         ok = ok and ckpt.get("ok", False)
-        checks.write_json(path, report)
 
         fp8 = phase_fp8(rt, parity_shape, keep["bf16"], inputs, args.seed)
         if fp8["status"] == "skipped":
