@@ -1,9 +1,10 @@
 """What the device checks (gpu_check.py, te_check.py) share: shapes, configs, block builders,
 the runtime, comparisons, the interleaved timing loop, machine facts and JSON output.
 
-Importing it imports only the standard library (preflight() must be able to name every missing
-package before anything heavy loads); torch, megatron-core and the project load inside the
-functions that use them.
+One job (the device checks' shared machinery), hence its length; the checks themselves (phases,
+main) stay in their own files. Importing it imports only the standard library (preflight() must
+be able to name every missing package before anything heavy loads); torch, megatron-core and
+the project load inside the functions that use them.
 """
 
 from __future__ import annotations
