@@ -1,0 +1,145 @@
+"""mixln_megatron.compat: the supported range, and what differs between megatron-core releases.
+
+Runs on the venv's release (`make test`) and on each older one (`make test-compat`, marker
+`compat`). The cross-release checkpoint test runs each side in its own process, with the older
+release's overlay (`scripts/compat_env.sh 0.17`) on PYTHONPATH.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "tests", "workers", "release_checkpoint_worker.py")
+
+
+# ------------------------------------------------------------------ release detection
+@pytest.mark.compat
+@pytest.mark.parametrize("version, release", [("0.17.1", (0, 17)), ("0.18.2+3f9a1c2", (0, 18)), ("0.19.2", (0, 19))])
+def test_supported_releases(version, release):
+    from mixln_megatron import compat
+
+    assert compat.check_release(version) == release
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("version", ["0.16.1", "0.20.0", "1.0.0+abc"])
+def test_unsupported_release_names_the_range(version):
+    from mixln_megatron import compat
+    from mixln_megatron.errors import MixLNError
+
+    with pytest.raises(compat.UnsupportedMegatronRelease) as info:
+        compat.check_release(version)
+    message = str(info.value)
+    assert "\n" not in message and version.split("+")[0] in message and ">=0.17,<0.20" in message
+    assert isinstance(info.value, MixLNError) and not isinstance(info.value, ImportError)
+
+
+@pytest.mark.compat
+def test_release_is_the_imported_megatron():
+    """`make test-compat` sets COMPAT_MEGATRON_RELEASE: the overlay, not the venv's wheel, is in use."""
+    import megatron.core
+
+    from mixln_megatron import compat
+
+    assert compat.VERSION == megatron.core.__version__.split("+")[0]
+    expected = os.environ.get("COMPAT_MEGATRON_RELEASE")
+    if expected:
+        assert compat.VERSION.startswith(expected + ".")
+
+
+# ------------------------------------------------------------------ what --spec imports
+@pytest.mark.compat
+def test_stock_spec_object_builds_mixln_the_way_the_release_uses_it(mcore_single, monkeypatch):
+    """As Megatron-LM's builder uses the --spec object: called with the config on 0.19, handed to
+    GPTModel uncalled on 0.17/0.18 (then the final norm is Megatron's LayerNormImpl)."""
+    import sys as _sys
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from mixln_megatron import compat, spec
+    from mixln_megatron.dev import testing
+    from mixln_megatron.model.norms import MixLNNorm
+
+    global_vars = _sys.modules.get("megatron.training.global_vars")
+    if global_vars is not None:
+        monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", None)  # settings from the environment
+    monkeypatch.setenv("MIXLN_POST_LN_LAYERS", "2")
+    monkeypatch.setenv("MIXLN_SPIKE_SCALER", "1")
+    config = testing.tiny_config()
+    assert config.finalize_model_grads_func is None
+    stock = spec.mixln_local_layer_spec
+    if compat.SPEC_GETS_THE_CONFIG:
+        assert callable(stock) and not isinstance(stock, ModuleSpec)
+        block = stock(config, vp_stage=None)
+    else:
+        assert isinstance(stock, ModuleSpec) and isinstance(spec.mixln_layer_spec, ModuleSpec)
+        block = stock
+    model = testing.build_gpt(config, block)
+    assert [layer.is_post_ln for layer in model.decoder.layers] == [True, True, False, False]
+    assert config.finalize_model_grads_func is not None  # the spike scaler, installed at the edge
+    final = model.decoder.final_layernorm
+    if compat.SPEC_GETS_THE_CONFIG:
+        assert isinstance(final, MixLNNorm)
+    else:
+        import torch
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        from megatron.core.transformer.transformer_block import LayerNormImpl
+
+        # README, "--spec on 0.17/0.18": Megatron's LayerNormImpl (torch's RMSNorm without TE and apex)
+        expected = torch.nn.RMSNorm if LayerNormImpl is WrappedTorchNorm else LayerNormImpl
+        assert not isinstance(final, MixLNNorm) and isinstance(final, expected)
+    ids, labels, pos, mask = testing.batch()
+    assert bool(model(ids, pos, mask, labels=labels).isfinite().all())
+
+
+# ------------------------------------------------------------------ the finalize hook under train()
+@pytest.mark.compat
+def test_pretrain_runs_the_finalize_hooks_every_iteration(tmp_path):
+    """3 iterations of Megatron-LM's pretrain() (the entry point): the telemetry hook, installed
+    after the spike scaler, writes one record per iteration with the scaler's totals. On 0.17/0.18
+    train() overwrites config.finalize_model_grads_func; compat.keep_finalize_hook keeps it."""
+    from test_pretrain import TINY, train
+
+    path = tmp_path / "telemetry.jsonl"
+    train(["--cpu", *TINY, "--train-iters", "3", "--eval-iters", "0", "--mixln-post-ln-layers", "1",
+           "--mixln-spike-scaler", "--mixln-telemetry-interval", "1", "--mixln-telemetry-path", str(path)])
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps = [r["step"] for r in records]
+    assert len(steps) == 3 and steps == sorted(set(steps)), steps
+    assert all("spike" in r for r in records)  # the scaler ran inside the telemetry hook
+
+
+# ------------------------------------------------------------------ checkpoints across releases
+def _worker(overlay, action, directory):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and ".compat" not in p]
+    env["PYTHONPATH"] = os.pathsep.join(([overlay] if overlay else []) + [REPO, *paths])
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, WORKER, action, str(directory)], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_checkpoint_saved_by_0_17_loads_in_0_19_and_not_back(tmp_path):
+    import megatron.core
+
+    overlay = os.path.join(REPO, ".compat", "0.17")
+    if not os.path.isdir(os.path.join(overlay, "megatron")):
+        pytest.skip("megatron-core 0.17 overlay absent: run `scripts/compat_env.sh 0.17` (make test-compat does)")
+    if not megatron.core.__version__.startswith("0.19."):
+        pytest.skip("runs from the 0.19 venv (make test)")
+    saved17 = _worker(overlay, "save", tmp_path / "by17")
+    loaded19 = _worker(None, "load", tmp_path / "by17")
+    assert saved17["release"].startswith("0.17.") and loaded19["release"].startswith("0.19.")
+    assert loaded19["loss"] == saved17["loss"]  # bit-identical weights
+    saved19 = _worker(None, "save", tmp_path / "by19")
+    refused = _worker(overlay, "load", tmp_path / "by19")
+    assert "saved by megatron-core 0.19 or newer" in refused["error"] and "cannot load it" in refused["error"]
+    assert not (tmp_path / "by19" / "common.pt").exists() and saved19["release"].startswith("0.19.")
