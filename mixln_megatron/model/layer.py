@@ -69,7 +69,7 @@ POST_LN_NORM_NAMES = ("post_attention_layernorm", "post_mlp_layernorm")
 
 def _without_fused_norm(spec):
     """Copy of an attention / MLP spec with any fused norm+linear replaced by a plain linear."""
-    if isinstance(spec, functools.partial):  # MLP.as_mlp_submodule builders (megatron 0.19)
+    if isinstance(spec, functools.partial):  # MLP.as_mlp_submodule builders (megatron-core 0.18+)
         subs = spec.keywords.get("submodules")
         if subs is None or not hasattr(subs, "linear_fc1"):
             return spec
