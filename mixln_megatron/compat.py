@@ -94,13 +94,14 @@ def parse_and_validate_args(extra_args_provider: Callable):
     none and its pretrain() parses and validates sys.argv itself, so here the args are parsed
     (and checkpoint args loaded) for the entry point's own early checks only.
     """
-    if RELEASE >= (0, 18):
-        from megatron.training.arguments import parse_and_validate_args as parse
-
-        return parse(extra_args_provider)
     from megatron.training.arguments import parse_args
 
     args = parse_args(extra_args_provider)
+    check_load_dir(args.load)  # a checkpoint of a newer release: one line, before Megatron reads it
+    if RELEASE >= (0, 18):
+        from megatron.training.arguments import parse_and_validate_args
+
+        return parse_and_validate_args(extra_args_provider)
     if args.use_checkpoint_args:
         from megatron.training.checkpointing import load_args_from_checkpoint
 
@@ -123,7 +124,6 @@ def run_pretrain(args, argv: Sequence[str], *, datasets_provider, model_provider
         train_valid_test_dataset_provider=datasets_provider, model_type=ModelType.encoder_or_decoder,
         forward_step_func=forward_step, non_loss_data_func=non_loss_data_func,
     )
-    check_load_dir(getattr(args, "load", None))  # before Megatron's own, less clear error
     if RELEASE >= (0, 18):
         from megatron.training.argument_utils import pretrain_cfg_container_from_args
 

@@ -143,3 +143,13 @@ def test_checkpoint_saved_by_0_17_loads_in_0_19_and_not_back(tmp_path):
     refused = _worker(overlay, "load", tmp_path / "by19")
     assert "saved by megatron-core 0.19 or newer" in refused["error"] and "cannot load it" in refused["error"]
     assert not (tmp_path / "by19" / "common.pt").exists() and saved19["release"].startswith("0.19.")
+    # The entry point on 0.17 refuses it the same way, before Megatron reads anything.
+    from test_pretrain import TINY
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_") and k not in ("RANK", "WORLD_SIZE")}
+    env.update(PYTHONPATH=os.pathsep.join([overlay, REPO]), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "mixln_megatron.training.pretrain", "--cpu", *TINY,
+                           "--load", str(tmp_path / "by19")], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=600)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "saved by megatron-core 0.19 or newer" in proc.stderr.splitlines()[-1]
