@@ -112,10 +112,9 @@ def _checked_layer_spec(config, backend: str, settings: MixLNSettings) -> Module
 # ------------------------------------------------------------------ the stock Megatron-LM edge
 def _megatron_global_args():
     """Megatron-LM's parsed args when a training run set them, else None (never imports training)."""
-    import sys
+    from .training import runtime
 
-    global_vars = sys.modules.get("megatron.training.global_vars")
-    return getattr(global_vars, "_GLOBAL_ARGS", None) if global_vars is not None else None
+    return runtime.megatron_args()
 
 
 def settings_for_spec(environ=None, args=None) -> MixLNSettings:

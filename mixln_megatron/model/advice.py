@@ -62,13 +62,10 @@ def warning_text(items: List[str]) -> Optional[str]:
 
 def megatron_schedule() -> tuple:
     """(train_iters, warmup_iters) from Megatron-LM's global args, when a training run set them."""
-    try:
-        from megatron.training.global_vars import get_args
+    from ..training import runtime
 
-        args = get_args()
-    except Exception:  # noqa: BLE001 - no Megatron-LM training run (megatron-core users, tests)
-        return None, None
-    if args is None:
+    args = runtime.megatron_args()
+    if args is None:  # no Megatron-LM training run (megatron-core users, tests)
         return None, None
     train_iters = getattr(args, "train_iters", None)
     warmup = getattr(args, "lr_warmup_iters", None) or 0

@@ -117,6 +117,6 @@ class LossLog:
 
 def _loaded_iteration() -> int:
     """The iteration a resumed run starts from (an evaluation before any training step)."""
-    from megatron.training import get_args
+    from . import runtime
 
-    return int(getattr(get_args(), "iteration", 0) or 0)
+    return int(runtime.arg("iteration", 0))

@@ -194,10 +194,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _single_process_defaults()
     use_prebuilt_dataset_helpers()
 
-    from megatron.training import print_rank_0
     from megatron.training.arguments import parse_args
 
     from .. import compat  # imports megatron: after the CPU harness
+    from . import runtime
     from ..convert.inspect import apply_resume_args
 
     saved_argv = sys.argv
@@ -238,7 +238,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             _write_loss_log(loss_log, args, settings)
         raise
     _write_loss_log(loss_log, args, settings)
-    print_rank_0(f"mixln-megatron pretrain: done in {time.time() - t0:.1f} s")
+    runtime.print_rank_0(f"mixln-megatron pretrain: done in {time.time() - t0:.1f} s")
     return 0
 
 

@@ -62,13 +62,15 @@ class SpikeState:
     Two-phase, so that a step the optimizer then skips never changes the state, and so that the
     proposal can run inside a captured CUDA graph: `propose` computes the decisions and writes the
     candidate next state into preallocated `pending_*` tensors (in place, no host sync); `commit`
-    copies the candidate into the state (in place, only if a proposal is pending); `discard` drops
-    it. Calling `propose` twice before a commit (Megatron's rerun of a step) gives the same result,
-    since it always starts from the committed state.
+    copies the candidate into the state (in place); `discard` drops it. Between proposals the
+    pending state equals the committed one, so a commit without a proposal changes nothing. Calling
+    `propose` twice before a commit (Megatron's rerun of a step) gives the same result, since it
+    always starts from the committed state.
 
     Statistics of the proposal (`pending_stats`, over the decided elements): [number of scaled
     elements, largest |g| / momentum over finite elements that have a momentum, number of
-    non-finite elements]. After a commit they are in `last_stats`.
+    non-finite elements]. A commit moves them to `last_stats` (or `stats_into`); zeros when
+    nothing was proposed.
 
     The work is a fixed number of whole-matrix tensor ops, whatever K is: the hook's cost per step
     does not grow with the number of targets.
@@ -99,11 +101,9 @@ class SpikeState:
         self._pending = torch.zeros_like(self._state)
         self.momentum, self.step = self._state[0], self._state[1]
         self.pending_momentum, self.pending_step = self._pending[0], self._pending[1]
-        self.pending_valid = torch.zeros(1, dtype=torch.bool, device=device)
         self.pending_stats = torch.zeros(3, dtype=torch.float32, device=device)
         self._stat_slots = self.pending_stats.unbind(0)  # views made once: no indexing per step
         self.last_stats = torch.zeros(3, dtype=torch.float32, device=device)
-        self._zero_stats = torch.zeros(3, dtype=torch.float32, device=device)
 
     @property
     def device(self) -> torch.device:
@@ -172,7 +172,6 @@ class SpikeState:
         torch.amax(torch.where(compared, mag / mhat, 0.0), dim=(0, 1), out=max_ratio)
         bad = ~finite if owned is None else owned & ~finite
         torch.sum(bad, dim=(0, 1), dtype=torch.float32, out=nonfinite)
-        self.pending_valid.fill_(True)
         return spike, replacement
 
     @torch.no_grad()
@@ -183,16 +182,16 @@ class SpikeState:
         self.commit()
         return out
 
-    def commit(self) -> None:
-        """Make the pending proposal the state (no-op when none is pending). No host sync. (No
-        grad-mode switch: the state never requires grad, and this runs every step.)"""
-        ok = self.pending_valid
-        torch.where(ok, self._pending, self._state, out=self._state)
-        torch.where(ok, self.pending_stats, self._zero_stats, out=self.last_stats)
-        ok.fill_(False)
+    def commit(self, stats_into: Optional[torch.Tensor] = None) -> None:
+        """Make the pending proposal the state; its statistics go to `stats_into` (a [3] tensor)
+        or last_stats. No host sync. (No grad-mode switch: the state never requires grad.)"""
+        self._state.copy_(self._pending)
+        (self.last_stats if stats_into is None else stats_into).copy_(self.pending_stats)
+        self.pending_stats.zero_()
 
     def discard(self) -> None:
-        self.pending_valid.fill_(False)
+        self._pending.copy_(self._state)
+        self.pending_stats.zero_()
 
     # -- per target access (checkpoints) -------------------------------------------------------
     def get_target(self, k: int) -> dict:
@@ -210,7 +209,7 @@ class SpikeState:
             raise ValueError(f"spike-scaler state for target {k} has {momentum.numel()} elements, expected {n}")
         self.momentum[k, :n].copy_(momentum.reshape(-1).to(torch.float32))
         self.step[k, :n].copy_(torch.as_tensor(step).reshape(-1).to(torch.float32).expand(n))
-        self.pending_valid.fill_(False)
+        self.discard()  # a proposal made before the load is void
 
 # --------------------------------------------------------------------------------------- reference
 class ReferenceSpikeRule:

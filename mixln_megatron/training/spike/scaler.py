@@ -203,18 +203,18 @@ class SpikeScaler:
     def _after_commit(self, success: bool) -> None:
         started = time.perf_counter() if self.timing is not None else 0.0
         self.optimizer_steps += 1
-        if self.state is not None:
-            if success:
-                self.state.commit()
-            else:
-                self.state.discard()
         interval = self.log_interval()
         if success:
             self.committed_steps += 1
             iteration = runtime.current_iteration()
-            self.stats.record(self.state.last_stats if self.state is not None else None,
-                              iteration if iteration is not None else self.committed_steps,
-                              interval, self._stats_device)
+            slot = self.stats.slot_for(iteration if iteration is not None else self.committed_steps,
+                                       interval, self._stats_device)
+            if self.state is not None:
+                self.state.commit(stats_into=slot)  # the step's statistics straight into the ring
+            elif slot is not None:
+                slot.zero_()  # no targets on this rank
+        elif self.state is not None:
+            self.state.discard()
         if self.timing is not None:
             self.timing["commit_s"] += time.perf_counter() - started
             self.timing["commits"] += 1

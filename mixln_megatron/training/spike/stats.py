@@ -44,20 +44,17 @@ class StepStats:
         self.local_totals = [0.0, 0.0, 0.0]  # this rank's own counts
         self.last_report: Optional[List[dict]] = None
 
-    def record(self, stats: Optional[torch.Tensor], iteration: int, size: int, device: Callable) -> None:
-        """Keep one committed step's [3] statistics (None: this rank has no targets). No host sync;
-        `device()` is asked only when the ring is (re)made."""
+    def slot_for(self, iteration: int, size: int, device: Callable) -> Optional[torch.Tensor]:
+        """The ring's [3] row for one committed step's statistics, which the caller fills on the
+        device (None when the ring is full). `device()` is asked only when the ring is (re)made."""
         if len(self._slots) < size:
             self._ring = torch.zeros(size, 3, dtype=torch.float32, device=device())
             self._slots = list(self._ring.unbind(0))
         index = len(self.iterations)
         if index >= len(self._slots):
-            return
-        if stats is not None:
-            self._slots[index].copy_(stats)
-        else:
-            self._slots[index].zero_()
+            return None
         self.iterations.append(iteration)
+        return self._slots[index]
 
     def _pending_rows(self, device) -> torch.Tensor:
         n = len(self.iterations)
