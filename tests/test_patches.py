@@ -131,6 +131,16 @@ if job["spec_path"] == "config":  # 0.19: pretrain_gpt.py builds a model config 
 results["_files"] = {"arguments": margs.__file__, "spec_utils": spec_utils.__file__}
 results["_version"] = megatron.core.__version__
 
+def _spec_name(spec):
+    """The --spec object's public name: a function (0.19) or a ModuleSpec (0.17 / 0.18, see
+    mixln_megatron.compat.stock_spec) that is one of mixln_megatron.spec's module attributes."""
+    import mixln_megatron.spec as mixln_spec
+
+    for name in ("mixln_layer_spec", "mixln_local_layer_spec"):
+        if getattr(mixln_spec, name) is spec:
+            return f"mixln_megatron.spec.{name}"
+    return f"{spec.__module__}.{spec.__qualname__}"
+
 def describe(exc):
     chain, cur = [], exc
     while cur is not None:
@@ -171,7 +181,7 @@ for name, case in job["cases"].items():
         elif case.get("model_config"):  # 0.17 / 0.18: gpt_builders.gpt_builder's own call
             spec = spec_utils.import_module(args.spec)
         if case.get("model_config"):
-            res["spec"] = None if spec is None else f"{spec.__module__}.{spec.__qualname__}"
+            res["spec"] = None if spec is None else _spec_name(spec)
     except SystemExit as exc:
         res["exit"] = exc.code
     except BaseException as exc:

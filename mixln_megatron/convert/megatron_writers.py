@@ -136,6 +136,9 @@ def write_torch_dist(out_dir: str, src: HFRoleSource, shape: ModelShape, padded_
         raise ConversionError(f"writing the torch_dist checkpoint failed: {e}") from None
     with open(os.path.join(out_dir, "metadata.json"), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
+    # The same common state as common.pt too: megatron-core 0.19 reads the object above, 0.17 /
+    # 0.18 only common.pt; with both, every supported release loads the output.
+    torch.save(common, os.path.join(out_dir, "common.pt"))
 
 
 def write_legacy(out_dir: str, src: HFRoleSource, shape: ModelShape, padded_vocab: int, record: dict, common: dict,
