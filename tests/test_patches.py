@@ -132,8 +132,8 @@ results["_files"] = {"arguments": margs.__file__, "spec_utils": spec_utils.__fil
 results["_version"] = megatron.core.__version__
 
 def _spec_name(spec):
-    """The --spec object's public name: a function (0.19) or a ModuleSpec (0.17 / 0.18, see
-    mixln_megatron.compat.stock_spec) that is one of mixln_megatron.spec's module attributes."""
+    # The --spec object's public name: a function (0.19) or a ModuleSpec (0.17 / 0.18, see
+    # mixln_megatron.compat.stock_spec), one of mixln_megatron.spec's module attributes.
     import mixln_megatron.spec as mixln_spec
 
     for name in ("mixln_layer_spec", "mixln_local_layer_spec"):
