@@ -9,7 +9,6 @@ local spec (torch.nn.RMSNorm) is timed too, for reference.
 Last line: RESULT mixln_over_preln=<ratio> steps=<n>
 """
 
-import argparse
 import os
 import statistics
 import time
@@ -33,17 +32,11 @@ def build(kind, cfg, post_ln_layers):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small shape, few steps (< 1 minute)")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--alpha", type=float, default=0.25)
-    a = p.parse_args(argv)
-    if a.quick:
-        a.layers, a.hidden, a.seq, a.batch, a.steps = 4, 128, 128, 2, 12
+    parser = testing.benchmark_parser(
+        __doc__, quick=dict(layers=4, hidden=128, seq=128, batch=2, steps=12),
+        layers=8, hidden=256, seq=256, batch=4, steps=30, alpha=0.25,
+    )
+    a = testing.parse_benchmark_args(parser, argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     testing.init_distributed()
     from mixln_megatron.model.placement import post_ln_count

@@ -6,7 +6,6 @@ telemetry hook (interval N, default 10), and reports the hook's own time over th
 Last line: RESULT telemetry_overhead=<fraction of step time> interval=<N> steps=<n>
 """
 
-import argparse
 import os
 import statistics
 import sys
@@ -18,15 +17,12 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests", "workers"))
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--interval", type=int, default=10)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=256)
-    a = p.parse_args(argv)
-    if a.quick:
-        a.steps, a.layers, a.hidden = 20, 4, 128
+    from mixln_megatron.dev import testing
+
+    parser = testing.benchmark_parser(
+        __doc__, quick=dict(steps=20, layers=4, hidden=128), interval=10, steps=60, layers=8, hidden=256,
+    )
+    a = testing.parse_benchmark_args(parser, argv)
     import torch
 
     from parallel_worker import Run

@@ -37,48 +37,38 @@ def _dest(flag: str) -> str:
     return flag[2:].replace("-", "_")
 
 
+# (flag, argparse options, help): every flag defaults to None so that "not given" stays visible.
+_FLAGS = (
+    ("--mixln-alpha", dict(type=str),
+     "Fraction of layers that are Post-LN: P = floor(alpha * num_layers). The paper uses 0.25 up "
+     "to 1B and 0.0625 at 7B. Exclusive with --mixln-post-ln-layers."),
+    ("--mixln-post-ln-layers", dict(type=int),
+     "Number P of leading Post-LN layers (global numbering). Exclusive with --mixln-alpha."),
+    ("--mixln-scheme", dict(type=str, choices=SCHEMES),
+     "mixln (default), lns (LayerNorm Scaling: Pre-LN, norm outputs of layer l scaled by "
+     "1/sqrt(l)), or mixln+lns (LNS on the Pre-LN layers of a Mix-LN model)."),
+    ("--mixln-spike-scaler", dict(action="store_true"),
+     "Scale gradient spikes on the Post/Pre boundary norm weights down to their momentum."),
+    ("--mixln-spike-threshold", dict(type=float), "Spike when |g| > threshold * momentum (default 50)."),
+    ("--mixln-spike-beta", dict(type=float), "EMA coefficient of the gradient-magnitude momentum."),
+    ("--mixln-spike-warmup-steps", dict(type=int), "Steps of momentum warm-up before anything is scaled."),
+    ("--mixln-spike-targets", dict(type=str),
+     "boundary (default: last Post-LN and first Pre-LN layer's norms), all, or a comma list of "
+     "global layer numbers."),
+    ("--mixln-telemetry-interval", dict(type=int),
+     "Log per-layer gradient norms every N steps (0 = off, the default; see "
+     "mixln_megatron.training.telemetry). Written to TensorBoard/W&B when configured and to "
+     "<save>/mixln_telemetry.jsonl."),
+    ("--mixln-telemetry-path", dict(type=str),
+     "Write the telemetry JSONL here instead of <save>/mixln_telemetry.jsonl."),
+)
+
+
 def add_mixln_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the Mix-LN flags; usable as Megatron-LM's `extra_args_provider`."""
     group = parser.add_argument_group("Mix-LN", "Mix-LN / LayerNorm Scaling (mixln_megatron)")
-    group.add_argument(
-        "--mixln-alpha", type=str, default=None,
-        help="Fraction of layers that are Post-LN: P = floor(alpha * num_layers). The paper uses "
-        "0.25 up to 1B and 0.0625 at 7B. Exclusive with --mixln-post-ln-layers.",
-    )
-    group.add_argument(
-        "--mixln-post-ln-layers", type=int, default=None,
-        help="Number P of leading Post-LN layers (global numbering). Exclusive with --mixln-alpha.",
-    )
-    group.add_argument(
-        "--mixln-scheme", type=str, default=None, choices=SCHEMES,
-        help="mixln (default), lns (LayerNorm Scaling: Pre-LN, norm outputs of layer l scaled by "
-        "1/sqrt(l)), or mixln+lns (LNS on the Pre-LN layers of a Mix-LN model).",
-    )
-    group.add_argument(
-        "--mixln-spike-scaler", action="store_true", default=None,
-        help="Scale gradient spikes on the Post/Pre boundary norm weights down to their momentum.",
-    )
-    group.add_argument("--mixln-spike-threshold", type=float, default=None,
-                       help="Spike when |g| > threshold * momentum (default 50).")
-    group.add_argument("--mixln-spike-beta", type=float, default=None,
-                       help="EMA coefficient of the gradient-magnitude momentum.")
-    group.add_argument("--mixln-spike-warmup-steps", type=int, default=None,
-                       help="Steps of momentum warm-up before anything is scaled.")
-    group.add_argument(
-        "--mixln-spike-targets", type=str, default=None,
-        help="boundary (default: last Post-LN and first Pre-LN layer's norms), all, or a comma "
-        "list of global layer numbers.",
-    )
-    group.add_argument(
-        "--mixln-telemetry-interval", type=int, default=None,
-        help="Log per-layer gradient norms every N steps (0 = off, the default; see "
-        "mixln_megatron.training.telemetry). Written to TensorBoard/W&B when configured and to "
-        "<save>/mixln_telemetry.jsonl.",
-    )
-    group.add_argument(
-        "--mixln-telemetry-path", type=str, default=None,
-        help="Write the telemetry JSONL here instead of <save>/mixln_telemetry.jsonl.",
-    )
+    for flag, kwargs, help_text in _FLAGS:
+        group.add_argument(flag, default=None, help=help_text, **kwargs)
     return parser
 
 

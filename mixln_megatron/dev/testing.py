@@ -213,6 +213,27 @@ class TinyTrainer:
 
 
 # ------------------------------------------------------------------ subprocess launchers
+def benchmark_parser(doc: str, quick: dict, **defaults):
+    """A benchmark's parser: integer size flags with their defaults, and --quick, which
+    `parse_benchmark_args` turns into the smaller sizes in `quick`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=f"small sizes {quick} for a smoke run")
+    for name, default in defaults.items():
+        parser.add_argument(f"--{name}", type=type(default), default=default)
+    parser.set_defaults(_quick_sizes=quick)
+    return parser
+
+
+def parse_benchmark_args(parser, argv=None):
+    args = parser.parse_args(argv)
+    if args.quick:
+        for name, value in args._quick_sizes.items():
+            setattr(args, name, value)
+    return args
+
+
 def torchrun(script, nproc, *args, timeout=600, env: Optional[dict] = None):
     """Run `script` under torchrun with `nproc` processes; raise with its output when it fails.
 
