@@ -2,7 +2,7 @@
 
     python benchmarks/hf_parity.py [--workdir DIR] [--formats torch_dist,torch]
 
-For each checkpoint format, tests/workers/convert_worker.py (under torchrun, gloo) trains a tiny
+For each checkpoint format, benchmarks/workers/hf_parity_worker.py (under torchrun, gloo) trains a tiny
 Mix-LN GPT with `mixln-megatron pretrain` (4 layers, P = 2, GQA 4 heads / 2 groups, untied output,
 true vocab 250 padded by Megatron to 256) and saves it with Megatron-LM's save_checkpoint:
 torch_dist at TP2 x PP2 (4 ranks), legacy torch at TP2 (2 ranks). The worker then loads it with
@@ -27,7 +27,7 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(REPO, "tests", "workers", "convert_worker.py")
+WORKER = os.path.join(REPO, "benchmarks", "workers", "hf_parity_worker.py")
 GAP_TOLERANCE = 1e-4
 LAYOUTS = {"torch_dist": (2, 2), "torch": (2, 1)}
 

@@ -8,12 +8,7 @@ Last line: RESULT telemetry_overhead=<fraction of step time> interval=<N> steps=
 
 import os
 import statistics
-import sys
 import time
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-sys.path.insert(0, os.path.join(HERE, "..", "tests", "workers"))
 
 
 def main(argv=None):
@@ -25,11 +20,9 @@ def main(argv=None):
     a = testing.parse_benchmark_args(parser, argv)
     import torch
 
-    from parallel_worker import Run
-
     from mixln_megatron.training.telemetry import install_telemetry
 
-    run = Run(num_layers=a.layers, hidden=a.hidden, heads=max(1, a.hidden // 32), post_ln_layers=a.layers // 4)
+    run = testing.MixLNRun(num_layers=a.layers, hidden=a.hidden, heads=max(1, a.hidden // 32), post_ln_layers=a.layers // 4)
     telemetry = install_telemetry(run.cfg, interval=a.interval, path=os.path.join("runs", "bench_telemetry.jsonl"))
     step_times = []
     for step in range(a.steps):

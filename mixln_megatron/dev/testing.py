@@ -9,6 +9,8 @@ them carries its own copy (and benchmarks never import from tests/):
     (RMSNorm, SwiGLU, RoPE, no biases, every CUDA-only fusion off);
   - TinyTrainer: megatron's DDP, its optimizer and its pipeline schedule over model chunks, the
     loop Megatron-LM runs, without Megatron-LM's entry point;
+  - MixLNRun: TinyTrainer over the tiny Mix-LN (or stock) GPT at one parallel layout, with
+    dist_checkpointing save / load;
   - torchrun: launch a worker script under torchrun from a test or a benchmark.
 Development only: nothing here is used by training, conversion or analysis.
 """
@@ -210,6 +212,58 @@ class TinyTrainer:
             assert ok, "the optimizer skipped a step (non-finite gradients)"
             grad_norms.append(float(grad_norm))
         return losses, grad_norms
+
+
+def mixln_spec(cfg, post_ln_layers, vp_stage, stock=False, scheme=None):
+    """The Mix-LN decoder block spec (local backend) of this virtual stage, or the stock local one."""
+    if stock:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        return get_gpt_layer_local_spec(normalization="RMSNorm")
+    from ..spec import get_mixln_decoder_block_spec
+
+    return get_mixln_decoder_block_spec(cfg, backend="local", post_ln_layers=post_ln_layers,
+                                        scheme=scheme, vp_stage=vp_stage)
+
+
+class MixLNRun(TinyTrainer):
+    """One parallel layout of the tiny Mix-LN (or stock) GPT: parallel state, model chunks (one per
+    virtual stage), optionally loaded from a dist_checkpointing checkpoint, and TinyTrainer's loop.
+    save / load: megatron's dist_checkpointing, with content metadata as Megatron-LM writes it."""
+
+    def __init__(self, tp=1, pp=1, vpp=None, sp=False, distopt=False, post_ln_layers=2, stock=False,
+                 load=None, seed=1234, num_layers=4, metadata_check=True, scheme=None, micro_batches=2,
+                 **cfg_overrides):
+        init_distributed(tp, pp, vpp, seed=seed)
+        cfg = tiny_config(num_layers=num_layers, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, **cfg_overrides)
+        self.models = [
+            build_gpt(cfg, mixln_spec(cfg, post_ln_layers, i if vpp else None, stock, scheme),
+                      vp_stage=i if vpp else None)
+            for i in range(vpp or 1)
+        ]
+        if load:
+            self.load(load, metadata_check)
+        super().__init__(cfg, self.models, distributed_optimizer=distopt, micro_batches=micro_batches)
+
+    def sharded_state_dict(self, metadata=None):
+        if len(self.models) == 1:
+            return {"model": self.models[0].sharded_state_dict(metadata=metadata)}
+        return {f"model{i}": m.sharded_state_dict(metadata=metadata) for i, m in enumerate(self.models)}
+
+    def save(self, path):
+        from megatron.core import dist_checkpointing
+
+        os.makedirs(path, exist_ok=True)
+        metadata = {}  # as Megatron-LM: the dict handed to sharded_state_dict is saved as content metadata
+        dist_checkpointing.save(self.sharded_state_dict(metadata), path, content_metadata=metadata)
+
+    def load(self, path, metadata_check=True):
+        from megatron.core import dist_checkpointing
+
+        metadata = dist_checkpointing.load_content_metadata(path) if metadata_check else None
+        loaded = dist_checkpointing.load(self.sharded_state_dict(metadata), path)
+        for key, model in zip(sorted(k for k in loaded if k.startswith("model")), self.models):
+            model.load_state_dict(loaded[key])
 
 
 # ------------------------------------------------------------------ subprocess launchers

@@ -20,60 +20,9 @@ import torch
 
 from mixln_megatron.dev import testing
 
-NUM_LAYERS = 4
-P = 2
-MICRO_BATCHES = 2
 
-
-def spec_for(cfg, post_ln_layers, vp_stage, stock=False, scheme=None):
-    if stock:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        return get_gpt_layer_local_spec(normalization="RMSNorm")
-    from mixln_megatron.spec import get_mixln_decoder_block_spec
-
-    return get_mixln_decoder_block_spec(cfg, backend="local", post_ln_layers=post_ln_layers,
-                                        scheme=scheme, vp_stage=vp_stage)
-
-
-class Run(testing.TinyTrainer):
-    """One parallel layout: the harness's training loop over Mix-LN (or stock) model chunks."""
-
-    def __init__(self, tp=1, pp=1, vpp=None, sp=False, distopt=False, post_ln_layers=P, stock=False,
-                 load=None, seed=1234, num_layers=NUM_LAYERS, metadata_check=True, scheme=None,
-                 **cfg_overrides):
-        testing.init_distributed(tp, pp, vpp, seed=seed)
-        cfg = testing.tiny_config(num_layers=num_layers, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp,
-                                  **cfg_overrides)
-        self.models = [
-            testing.build_gpt(cfg, spec_for(cfg, post_ln_layers, i if vpp else None, stock, scheme),
-                              vp_stage=i if vpp else None)
-            for i in range(vpp or 1)
-        ]
-        if load:
-            self.load(load, metadata_check)
-        super().__init__(cfg, self.models, distributed_optimizer=distopt, micro_batches=MICRO_BATCHES)
-
-    # ------------------------------------------------------------------ checkpoints
-    def sharded_state_dict(self, metadata=None):
-        if len(self.models) == 1:
-            return {"model": self.models[0].sharded_state_dict(metadata=metadata)}
-        return {f"model{i}": m.sharded_state_dict(metadata=metadata) for i, m in enumerate(self.models)}
-
-    def save(self, path):
-        from megatron.core import dist_checkpointing
-
-        os.makedirs(path, exist_ok=True)
-        metadata = {}  # as Megatron-LM: the dict handed to sharded_state_dict is saved as content metadata
-        dist_checkpointing.save(self.sharded_state_dict(metadata), path, content_metadata=metadata)
-
-    def load(self, path, metadata_check=True):
-        from megatron.core import dist_checkpointing
-
-        metadata = dist_checkpointing.load_content_metadata(path) if metadata_check else None
-        loaded = dist_checkpointing.load(self.sharded_state_dict(metadata), path)
-        for key, model in zip(sorted(k for k in loaded if k.startswith("model")), self.models):
-            model.load_state_dict(loaded[key])
+class Run(testing.MixLNRun):
+    """One parallel layout (the harness's MixLNRun), with what the parallel tests check on it."""
 
     def layer_kinds(self):
         local = {l.layer_number: bool(l.is_post_ln) for m in self.models for l in m.decoder.layers}

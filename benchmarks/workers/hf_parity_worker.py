@@ -1,6 +1,7 @@
-"""torchrun worker for the conversion tests: a real Megatron-LM checkpoint and Megatron's own logits.
+"""torchrun worker of benchmarks/hf_parity.py (and of the parity tests in tests/test_convert.py):
+a real Megatron-LM checkpoint and Megatron's own logits.
 
-    python -m torch.distributed.run --nproc_per_node N convert_worker.py \
+    python -m torch.distributed.run --nproc_per_node N benchmarks/workers/hf_parity_worker.py \
         --workdir DIR --tp T --pp P --ckpt-format torch_dist|torch [--extra-args ...]
 
 1. `mixln-megatron pretrain` (Megatron-LM's training loop, mixln_megatron.training.pretrain.main) trains a
@@ -125,7 +126,7 @@ def main():
 
     def mark(what):
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"[convert_worker] {time.time() - t0:6.1f} s  {what}", flush=True)
+            print(f"[hf_parity_worker] {time.time() - t0:6.1f} s  {what}", flush=True)
 
     try:
         from mixln_megatron.training import pretrain
