@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/spike.py [--nproc 2] [--steps 200] [--hidden 128] [--seq 64]
 
-Launches tests/workers/spike_worker.py under torchrun (gloo) with two layouts of the same run:
+Launches benchmarks/workers/spike_worker.py under torchrun (gloo) with two layouts of the same run:
 DP2 with the distributed optimizer, the scaler at its defaults (threshold 50, beta 0.99, warm-up
 100 steps) on the boundary norms of a 4-layer model with P = 2. Every 4th step after the warm-up,
 two random target elements of the reduced gradient are set to 1000x their typical magnitude (the
@@ -39,7 +39,7 @@ import tempfile
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "workers", "spike_worker.py")
+WORKER = os.path.join(ROOT, "benchmarks", "workers", "spike_worker.py")
 sys.path.insert(0, ROOT)
 
 from mixln_megatron.training.spike import (

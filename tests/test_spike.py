@@ -1,6 +1,6 @@
 """The gradient-spike scaler (training/spike/): the rule, and the scaler on Megatron's reduced grads.
 
-Unit tests run in-process. The multi-process tests launch tests/workers/spike_worker.py once per
+Unit tests run in-process. The multi-process tests launch benchmarks/workers/spike_worker.py once per
 world size (torchrun, gloo, CPU), covering several layouts per launch; each layout trains a tiny
 Mix-LN GPT (4 layers, hidden 64, P = 2: targets are the norms of layers 2 and 3) for 8 steps with
 x1000 spikes injected into reduced target gradients at steps 5 and 7 (the scaler is warm from step
@@ -36,8 +36,8 @@ def spike_settings_from_env(env):
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-WORKER = os.path.join(HERE, "workers", "spike_worker.py")
-sys.path.insert(0, os.path.join(HERE, "workers"))
+WORKER = os.path.join(ROOT, "benchmarks", "workers", "spike_worker.py")  # shared with benchmarks/spike.py
+sys.path.insert(0, os.path.dirname(WORKER))
 import spike_worker as W  # noqa: E402  (constants only; megatron is imported lazily there)
 
 WORLD2_LAYOUTS = ["ddp_plain", "ddp_quiet", "ddp", "distopt", "tp2sp", "pp2", "pp2_resume", "fresh_load", "fp16"]

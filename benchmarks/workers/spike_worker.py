@@ -1,6 +1,6 @@
 """torchrun worker for the gradient-spike scaler: tests/test_spike.py and benchmarks/spike.py.
 
-    python -m torch.distributed.run --nproc_per_node=N tests/workers/spike_worker.py \
+    python -m torch.distributed.run --nproc_per_node=N benchmarks/workers/spike_worker.py \
         --out DIR --layouts ddp,distopt,...
 
 Each layout re-initialises megatron's parallel state and builds a tiny Mix-LN GPT (4 layers,
