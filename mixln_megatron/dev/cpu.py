@@ -211,6 +211,52 @@ def harness(training: bool = False):
             disable()
 
 
+# ------------------------------------------------------------------ TransformerEngine on a CPU
+TE_REQUIRED_ENV = "TE_TESTS_REQUIRED"
+"""Set (to 1) by `make test-te`: a test that needs TE then fails instead of skipping without it."""
+
+
+def te_unavailable_reason():
+    """None when TransformerEngine's PyTorch modules import and megatron-core sees them, else why not.
+
+    Importing TE on a CPU works with the PyTorch extension built for this torch (see
+    scripts/install_te.sh); torch must be imported first (TE then finds torch's libnccl).
+    """
+    import importlib
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("transformer_engine") is None:
+            return "TransformerEngine is not installed (make test-te installs it)"
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception as exc:  # an extension built for another torch, a missing library...
+        return f"transformer_engine.pytorch does not import: {type(exc).__name__}: {str(exc)[:200]}"
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return None if HAVE_TE else "TE imports but megatron.core.extensions.transformer_engine.HAVE_TE is False"
+
+
+@contextlib.contextmanager
+def te_modules():
+    """`with cpu.te_modules(): build...`: TransformerEngine's modules can be constructed on the CPU.
+
+    TE refuses to construct a module while torch.cuda.is_available() is False ("TransformerEngine
+    needs CUDA."); inside the block it reads True, after the block it is restored (checkpointing
+    and everything else must see the truth: a CPU). Needs the CPU harness (enable()) first, which
+    refuses to start where CUDA is really available, so the lie never reaches a GPU machine.
+    Construction, parameters, state_dict / sharded_state_dict and dist_checkpointing work;
+    TE's forward and backward do not (CUDA kernels).
+    """
+    if not _state["core"]:
+        raise RuntimeError("mixln_megatron.dev.cpu.te_modules() needs the CPU harness: call cpu.enable() first")
+    saved = torch.cuda.is_available
+    torch.cuda.is_available = lambda: True
+    try:
+        yield
+    finally:
+        torch.cuda.is_available = saved
+
+
 CPU_MEGATRON_FLAGS = (
     "--distributed-backend", "gloo",
     "--no-gradient-accumulation-fusion",

@@ -17,6 +17,7 @@ Development only: nothing here is used by training, conversion or analysis.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -264,6 +265,66 @@ class MixLNRun(TinyTrainer):
         loaded = dist_checkpointing.load(self.sharded_state_dict(metadata), path)
         for key, model in zip(sorted(k for k in loaded if k.startswith("model")), self.models):
             model.load_state_dict(loaded[key])
+
+
+# ------------------------------------------------------------------ TransformerEngine tests
+def te_missing():
+    """None when the tests marked `te` can use real TransformerEngine modules here, else why not.
+    Under `make test-te` (cpu.TE_REQUIRED_ENV set) a missing TE is an error, not a skip."""
+    why = cpu.te_unavailable_reason()
+    if why and os.environ.get(cpu.TE_REQUIRED_ENV):
+        raise RuntimeError(f"make test-te put TransformerEngine on the path, but: {why}")
+    return why
+
+
+def te_spec(cfg, post_ln_layers, vp_stage=None, backend="te"):
+    """The Mix-LN decoder block spec (TE by default) of this virtual stage."""
+    from ..spec import get_mixln_decoder_block_spec
+
+    return get_mixln_decoder_block_spec(cfg, backend=backend, post_ln_layers=post_ln_layers, vp_stage=vp_stage)
+
+
+def build_chunks(cfg, post_ln_layers, backend="te", vpp=None, **kwargs):
+    """GPTModel chunks (one per virtual stage) of the Mix-LN spec; TE modules built on the CPU."""
+    with (cpu.te_modules() if backend == "te" else contextlib.nullcontext()):
+        return [build_gpt(cfg, te_spec(cfg, post_ln_layers, i if vpp else None, backend),
+                          vp_stage=i if vpp else None, **kwargs) for i in range(vpp or 1)]
+
+
+def chunks_sharded_state_dict(chunks, metadata=None):
+    """{"model": ...} (or "model0", "model1", ... with VPP), as Megatron-LM saves model chunks."""
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict(metadata=metadata)}
+    return {f"model{i}": m.sharded_state_dict(metadata=metadata) for i, m in enumerate(chunks)}
+
+
+def save_chunks(chunks, path):
+    """dist_checkpointing torch_dist save, content metadata as Megatron-LM writes it."""
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(path, exist_ok=True)
+    metadata = {}
+    dist_checkpointing.save(chunks_sharded_state_dict(chunks, metadata), path, content_metadata=metadata)
+
+
+def load_chunks(chunks, path, strict=True):
+    """dist_checkpointing load into the chunks (strict load_state_dict)."""
+    from megatron.core import dist_checkpointing
+
+    metadata = dist_checkpointing.load_content_metadata(path)
+    loaded = dist_checkpointing.load(chunks_sharded_state_dict(chunks, metadata), path)
+    for key, model in zip(sorted(k for k in loaded if k.startswith("model")), chunks):
+        model.load_state_dict(loaded[key], strict=strict)
+
+
+def randomize(chunks, seed=5):
+    """Every parameter (norms included) drawn afresh, so that a wrong or missing load shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                base = 1.0 if "norm" in name else 0.0
+                p.copy_(base + 0.3 * torch.randn(p.shape, generator=g))
 
 
 # ------------------------------------------------------------------ subprocess launchers
