@@ -1,0 +1,329 @@
+"""Checkpoints are untrusted input: no code from a checkpoint ever runs (issue 19, item 2).
+
+Real checkpoints (a tiny Mix-LN model written by `convert from-hf` as torch_dist, with both
+common.pt and megatron-core 0.19's `common_state` item, and as legacy per-rank files) are built once;
+each test copies one, plants a payload (tests/payloads.py: a pickle reducing to os.system,
+subprocess.Popen, builtins.exec / eval, importlib.import_module, or os.system nested inside allowed
+containers) or a garbage / truncated / empty version into one file kind, and runs a command that
+reads checkpoints: `mixln-megatron convert to-hf`, `mixln-megatron analyze angular-distance`,
+`convert.inspect.inspect_checkpoint`, and the `--spec` edge's `compat.check_load_dir` /
+`model.checkpoint.read_checkpoint_record`.
+
+The contract: the payload's marker file is never created; a refusal is exit status 2 and one line
+`mixln-megatron <command>: error: <message>` naming the file (its path) and, for a payload, the
+global as `module.name` the way the pickle spells it (`posix.system` for os.system on Linux); no
+traceback; nothing written (no --save directory, nothing new next to it). The Python APIs raise a
+MixLNError subclass with that message.
+
+test_payloads_are_live proves the payloads are real: plain unpickling of each planted file does
+create the marker. test_untouched_copies_convert proves the copies and the planting mechanism
+(re-pointed .distcp items, common.pt removed) leave a checkpoint that converts.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import payloads as P  # noqa: E402
+from mixln_megatron import cli  # noqa: E402
+from mixln_megatron.errors import MixLNError  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning",
+                                        "ignore::FutureWarning")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+LINE = re.compile(r"^mixln-megatron [a-z][a-z -]*: error: \S")
+TORCH_DIST_PICKLE_KINDS = [k for k in P.PICKLE_KINDS if k.startswith("torch_dist")]
+
+
+# ------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    """{"torch_dist": dir, "torch": dir}: real checkpoints of a tiny Mix-LN model (P = 2 of 4), built once."""
+    from mixln_megatron.convert import convert_from_hf
+    from test_convert import make_mixln_folder
+
+    root = tmp_path_factory.mktemp("untrusted_bases")
+    make_mixln_folder(root / "hf")
+    convert_from_hf(str(root / "hf"), str(root / "torch_dist"), progress=False)
+    convert_from_hf(str(root / "hf"), str(root / "torch"), progress=False, ckpt_format="torch")
+    return {"torch_dist": root / "torch_dist", "torch": root / "torch"}
+
+
+class Case:
+    """One planted checkpoint copy: where it is, the file to name, the marker, the output paths."""
+
+    def __init__(self, tmp_path, bases, kind):
+        self.kind = kind
+        self.ckpt = tmp_path / "ckpt"
+        shutil.copytree(bases[P.FILE_KINDS[kind][0]], self.ckpt)
+        self.marker = tmp_path / "PAYLOAD_RAN"
+        self.scratch = tmp_path / "scratch"
+        self.scratch.mkdir()
+        self.out_parent = tmp_path / "outputs"
+        self.out_parent.mkdir()
+        self.out = self.out_parent / "hf"
+        self.file = None
+        self.payload = None
+
+    def plant(self, payload_name, monkeypatch=None):
+        self.payload = P.PAYLOADS[payload_name]
+        if monkeypatch is not None:
+            monkeypatch.syspath_prepend(str(self.scratch))  # for importlib.import_module's module
+        obj = self.payload.build(str(self.marker), str(self.scratch))
+        self.file = P.plant_payload(self.kind, self.ckpt, obj, nested=self.payload.nested,
+                                    protocol=self.payload.protocol)
+        return self
+
+    def damage(self, damage):
+        self.file = P.plant_damage(self.kind, self.ckpt, damage)
+        return self
+
+    def payload_ran(self) -> bool:
+        if self.payload is not None and self.payload.name == "subprocess.Popen":
+            deadline = time.time() + 0.5  # Popen does not wait for its child
+            while time.time() < deadline and not self.marker.exists():
+                time.sleep(0.05)
+        return self.marker.exists()
+
+    @property
+    def global_name(self):
+        if self.payload is None or self.kind in P.TEXT_KINDS:
+            return None  # JSON / text files are never unpickled: the bytes are just not the format
+        return self.payload.global_name
+
+
+def run_main(capsys, argv):
+    """mixln_megatron.cli.main(argv) in-process -> (exit status or None, stderr); an exception that
+    escapes is reported as its traceback (never the contract)."""
+    import traceback
+
+    capsys.readouterr()
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    except BaseException:  # noqa: BLE001 - the contract allows none: show it in the assertion
+        captured = capsys.readouterr()
+        return None, captured.err + traceback.format_exc()
+    return rc, capsys.readouterr().err
+
+
+def assert_refused(case, rc, err, written=None):
+    """The contract, in order of importance: nothing ran, exit 2, one line naming file and global, nothing written."""
+    assert not case.payload_ran(), f"the payload in {case.file} RAN (marker {case.marker} exists)"
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2, f"exit status {rc}, expected 2; stderr:\n{err}"
+    assert "Traceback" not in err, err
+    assert len(lines) == 1, f"expected one stderr line, got {len(lines)}:\n{err}"
+    assert LINE.match(lines[0]), lines[0]
+    assert case.file in lines[0], f"the line does not name {case.file}: {lines[0]}"
+    if case.global_name:
+        assert case.global_name in lines[0], f"the line does not name {case.global_name}: {lines[0]}"
+    for path in written or [case.out]:
+        assert not os.path.exists(path), f"{path} was written"
+    assert os.listdir(case.out_parent) == [], f"left next to the output: {os.listdir(case.out_parent)}"
+
+
+def assert_raised(case, excinfo_or_none, what):
+    assert not case.payload_ran(), f"{what}: the payload in {case.file} RAN (marker {case.marker} exists)"
+    assert excinfo_or_none is not None, f"{what} read {case.file} without refusing it"
+    error = excinfo_or_none
+    assert isinstance(error, MixLNError), f"{what} raised {type(error).__name__}: {error}"
+    message = str(error)
+    assert case.file in message, f"{what}: the message does not name {case.file}: {message}"
+    if case.global_name:
+        assert case.global_name in message, f"{what}: the message does not name {case.global_name}: {message}"
+
+
+def call(fn, *args):
+    """fn(*args) -> the exception it raised, or None."""
+    try:
+        fn(*args)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - the caller checks its type (torch's CheckpointException
+        return e  # is a BaseException)
+    return None
+
+
+def to_hf_argv(case):
+    return ["convert", "to-hf", "--load", str(case.ckpt), "--save", str(case.out), "--no-progress"]
+
+
+PAYLOAD_CASES = [(k, p) for k in P.PICKLE_KINDS for p in P.PAYLOADS] + [(k, "os.system") for k in P.TEXT_KINDS]
+DAMAGE_CASES = [(k, d) for k in P.FILE_KINDS for d in P.DAMAGES]
+
+
+# ------------------------------------------------------------------------------ the fixtures are real
+def test_untouched_copies_convert(bases, tmp_path, capsys):
+    """Copies convert (exit 0), also after a .distcp item is re-pointed at a copy of its own bytes and
+    with common.pt removed (0.19's layout): the planting mechanism alone breaks nothing."""
+    for fmt in ("torch_dist", "torch"):
+        case = Case(tmp_path / fmt, bases, "legacy-tracker" if fmt == "torch" else "torch_dist-tracker")
+        rc, err = run_main(capsys, to_hf_argv(case))
+        assert rc == 0, err
+    case = Case(tmp_path / "repointed", bases, "torch_dist-common_state-item")
+    os.remove(P.target_file("torch_dist-common.pt", case.ckpt))
+    for key in (P.RECORD_KEY, P.COMMON_STATE_KEY):
+        P.replace_item(case.ckpt, key, P.item_bytes(case.ckpt, key))
+    rc, err = run_main(capsys, to_hf_argv(case))
+    assert rc == 0, err
+    from mixln_megatron.convert.inspect import inspect_checkpoint
+
+    info = inspect_checkpoint(str(case.ckpt))
+    assert info.post_ln_layers == 2 and info.args is not None
+
+
+def _pickle_streams(path, kind, ckpt):
+    """The raw pickle stream(s) a planted file holds (a torch.save zip's data.pkl, or the file)."""
+    data = P.item_bytes(ckpt, P.ITEM_KEYS[kind]) if kind in P.ITEM_KEYS else open(path, "rb").read()
+    if data[:2] == b"PK":
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            return [z.read(n) for n in z.namelist() if n.endswith("data.pkl")]
+    return [data]
+
+
+@pytest.mark.parametrize("kind", P.PICKLE_KINDS)
+@pytest.mark.parametrize("payload", list(P.PAYLOADS))
+def test_payloads_are_live(bases, tmp_path, monkeypatch, kind, payload):
+    """Each planted file names its global in the pickle, and plain unpickling runs it (marker made):
+    the refusal tests below can fail."""
+    import pickletools
+
+    case = Case(tmp_path, bases, kind).plant(payload, monkeypatch)
+    streams = _pickle_streams(case.file, kind, case.ckpt)
+    module, _, name = case.global_name.rpartition(".")
+    seen = []
+    for stream in streams:
+        strings = []
+        for op, arg, _ in pickletools.genops(stream):
+            if op.name == "GLOBAL":
+                seen.append(arg.replace(" ", "."))
+            elif op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
+                strings.append(arg)
+            elif op.name == "STACK_GLOBAL":
+                seen.append(f"{strings[-2]}.{strings[-1]}")
+    assert f"{module}.{name}" in seen, seen
+    if kind == "torch_dist-.metadata":
+        pickle.loads(open(case.file, "rb").read())
+    elif kind in P.ITEM_KEYS:
+        torch.load(io.BytesIO(P.item_bytes(case.ckpt, P.ITEM_KEYS[kind])), weights_only=False)
+    else:
+        torch.load(case.file, weights_only=False)
+    assert case.payload_ran()
+
+
+# ------------------------------------------------------------------------------ convert to-hf
+@pytest.mark.parametrize("kind,payload", PAYLOAD_CASES)
+def test_to_hf_refuses_payload(bases, tmp_path, capsys, monkeypatch, kind, payload):
+    case = Case(tmp_path, bases, kind).plant(payload, monkeypatch)
+    rc, err = run_main(capsys, to_hf_argv(case))
+    assert_refused(case, rc, err)
+
+
+@pytest.mark.parametrize("kind,damage", DAMAGE_CASES)
+def test_to_hf_refuses_damaged_file(bases, tmp_path, capsys, kind, damage):
+    case = Case(tmp_path, bases, kind).damage(damage)
+    rc, err = run_main(capsys, to_hf_argv(case))
+    assert_refused(case, rc, err)
+
+
+@pytest.mark.parametrize("kind,payload", [("torch_dist-.metadata", "os.system"),
+                                          ("legacy-model_optim_rng.pt", "importlib.import_module")])
+def test_to_hf_refuses_payload_in_a_real_process(bases, tmp_path, kind, payload):
+    """The command's own process (`python -m mixln_megatron.cli`): exit 2, one line, no marker; the
+    import_module payload's module is importable there (PYTHONPATH)."""
+    case = Case(tmp_path, bases, kind).plant(payload)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(case.scratch), REPO]), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "mixln_megatron.cli", *to_hf_argv(case)], cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert_refused(case, proc.returncode, proc.stderr)
+
+
+# ------------------------------------------------------------------------------ inspect_checkpoint
+@pytest.mark.parametrize("kind,payload", PAYLOAD_CASES)
+def test_inspect_refuses_payload(bases, tmp_path, monkeypatch, kind, payload):
+    from mixln_megatron.convert.inspect import inspect_checkpoint
+
+    case = Case(tmp_path, bases, kind).plant(payload, monkeypatch)
+    assert_raised(case, call(inspect_checkpoint, str(case.ckpt)), "inspect_checkpoint")
+
+
+@pytest.mark.parametrize("kind,damage", DAMAGE_CASES)
+def test_inspect_refuses_damaged_file(bases, tmp_path, kind, damage):
+    from mixln_megatron.convert.inspect import inspect_checkpoint
+
+    case = Case(tmp_path, bases, kind).damage(damage)
+    assert_raised(case, call(inspect_checkpoint, str(case.ckpt)), "inspect_checkpoint")
+
+
+# ------------------------------------------------------------------------------ analyze
+@pytest.fixture(scope="module")
+def analysis_process():
+    """The analysis command sets up a one-rank gloo group and parallel state in this process: torn down after."""
+    yield
+    from mixln_megatron.dev import testing
+
+    if torch.distributed.is_initialized():
+        testing.shutdown()
+
+
+ANALYZE_CASES = ([(k, "os.system") for k in TORCH_DIST_PICKLE_KINDS]
+                 + [(k, "nested-os.system") for k in TORCH_DIST_PICKLE_KINDS]
+                 + [(k, "garbage") for k in TORCH_DIST_PICKLE_KINDS + ["torch_dist-metadata.json", "torch_dist-tracker"]])
+
+
+@pytest.mark.parametrize("kind,what", ANALYZE_CASES)
+def test_analyze_refuses(bases, tmp_path, capsys, monkeypatch, analysis_process, kind, what):
+    case = Case(tmp_path, bases, kind)
+    case.damage(what) if what in P.DAMAGES else case.plant(what, monkeypatch)
+    out_dir = case.out_parent / "analysis"
+    rc, err = run_main(capsys, ["analyze", "angular-distance", "--megatron", str(case.ckpt), "--out-dir",
+                                str(out_dir), "--tokens", "32", "--seq-length", "16", "--batch-size", "2"])
+    assert_refused(case, rc, err, written=[out_dir])
+
+
+# ------------------------------------------------------------------------------ the --spec edge
+SPEC_EDGE_CASES = ([(k, p) for k in TORCH_DIST_PICKLE_KINDS for p in ("os.system", "nested-os.system")]
+                   + [(k, "garbage") for k in TORCH_DIST_PICKLE_KINDS + ["torch_dist-metadata.json"]])
+# read_checkpoint_record reads the content metadata: common.pt, else (0.19) the .metadata and the
+# common_state item; never the Mix-LN settings record.
+NOT_READ_BY_RECORD = ("torch_dist-mixln_settings-item",)
+
+
+@pytest.mark.parametrize("kind,what", SPEC_EDGE_CASES)
+def test_spec_edge_load_checks_refuse(bases, tmp_path, monkeypatch, kind, what):
+    """compat.check_load_dir (what the --spec edge runs on --load) reads no pickle on this release but
+    must never run one; model.checkpoint.read_checkpoint_record must refuse a file it reads with a
+    MixLNError naming it (the .metadata case uses 0.19's layout, no common.pt, so that it is read)."""
+    from mixln_megatron import compat
+    from mixln_megatron.model.checkpoint import read_checkpoint_record
+
+    case = Case(tmp_path, bases, kind)
+    if kind == "torch_dist-.metadata":
+        os.remove(P.target_file("torch_dist-common.pt", case.ckpt))
+    case.damage(what) if what in P.DAMAGES else case.plant(what, monkeypatch)
+    error = call(compat.check_load_dir, str(case.ckpt))
+    assert not case.payload_ran(), f"check_load_dir: the payload in {case.file} RAN"
+    if error is not None:
+        assert_raised(case, error, "check_load_dir")
+    error = call(read_checkpoint_record, str(case.ckpt / "release"))
+    if kind in NOT_READ_BY_RECORD and error is None:
+        assert not case.payload_ran(), f"read_checkpoint_record: the payload in {case.file} RAN"
+        return
+    assert_raised(case, error, "read_checkpoint_record")
