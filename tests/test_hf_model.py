@@ -345,6 +345,7 @@ def test_export_helpers():
     assert is_stock_llama(0, "mixln")
     assert not is_stock_llama(0, "lns") and not is_stock_llama(1, "mixln") and not is_stock_llama(2, "mixln+lns")
     assert AUTO_MAP == {"AutoConfig": "configuration_mixln_llama.MixLNLlamaConfig",
+                        "AutoModel": "modeling_mixln_llama.MixLNLlamaModel",  # serving backends (test_hf_serving)
                         "AutoModelForCausalLM": "modeling_mixln_llama.MixLNLlamaForCausalLM"}
     stock = config_for_export(0, "mixln", **TINY)
     assert type(stock) is LlamaConfig and stock.model_type == "llama"

@@ -15,8 +15,11 @@ from typing import Any, Dict, List, Optional
 
 CODE_FILES = ("configuration_mixln_llama.py", "modeling_mixln_llama.py")
 
+# AutoModel (the base model) is what the Transformers backend of vLLM and SGLang
+# (`--model-impl transformers`) instantiates; the causal-LM head is theirs there.
 AUTO_MAP = {
     "AutoConfig": "configuration_mixln_llama.MixLNLlamaConfig",
+    "AutoModel": "modeling_mixln_llama.MixLNLlamaModel",
     "AutoModelForCausalLM": "modeling_mixln_llama.MixLNLlamaForCausalLM",
 }
 MIXLN_ARCHITECTURES = ["MixLNLlamaForCausalLM"]

@@ -12,7 +12,10 @@ norm is always applied. Attention, MLP, norms, rotary embeddings, the model loop
 are transformers' LLaMA components, reused by subclassing.
 
 This file is copied verbatim next to config.json in exported checkpoints (remote code): it imports only
-`transformers`/`torch` and the configuration file next to it.
+`transformers`/`torch` and the configuration file next to it. config.json's auto_map names the base model
+(`AutoModel` -> MixLNLlamaModel, where all Mix-LN changes live) as well as the causal LM, for serving
+engines' Transformers backends, which load the base model and call attention through
+ALL_ATTENTION_FUNCTIONS with the kwargs they pass to the model.
 """
 
 from typing import Optional, Tuple
@@ -105,6 +108,11 @@ class MixLNLlamaPreTrainedModel(LlamaPreTrainedModel):
     config_class = MixLNLlamaConfig
     config: MixLNLlamaConfig
     _no_split_modules = ["MixLNLlamaPreLNDecoderLayer", "MixLNLlamaPostLNDecoderLayer"]
+    # Attention goes through transformers' attention interface (ALL_ATTENTION_FUNCTIONS, chosen by
+    # config._attn_implementation) in LlamaAttention, and every layer passes its **kwargs down to it:
+    # what the Transformers backend of vLLM / SGLang needs to put its own attention in. LLaMA's value,
+    # stated here so that the base model (AutoModel) keeps it whatever LlamaPreTrainedModel does.
+    _supports_attention_backend = True
     # Both layer classes subclass LlamaDecoderLayer, so the inherited output recording
     # (`_can_record_outputs`: hidden states per decoder layer, attentions per LlamaAttention) applies as is.
 
