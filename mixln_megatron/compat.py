@@ -6,7 +6,8 @@ here and nowhere else (docs/megatron-releases.md, sections A-J, says what was me
   B  0.17's pretrain() parses sys.argv itself and takes no config container.
   C  0.18's pretrain() takes model_provider third; 0.19 moved it behind the model type.
   D  Megatron-LM's `--spec`: 0.19 calls a callable with the model config; 0.17/0.18 hand the
-     imported object to GPTModel, which only takes a layer ModuleSpec (final norm: Megatron's).
+     imported object to GPTModel, which only takes a layer ModuleSpec (final norm: Megatron's);
+     the objects for each case are the --spec edge's (mixln_megatron.spec).
   E  0.17/0.18's train() overwrites config.finalize_model_grads_func, dropping our hooks.
   F  MLP builders: a ModuleSpec on 0.17, MlpBuilder partials on 0.18+ (model/layer.py handles
      both shapes; nothing to adapt here).
@@ -23,7 +24,6 @@ wins over the installed wheel), so its own version string decides, not the insta
 
 from __future__ import annotations
 
-import functools
 import importlib
 import sys
 import warnings
@@ -212,42 +212,6 @@ def batch_on_this_cp_rank(batch: dict) -> dict:
 
 # ------------------------------------------------------------------ D: what `--spec` imports
 SPEC_GETS_THE_CONFIG = RELEASE >= (0, 19)
-
-
-def stock_spec(decoder_spec: Callable, backend: str):
-    """The object `--spec mixln_megatron.spec <name>` imports on this release.
-
-    0.19 calls `decoder_spec(model_config, vp_stage=...)`, which returns the whole decoder (final
-    norm included). 0.17/0.18 pass the object to GPTModel uncalled, which accepts a layer
-    ModuleSpec: then each layer resolves the settings and installs the hooks when it is built
-    (LayerFromStockSpec), and the final norm is Megatron's LayerNormImpl (README: "--spec on
-    megatron-core 0.17 / 0.18").
-    """
-    if SPEC_GETS_THE_CONFIG:
-        return decoder_spec
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    return ModuleSpec(module=_layer_from_stock_spec_class(), params={"mixln_backend": backend})
-
-
-@functools.lru_cache(maxsize=None)
-def _layer_from_stock_spec_class():
-    """A MixLNTransformerLayer subclass (so TransformerBlock takes the spec as a layer spec) whose
-    construction builds the real Mix-LN layer from the settings of the --spec edge. Defined on
-    first use: importing this module must stay light."""
-    from megatron.core.transformer.spec_utils import build_module
-
-    from .model.layer import MixLNTransformerLayer
-
-    class LayerFromStockSpec(MixLNTransformerLayer):
-        def __new__(cls, config, *args, mixln_backend: str = "local", submodules=None, **kwargs):
-            from . import spec  # the --spec edge: settings, support check, hooks, one error line
-
-            layer_spec = spec.stock_layer_spec(config, mixln_backend)
-            # An instance of the real class, not of cls, so Python does not run __init__ again.
-            return build_module(layer_spec, config, *args, **kwargs)
-
-    return LayerFromStockSpec
 
 
 # ------------------------------------------------------------------ E: the finalize hook survives train()

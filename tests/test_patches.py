@@ -133,7 +133,7 @@ results["_version"] = megatron.core.__version__
 
 def _spec_name(spec):
     # The --spec object's public name: a function (0.19) or a ModuleSpec (0.17 / 0.18, see
-    # mixln_megatron.compat.stock_spec), one of mixln_megatron.spec's module attributes.
+    # the --spec edge mixln_megatron.spec), one of its module attributes.
     import mixln_megatron.spec as mixln_spec
 
     for name in ("mixln_layer_spec", "mixln_local_layer_spec"):

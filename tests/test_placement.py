@@ -5,7 +5,7 @@ from fractions import Fraction
 
 import pytest
 
-from mixln_megatron.model.env_settings import settings_from_environ
+from mixln_megatron.model.settings import settings_from_environ
 from mixln_megatron.model.placement import (
     MixLNConfigError,
     MixLNSettings,

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mixln_megatron.model.env_settings import settings_from_environ
+from mixln_megatron.model.settings import settings_from_environ
 from mixln_megatron.errors import MixLNConfigError
 from mixln_megatron.megatron_args import (
     add_mixln_args,
@@ -79,6 +79,16 @@ def test_settings_are_frozen_and_validated_with_their_source():
     assert TelemetrySettings(interval=3).source("interval") == "argument"
 
 
+def test_one_constructor_per_source():
+    """Arguments, MIXLN_*, Megatron-LM's flags and a checkpoint (its args or its Mix-LN record)."""
+    record = {"format": 1, "scheme": "mixln", "num_layers": 4, "post_ln_layers": 2, "alpha": "0.5"}
+    ckpt = MixLNSettings.from_checkpoint(record)
+    assert (ckpt.post_ln_layers, ckpt.alpha, ckpt.source("post_ln_layers")) == (2, None, "the checkpoint")
+    assert MixLNSettings.from_environ({"MIXLN_SCHEME": "lns"}).source("scheme") == "MIXLN_SCHEME"
+    assert MixLNSettings.from_args(SimpleNamespace(mixln_alpha="0.5")).source("alpha") == "--mixln-alpha"
+    assert MixLNSettings.from_environ({}) == MixLNSettings() == MixLNSettings.from_args(SimpleNamespace())
+
+
 def test_checkpoint_args_are_a_source_below_flags():
     ckpt = settings_from_checkpoint_args(SimpleNamespace(mixln_post_ln_layers=2, mixln_alpha=None))
     assert (ckpt.post_ln_layers, ckpt.source("post_ln_layers")) == (2, "the checkpoint")
@@ -100,20 +110,20 @@ def test_the_spec_edge_reads_flags_then_the_given_environment():
     assert s.spike.enabled and s.spike.source("enabled") == "MIXLN_SPIKE_SCALER"
 
 
-def test_only_env_settings_reads_mixln_variables():
+def test_only_the_settings_module_reads_mixln_variables():
     """`MIXLN_*` is read in one module; others may only name variables in text (docs, messages)."""
     reader = re.compile(r"(os\.environ|getenv|environ\.get|env\.get)\b[^\n]*")
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
-        if rel in ("model/env_settings.py", "dev/cpu.py", "dev/demo.py", "dev/testing.py"):  # reader; harness; launchers
+        if rel in ("model/settings.py", "dev/cpu.py", "dev/demo.py", "dev/testing.py"):  # reader; harness; launchers
             continue
         text = path.read_text()
         for match in reader.finditer(text):
             if "MIXLN_" in match.group(0):
                 offenders.append(f"{rel}: {match.group(0).strip()}")
         if re.search(r"^\s*[A-Z_]+\s*=\s*[\"']MIXLN_", text, re.M):
-            offenders.append(f"{rel}: defines a MIXLN_* name (env_settings owns them)")
+            offenders.append(f"{rel}: defines a MIXLN_* name (model/settings.py owns them)")
     assert not offenders, offenders
 
 

@@ -30,7 +30,7 @@ from mixln_megatron.training.spike import (
 
 
 def spike_settings_from_env(env):
-    from mixln_megatron.model.env_settings import settings_from_environ
+    from mixln_megatron.model.settings import settings_from_environ
 
     return settings_from_environ(env).spike
 
@@ -263,11 +263,9 @@ def test_targets():
 
 def test_the_spec_is_plain_data_and_install_training_hooks_installs(mcore_single):
     from mixln_megatron.dev.testing import tiny_config
-    from mixln_megatron.training.spike import (
-        SpikeGradsHook,
-        SpikeScalerLayer,
-        get_spike_scaler,
-    )
+    from mixln_megatron.dev.testing import build_gpt
+    from mixln_megatron.model.layer import MixLNTransformerLayer
+    from mixln_megatron.training.spike import HOLDER_NAME, SpikeGradsHook, get_spike_scaler
     from mixln_megatron.model.settings import MixLNSettings
     from mixln_megatron.spec import get_mixln_decoder_block_spec
     from mixln_megatron.training.hooks import install_training_hooks
@@ -275,7 +273,7 @@ def test_the_spec_is_plain_data_and_install_training_hooks_installs(mcore_single
     on = MixLNSettings(post_ln_layers=2, spike=SpikeSettings(enabled=True))
     config = tiny_config(num_layers=4)
     spec = get_mixln_decoder_block_spec(config, backend="local", settings=on)
-    assert spec.layer_specs[0].module is SpikeScalerLayer  # carries the holder, installs nothing
+    assert spec.layer_specs[0].module is MixLNTransformerLayer  # the spec knows no training hooks
     assert config.finalize_model_grads_func is None
     install_training_hooks(config, on)
     hook = config.finalize_model_grads_func
@@ -283,6 +281,8 @@ def test_the_spec_is_plain_data_and_install_training_hooks_installs(mcore_single
     assert get_spike_scaler(config).layers == (2, 3)
     install_training_hooks(config, on)  # another model chunk (VPP): the same hook
     assert config.finalize_model_grads_func is hook
+    layers = build_gpt(config, spec).decoder.layers  # built after the install: targets hold the state
+    assert [HOLDER_NAME in layer._modules for layer in layers] == [False, True, True, False]
     config0 = tiny_config(num_layers=4)
     install_training_hooks(config0, MixLNSettings(post_ln_layers=0, spike=SpikeSettings(enabled=True)))
     assert config0.finalize_model_grads_func is None  # no boundary: disabled
@@ -332,25 +332,48 @@ def test_ops_per_step_do_not_grow_with_the_targets(mcore_single):
     assert boundary[1] == all_layers[1] <= 33, (boundary, all_layers)  # 30 when written
 
 
-def test_checkpoint_requests_follow_the_metadata_marker():
-    """Which layers' state a sharded_state_dict carries (see training/spike/state.py's doc)."""
-    from mixln_megatron.training.spike import METADATA_KEY
+def test_checkpoint_state_is_replicated_tensors_per_target_layer(mcore_single):
+    """Save and load request the same replicated tensors (training/spike/state.py's doc); a
+    format-1 checkpoint (its content metadata names the layers) is asked for its objects."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    scaler = _bare_scaler()
-    assert scaler.checkpoint.layers_for(None) == (2, 3)
-    core = {"dp_cp_group": None}  # what megatron-core makes of metadata=None: always carry the state
-    assert scaler.checkpoint.layers_for(core) == (2, 3) and core[METADATA_KEY]["layers"] == [2, 3]
-    old = {"dp_cp_group": None, "singleton_local_shards": False}  # Megatron-LM, no marker: a load of
-    assert scaler.checkpoint.layers_for(old) == ()  # a checkpoint saved without the scaler, or a fresh save
-    assert old[METADATA_KEY]["layers"] == []
-    assert not scaler.checkpoint.from_checkpoint
-    scaler.committed_steps = 3  # trained: a save
-    save = {"dp_cp_group": None, "singleton_local_shards": False}
-    assert scaler.checkpoint.layers_for(save) == (2, 3) and save[METADATA_KEY]["layers"] == [2, 3]
-    assert scaler.checkpoint.layers_for(save) == (2, 3)  # the next holder of the same save
-    fresh = _bare_scaler()
-    loaded = {"dp_cp_group": None, "singleton_local_shards": False, METADATA_KEY: {"format": 1, "layers": [3]}}
-    assert fresh.checkpoint.layers_for(loaded) == (3,) and fresh.checkpoint.from_checkpoint
+    from mixln_megatron.dev.testing import build_gpt, tiny_config
+    from mixln_megatron.model.settings import MixLNSettings
+    from mixln_megatron.spec import get_mixln_decoder_block_spec
+    from mixln_megatron.training.hooks import install_training_hooks
+    from mixln_megatron.training.spike import get_spike_scaler
+
+    config = tiny_config(num_layers=4)
+    settings = MixLNSettings(post_ln_layers=2, spike=SpikeSettings(enabled=True))
+    spec = get_mixln_decoder_block_spec(config, backend="local", settings=settings)
+    install_training_hooks(config, settings)
+    model = build_gpt(config, spec)
+    scaler = get_spike_scaler(config)
+
+    def spike_entries(metadata):
+        sharded = model.sharded_state_dict(metadata=metadata)
+        return {k: v for k, v in sharded.items() if "mixln_spike_scaler" in k}
+
+    for metadata in (None, {"singleton_local_shards": False}):  # megatron-core, Megatron-LM: alike
+        entries = spike_entries(metadata)
+        keys = sorted(v.key for v in entries.values())
+        assert keys == sorted(f"decoder.layers.mixln_spike_scaler.layer{n}.norm{i}.weight.{what}"
+                              for n in (2, 3) for i in (1, 2) for what in ("momentum", "step"))
+        for v in entries.values():
+            assert isinstance(v, ShardedTensor) and v.global_shape == (64,) and v.data.dtype == torch.float32
+    format1 = spike_entries({"mixln_spike_scaler": {"format": 1, "layers": [3]}})
+    assert [v.key for v in format1.values()] == ["decoder.layers.mixln_spike_scaler.layer3"]
+    assert all(isinstance(v, ShardedObject) for v in format1.values())
+    # what a format-1 load hands back: the layer's targets as a dict
+    holder = model.decoder.layers[2].mixln_spike_scaler
+    old = {"format": 1, "layer": 3, "targets": {
+        "norm1.weight": {"momentum": torch.full((64,), 0.5), "step": torch.full((64,), 4, dtype=torch.int64)},
+        "norm2.weight": {"momentum": torch.full((64,), 0.25), "step": torch.full((64,), 4, dtype=torch.int64)}}}
+    errors = []
+    holder._load_from_state_dict({"p.state": old}, "p.", {}, True, [], [], errors)
+    assert not errors
+    state = scaler.checkpoint.layer_state(3, holder.roles)
+    assert state["norm1.weight"][0].eq(0.5).all() and state["norm2.weight"][1].eq(4).all()
 
 
 def test_report_goes_to_megatron_writers():
@@ -530,7 +553,10 @@ def test_resume_continues_exactly(world2):
 
 @pytest.mark.mp
 def test_checkpoint_without_state_starts_fresh_with_a_warning(world2):
+    """megatron's load strictness decides: its default refuses the missing keys, log_unexpected
+    drops them and the scaler starts fresh with a warning."""
     for r in world2["fresh_load"]:
+        assert "mixln_spike_scaler.layer" in r["default_strictness"], r["default_strictness"]
         assert any("no spike-scaler state for layer 2" in w for w in r["warnings"])
         assert any("no spike-scaler state for layer 3" in w for w in r["warnings"])
         for name, s in r["state_after_load"].items():
@@ -625,7 +651,7 @@ def test_stock_megatron_lm_gets_the_scaler_from_the_spec(tmp_path):
     """megatron.training.pretrain, PP2, --spec mixln_megatron.spec mixln_local_layer_spec and
     MIXLN_SPIKE_SCALER=1: no patch. Spikes at iteration 5 are scaled; --exit-interval 3 + --load
     continues exactly (the state is in the torch_dist checkpoint); a checkpoint saved without the
-    scaler loads with a warning and a fresh state."""
+    scaler loads, with --dist-ckpt-strictness log_unexpected, with a warning and a fresh state."""
     out = str(tmp_path)
     full = _megatron_lm(out, "full", [])
     _megatron_lm(out, "first", ["--exit-interval", "3", "--save", f"{out}/ckpt", "--save-interval", "3"])
@@ -640,7 +666,8 @@ def test_stock_megatron_lm_gets_the_scaler_from_the_spec(tmp_path):
         assert not c["warnings"]
     _megatron_lm(out, "plain", ["--exit-interval", "3", "--save", f"{out}/plain", "--save-interval", "3"],
                  scaler=False)
-    fresh = _megatron_lm(out, "fresh", ["--load", f"{out}/plain"])
+    # megatron's load strictness decides: its default refuses the missing spike state
+    fresh = _megatron_lm(out, "fresh", ["--load", f"{out}/plain", "--dist-ckpt-strictness", "log_unexpected"])
     for r in fresh:
         assert any("no spike-scaler state" in w for w in r["warnings"])
         assert all(s["step"].eq(3).all() for s in r["state"].values())  # counted from the load on

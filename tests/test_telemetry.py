@@ -61,7 +61,7 @@ def test_tp2pp2_with_and_without_distributed_optimizer(workdir):
 
 
 def test_interval_from_env():
-    from mixln_megatron.model.env_settings import settings_from_environ
+    from mixln_megatron.model.settings import settings_from_environ
 
     assert settings_from_environ({}).telemetry.interval is None
     got = settings_from_environ({"MIXLN_TELEMETRY_INTERVAL": "10", "MIXLN_TELEMETRY_PATH": "/x/t.jsonl"}).telemetry

@@ -60,25 +60,8 @@ def warning_text(items: List[str]) -> Optional[str]:
     )
 
 
-def megatron_schedule() -> tuple:
-    """(train_iters, warmup_iters) from Megatron-LM's global args, when a training run set them."""
-    from ..training import runtime
-
-    args = runtime.megatron_args()
-    if args is None:  # no Megatron-LM training run (megatron-core users, tests)
-        return None, None
-    train_iters = getattr(args, "train_iters", None)
-    warmup = getattr(args, "lr_warmup_iters", None) or 0
-    fraction = getattr(args, "lr_warmup_fraction", None)
-    if fraction is not None and train_iters:
-        warmup = int(fraction * train_iters)
-    return train_iters, warmup
-
-
 def advise(placement: Placement, train_iters: Optional[int] = None, warmup_iters: Optional[int] = None) -> Optional[str]:
-    """Warning text for this run, schedule taken from Megatron-LM's args unless given."""
-    if train_iters is None and warmup_iters is None:
-        train_iters, warmup_iters = megatron_schedule()
+    """Warning text for this run (the schedule, when known, from the caller: an edge)."""
     return warning_text(findings(placement, train_iters, warmup_iters))
 
 
@@ -90,14 +73,15 @@ def _rank() -> int:
     return 0
 
 
-def announce(placement: Placement) -> None:
-    """Rank 0 prints the placement line (users look for it) and any advice, once per placement."""
+def announce(placement: Placement, train_iters: Optional[int] = None, warmup_iters: Optional[int] = None) -> None:
+    """Rank 0 prints the placement line (users look for it) and any advice, once per placement.
+    Called at the edges (training.hooks.install_training_hooks), never by a layer."""
     if placement in _announced:
         return
     _announced.add(placement)
     if _rank() != 0:
         return
     print(placement.describe(), flush=True)
-    text = advise(placement)
+    text = advise(placement, train_iters, warmup_iters)
     if text:
         print(text, flush=True)

@@ -45,7 +45,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import get_pg_rank, make_viewless_tensor
 
-from . import advice, backends
+from . import backends
 from .support import MixLNUnsupportedError, check_supported  # noqa: F401  (re-exported)
 from . import checkpoint as mixln_checkpoint
 from .placement import MixLNSettings, Placement, resolve_placement
@@ -65,6 +65,19 @@ POST_LN_KEYS_MAP = {
     "post_mlp_layernorm.": MIXLN_NORM_A,
 }
 POST_LN_NORM_NAMES = ("post_attention_layernorm", "post_mlp_layernorm")
+
+
+_ON_LAYER_BUILT = "_mixln_on_layer_built"
+
+
+def on_layer_built(config, callback) -> None:
+    """Call `callback(layer)` for every MixLNTransformerLayer built from now on with `config`
+    (idempotent). How training hooks installed before the build (the spike scaler's checkpoint
+    state) join the layers without the spec or the layer knowing them."""
+    config = getattr(config, "transformer", config)
+    callbacks = config.__dict__.setdefault(_ON_LAYER_BUILT, [])
+    if callback not in callbacks:
+        callbacks.append(callback)
 
 
 def _without_fused_norm(spec):
@@ -187,7 +200,8 @@ class MixLNTransformerLayer(TransformerLayer):
         self._register_state_dict_hook(
             lambda module, state_dict, prefix, _meta: mixln_checkpoint.add_legacy_record(module, state_dict, prefix)
         )
-        advice.announce(self.placement)
+        for callback in getattr(self.config, _ON_LAYER_BUILT, ()):
+            callback(self)  # e.g. the spike scaler's checkpoint state (see on_layer_built)
 
     # ---------------------------------------------------------------- the two norms
     def norm_parameters(self) -> list:

@@ -1,12 +1,8 @@
-"""The placement rule: which global layers are Post-LN, and how norms are scaled.
+"""The placement rule: which global layers are Post-LN, and how norms are scaled. Pure Python.
 
-Pure Python on purpose: no torch, no megatron, no torch.distributed. Everything else in the
-package (layers, checkpoints, the HF export, the CLI) asks this module one question: given
-L layers and the user's MixLNSettings, which 1-based global layer numbers are Post-LN.
-
-The settings (and where each came from) are settings.py's; the MIXLN_* environment is read by
-env_settings.py only. Without a setting the paper's default alpha = 0.25 applies, and only to
-models of at most 24 layers.
+Everything else (layers, checkpoints, the HF export, the CLI) asks one question: given L layers
+and the user's MixLNSettings (settings.py), which 1-based global layer numbers are Post-LN. Without
+a setting the paper's default alpha = 0.25 applies, and only to models of at most 24 layers.
 """
 
 from __future__ import annotations
@@ -39,20 +35,16 @@ class Placement:
     scheme: str = "mixln"
     alpha: Optional[str] = None  # exact text of the alpha that produced P, if P came from alpha
     source: str = DEFAULT  # where P came from: a flag, a variable, the checkpoint, argument, default
-    scheme_source: str = DEFAULT  # where the scheme came from
+    scheme_source: str = DEFAULT
 
     def __post_init__(self):
         if self.num_layers < 1:
             raise MixLNConfigError(f"num_layers must be >= 1, got {self.num_layers}")
         if not 0 <= self.post_ln_layers <= self.num_layers:
-            raise MixLNConfigError(
-                f"post_ln_layers = {self.post_ln_layers} is outside [0, num_layers = {self.num_layers}]"
-            )
+            raise MixLNConfigError(f"post_ln_layers = {self.post_ln_layers} is outside [0, num_layers = {self.num_layers}]")
         if self.scheme == "lns" and self.post_ln_layers:
-            raise MixLNConfigError(
-                "scheme 'lns' keeps every layer Pre-LN, but post_ln_layers = "
-                f"{self.post_ln_layers}; use scheme 'mixln+lns' for LNS on top of Mix-LN"
-            )
+            raise MixLNConfigError(f"scheme 'lns' keeps every layer Pre-LN, but post_ln_layers = {self.post_ln_layers}; "
+                                   "use scheme 'mixln+lns' for LNS on top of Mix-LN")
 
     def is_post_ln(self, layer_number: int) -> bool:
         """`layer_number` is Megatron's global, 1-based TransformerLayer.layer_number."""
@@ -82,51 +74,35 @@ class Placement:
     @property
     def boundary_layers(self) -> tuple:
         """(last Post-LN layer, first Pre-LN layer), or () when there is no Post/Pre boundary."""
-        if 0 < self.post_ln_layers < self.num_layers:
-            return (self.post_ln_layers, self.post_ln_layers + 1)
-        return ()
+        return (self.post_ln_layers, self.post_ln_layers + 1) if 0 < self.post_ln_layers < self.num_layers else ()
 
     def record(self) -> dict:
         """What checkpoints and HF configs store (plain JSON types)."""
-        return {
-            "format": 1,
-            "scheme": self.scheme,
-            "num_layers": self.num_layers,
-            "post_ln_layers": self.post_ln_layers,
-            "alpha": self.alpha,
-        }
+        return {"format": 1, "scheme": self.scheme, "num_layers": self.num_layers,
+                "post_ln_layers": self.post_ln_layers, "alpha": self.alpha}
 
     def describe(self) -> str:
         """The one line rank 0 prints at model build."""
         layers = self.post_ln_layer_numbers
-        shown = (
-            "none"
-            if not layers
-            else (", ".join(map(str, layers)) if len(layers) <= 8 else f"{layers[0]}..{layers[-1]}")
-        )
+        shown = "none" if not layers else (", ".join(map(str, layers)) if len(layers) <= 8 else f"{layers[0]}..{layers[-1]}")
         alpha = f"alpha={self.alpha}" if self.alpha is not None else "alpha=n/a (P given directly)"
         lns = "; LayerNorm Scaling 1/sqrt(l) on Pre-LN layers" if self.scheme != "mixln" else ""
         scheme = "" if self.scheme_source == DEFAULT else f" ({_from(self.scheme_source)})"
-        return (
-            f"[mixln_megatron] scheme={self.scheme}{scheme} L={self.num_layers} P={self.post_ln_layers} "
-            f"{alpha} ({_from(self.source)}); Post-LN layers: {shown}{lns}"
-        )
+        return (f"[mixln_megatron] scheme={self.scheme}{scheme} L={self.num_layers} P={self.post_ln_layers} "
+                f"{alpha} ({_from(self.source)}); Post-LN layers: {shown}{lns}")
 
 
 def _from(source: str) -> str:
     """'from --mixln-alpha', 'from MIXLN_ALPHA', 'from the checkpoint', 'from the arguments', 'default'."""
-    if source == DEFAULT:
-        return DEFAULT
-    return f"from {'the arguments' if source == ARGUMENT else source}"
+    return DEFAULT if source == DEFAULT else f"from {'the arguments' if source == ARGUMENT else source}"
 
 
 def fraction_text(frac: Fraction) -> str:
     """Shortest exact decimal text of a fraction when it has one (0.0625), else 'n/d'."""
     den = frac.denominator
-    while den % 2 == 0:
-        den //= 2
-    while den % 5 == 0:
-        den //= 5
+    for prime in (2, 5):
+        while den % prime == 0:
+            den //= prime
     if den != 1:
         return f"{frac.numerator}/{frac.denominator}"
     digits = 0
@@ -141,10 +117,7 @@ def post_ln_count(alpha: Union[str, float, Fraction], num_layers: int) -> int:
 
 
 def resolve_placement(num_layers: int, settings: Optional[MixLNSettings] = None) -> Placement:
-    """P for a model of `num_layers` layers: from the settings, else the default alpha.
-
-    Nothing here reads the environment: the edges build `settings` (see settings.py).
-    """
+    """P for a model of `num_layers` layers: from the settings, else the default alpha."""
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise MixLNConfigError(f"num_layers must be a positive integer, got {num_layers!r}")
     s = settings or MixLNSettings()
@@ -159,25 +132,20 @@ def resolve_placement(num_layers: int, settings: Optional[MixLNSettings] = None)
                 f"alpha = {DEFAULT_ALPHA} applies only up to {DEFAULT_ALPHA_MAX_LAYERS} layers (the "
                 f"paper needed alpha = 0.0625, i.e. 2 Post-LN layers, at 32 layers): set "
                 f"--mixln-alpha / --mixln-post-ln-layers, MIXLN_ALPHA / MIXLN_POST_LN_LAYERS, or the "
-                f"spec factory's alpha= / post_ln_layers= explicitly"
-            )
+                f"spec factory's alpha= / post_ln_layers= explicitly")
         s = MixLNSettings(alpha=DEFAULT_ALPHA, scheme=s.scheme, sources={"alpha": DEFAULT, "scheme": scheme_source})
     source = s.placement_source
     where = "the arguments" if source == ARGUMENT else source
+    alpha_text = None
     if s.alpha is not None:
         frac = parse_alpha(s.alpha, where)
-        p = math.floor(frac * num_layers)
-        alpha_text = fraction_text(frac)
+        p, alpha_text = math.floor(frac * num_layers), fraction_text(frac)
     else:
         p = parse_count(s.post_ln_layers, where, "post_ln_layers")
         if p > num_layers:
-            raise MixLNConfigError(
-                f"post_ln_layers = {p} (from {where}) exceeds the model's num_layers = {num_layers}"
-            )
-        alpha_text = None
+            raise MixLNConfigError(f"post_ln_layers = {p} (from {where}) exceeds the model's num_layers = {num_layers}")
     if scheme == "lns" and p:
         raise MixLNConfigError(
             f"scheme 'lns' (LayerNorm Scaling, all Pre-LN) was combined with {p} Post-LN layers "
-            f"from {where}; use scheme 'mixln+lns', or drop the alpha / post_ln_layers setting"
-        )
+            f"from {where}; use scheme 'mixln+lns', or drop the alpha / post_ln_layers setting")
     return Placement(num_layers, p, scheme, alpha_text, source, scheme_source)

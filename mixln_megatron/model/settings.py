@@ -1,45 +1,51 @@
-"""What the user chose, and where each value came from. Pure Python (no torch, no megatron).
+"""What the user chose, and where each value came from: one frozen `MixLNSettings`. Pure Python.
 
-One frozen object, `MixLNSettings`, holds the placement (alpha | post_ln_layers, scheme), the
-gradient-spike scaler options (`SpikeSettings`) and the telemetry options (`TelemetrySettings`).
-Every value remembers its source, by the name the user typed: `--mixln-alpha` (a flag),
-`MIXLN_ALPHA` (an environment variable), `the checkpoint`, `argument` (a Python argument) or
-`default`. The object is built once at an edge and then passed down explicitly:
-  * the `--spec` functions (stock Megatron-LM leaves them only the environment, and the
-    patched parser's flags): mixln_megatron.spec;
-  * the entry point's flags and the patch's flags: mixln_megatron.megatron_args;
-  * the factories' arguments (MixLNTransformerLayerSpec(alpha=...), get_mixln_decoder_block_spec).
-Reading MIXLN_* is env_settings.py's job and no other module's. The placement rule itself (which
-layers are Post-LN for a given L) lives in placement.py.
-
-Several sources combine with `layered(highest, ..., lowest)`: per group, the first layer that sets
-a value wins (alpha and post_ln_layers are one group, so a flag's alpha beats an inherited
-MIXLN_POST_LN_LAYERS).
+It holds the placement (alpha | post_ln_layers, scheme) and two groups, the gradient-spike scaler
+(`SpikeSettings`) and the telemetry (`TelemetrySettings`). One constructor per source; every value
+remembers its source by the name the user typed:
+    MixLNSettings(alpha=0.25, spike=SpikeSettings(enabled=True))  Python arguments   `argument`
+    MixLNSettings.from_environ(environ=None)                      MIXLN_* variables  `MIXLN_ALPHA`
+    MixLNSettings.from_args(args)                                 Megatron-LM's --mixln-* flags
+    MixLNSettings.from_checkpoint(args_or_record)                 a checkpoint       `the checkpoint`
+`layered(highest, ..., lowest)` combines sources: per group, the first that sets a value wins
+(alpha and post_ln_layers are one group, so a flag's alpha beats an inherited MIXLN_POST_LN_LAYERS).
+Unset values (None) take the defaults when used (placement.resolve_placement, SpikeSettings.resolved).
+This is the only module that reads MIXLN_* (FIELDS names them all); the edges build the object
+once and pass it down. Which layers are Post-LN for a given L is placement.py's rule.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from fractions import Fraction
 from typing import Mapping, Optional, Sequence, Tuple, Union
 
 from ..errors import MixLNConfigError
 
-ARGUMENT = "argument"
-DEFAULT = "default"
-CHECKPOINT = "the checkpoint"
-
-# mixln: Post-LN for the first P layers, Pre-LN after.  lns: LayerNorm Scaling, Pre-LN
-# everywhere with each norm output in layer l scaled by 1/sqrt(l).  mixln+lns: LNS on the
-# Pre-LN layers of a Mix-LN model.
+ARGUMENT, DEFAULT, CHECKPOINT = "argument", "default", "the checkpoint"
+# mixln: Post-LN for the first P layers, Pre-LN after. lns: LayerNorm Scaling, Pre-LN everywhere
+# with each norm output in layer l scaled by 1/sqrt(l). mixln+lns: LNS on the Pre-LN layers.
 SCHEMES = ("mixln", "lns", "mixln+lns")
+# Spike scaler defaults: threshold 50 (the Mix-LN authors' value), beta 0.99 (a ~100-step memory),
+# warm-up 100 steps (one such span); targets: the norms of the last Post-LN and first Pre-LN layer.
+DEFAULT_THRESHOLD, DEFAULT_BETA, DEFAULT_WARMUP_STEPS, DEFAULT_TARGETS = 50.0, 0.99, 100, "boundary"
 
-# Spike scaler defaults (see spike.py for the rule and why these values).
-DEFAULT_THRESHOLD = 50.0  # the Mix-LN authors' value
-DEFAULT_BETA = 0.99
-DEFAULT_WARMUP_STEPS = 100
-DEFAULT_TARGETS = "boundary"
+# (field, its Megatron-LM flag, its environment variable, the kind of value)
+FIELDS = (
+    ("alpha", "--mixln-alpha", "MIXLN_ALPHA", str),
+    ("post_ln_layers", "--mixln-post-ln-layers", "MIXLN_POST_LN_LAYERS", int),
+    ("scheme", "--mixln-scheme", "MIXLN_SCHEME", str),
+    ("spike.enabled", "--mixln-spike-scaler", "MIXLN_SPIKE_SCALER", bool),
+    ("spike.threshold", "--mixln-spike-threshold", "MIXLN_SPIKE_THRESHOLD", float),
+    ("spike.beta", "--mixln-spike-beta", "MIXLN_SPIKE_BETA", float),
+    ("spike.warmup_steps", "--mixln-spike-warmup-steps", "MIXLN_SPIKE_WARMUP_STEPS", int),
+    ("spike.targets", "--mixln-spike-targets", "MIXLN_SPIKE_TARGETS", str),
+    ("telemetry.interval", "--mixln-telemetry-interval", "MIXLN_TELEMETRY_INTERVAL", int),
+    ("telemetry.path", "--mixln-telemetry-path", "MIXLN_TELEMETRY_PATH", str),
+)
+CPU, ANALYSIS_CACHE = "MIXLN_CPU", "MIXLN_ANALYSIS_CACHE"  # the harness; the analysis text cache
 
 
 class SpikeConfigError(MixLNConfigError):
@@ -49,107 +55,70 @@ class SpikeConfigError(MixLNConfigError):
 # --------------------------------------------------------------------------------------- parsers
 def parse_alpha(value: Union[str, float, int, Fraction], source: str) -> Fraction:
     """Parse alpha exactly. A float is taken by its shortest decimal repr, so 0.29 means 29/100."""
+    bad = f"alpha from {source} must be a number in [0, 1] (e.g. 0.25, or 0.0625 for a 32-layer 7B model), got {value!r}"
     if isinstance(value, bool):
-        raise MixLNConfigError(f"alpha from {source} must be a number in [0, 1], got {value!r}")
-    if isinstance(value, Fraction):
-        frac = value
-    else:
+        raise MixLNConfigError(bad)
+    try:
         text = repr(value) if isinstance(value, float) else str(value).strip()
-        try:
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError
-            if text.lower() in ("nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity"):
-                raise ValueError
-            frac = Fraction(text)
-        except (ValueError, ZeroDivisionError):
-            raise MixLNConfigError(
-                f"alpha from {source} must be a number in [0, 1] (e.g. 0.25, or 0.0625 for a "
-                f"32-layer 7B model), got {value!r}"
-            ) from None
+        if text.lower().lstrip("+-") in ("nan", "inf", "infinity"):
+            raise ValueError
+        frac = value if isinstance(value, Fraction) else Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        raise MixLNConfigError(bad) from None
     if not 0 <= frac <= 1:
-        raise MixLNConfigError(
-            f"alpha from {source} must lie in [0, 1] (0 = all Pre-LN, 1 = all Post-LN), got {value!r}"
-        )
+        raise MixLNConfigError(f"alpha from {source} must lie in [0, 1] (0 = all Pre-LN, 1 = all Post-LN), got {value!r}")
     return frac
 
 
 def parse_count(value: Union[str, int], source: str, what: str) -> int:
     """A non-negative integer, e.g. post_ln_layers."""
-    if isinstance(value, bool):
-        raise MixLNConfigError(f"{what} from {source} must be a non-negative integer, got {value!r}")
-    if isinstance(value, int):
-        out = value
-    else:
-        try:
-            out = int(str(value).strip())
-        except ValueError:
-            raise MixLNConfigError(
-                f"{what} from {source} must be a non-negative integer, got {value!r}"
-            ) from None
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        out = value if isinstance(value, int) else int(str(value).strip())
+    except ValueError:
+        raise MixLNConfigError(f"{what} from {source} must be a non-negative integer, got {value!r}") from None
     if out < 0:
         raise MixLNConfigError(f"{what} from {source} must be >= 0, got {value!r}")
     return out
 
 
-def parse_scheme(value: str, source: str) -> str:
-    scheme = str(value).strip().lower()
-    if scheme not in SCHEMES:
-        raise MixLNConfigError(f"scheme from {source} must be one of {', '.join(SCHEMES)}; got {value!r}")
-    return scheme
-
-
 def parse_targets(value, source: str) -> Union[str, Tuple[int, ...]]:
     """Spike targets: 'boundary', 'all', or global 1-based layer numbers (a list or '6,7')."""
+    accepted = "must be 'boundary', 'all' or a comma list of global layer numbers such as '6,7'"
     if isinstance(value, str):
-        text = value.strip().lower()
-        if text in ("boundary", "all"):
-            return text
-        parts = [p for p in text.replace(" ", "").split(",") if p]
-        if not parts:
-            raise SpikeConfigError(
-                f"spike targets from {source} must be 'boundary', 'all' or a comma list of global "
-                f"layer numbers such as '6,7', got {value!r}"
-            )
-        value = parts
+        if value.strip().lower() in ("boundary", "all"):
+            return value.strip().lower()
+        value = [p for p in value.replace(" ", "").split(",") if p]
     try:
         layers = tuple(sorted({int(v) for v in value}))
     except (TypeError, ValueError):
-        raise SpikeConfigError(
-            f"spike targets from {source} must be 'boundary', 'all' or a list of global layer "
-            f"numbers, got {value!r}"
-        ) from None
+        raise SpikeConfigError(f"spike targets from {source} {accepted}, got {value!r}") from None
     if not layers or layers[0] < 1:
         raise SpikeConfigError(f"spike target layers from {source} are 1-based and non-empty, got {value!r}")
     return layers
 
 
-# --------------------------------------------------------------------------------------- sources
+# --------------------------------------------------------------------------------------- the objects
 class _Sourced:
     """A frozen dataclass whose `sources` names where each set field came from."""
 
-    def _sources_dict(self) -> dict:
-        return dict(self.sources)
+    def __post_init__(self):
+        sources = self.sources.items() if isinstance(self.sources, Mapping) else self.sources
+        object.__setattr__(self, "sources", tuple(sorted((str(k), str(v)) for k, v in sources)))
 
     def source(self, name: str) -> str:
         """Where field `name` came from: 'default' when unset, else its recorded source or 'argument'."""
-        if getattr(self, name) is None:
-            return DEFAULT
-        return self._sources_dict().get(name, ARGUMENT)
+        return DEFAULT if getattr(self, name) is None else dict(self.sources).get(name, ARGUMENT)
 
     def _where(self, name: str) -> str:
         """The source as a message names it: a flag or variable by name, else 'the arguments'."""
-        src = self.source(name)
-        return "the arguments" if src == ARGUMENT else src
+        return "the arguments" if self.source(name) == ARGUMENT else self.source(name)
 
 
-def _freeze_sources(obj) -> None:
-    sources = obj.sources
-    if isinstance(sources, Mapping):
-        sources = sources.items()
-    object.__setattr__(obj, "sources", tuple(sorted((str(k), str(v)) for k, v in sources)))
+_SOURCES = dataclasses.field(default=(), compare=False)
 
 
-# --------------------------------------------------------------------------------------- spike
 @dataclasses.dataclass(frozen=True)
 class SpikeSettings(_Sourced):
     """Spike-scaler options. None means: not given here (a lower layer, then the default)."""
@@ -160,143 +129,205 @@ class SpikeSettings(_Sourced):
     warmup_steps: Optional[int] = None
     targets: Optional[Union[str, Sequence[int]]] = None
     log_interval: Optional[int] = None  # None: Megatron-LM's --log-interval when present, else 100
-    sources: Tuple[Tuple[str, str], ...] = ()
+    sources: Tuple[Tuple[str, str], ...] = _SOURCES
 
     def __post_init__(self):
-        _freeze_sources(self)
-        if self.enabled is not None and not isinstance(self.enabled, bool):
-            raise SpikeConfigError(f"spike enabled from {self._where('enabled')} must be true or false, got {self.enabled!r}")
-        t = self.threshold
+        super().__post_init__()
+        e, t, b, w, li = self.enabled, self.threshold, self.beta, self.warmup_steps, self.log_interval
+        if e is not None and not isinstance(e, bool):
+            raise SpikeConfigError(f"spike enabled from {self._where('enabled')} must be true or false, got {e!r}")
         if t is not None and (isinstance(t, bool) or not math.isfinite(float(t)) or float(t) < 1):
             raise SpikeConfigError(
                 f"spike threshold from {self._where('threshold')} must be a finite number >= 1 (default "
-                f"{DEFAULT_THRESHOLD:g}: a spike is |g| > threshold * momentum), got {t!r}"
-            )
-        if self.beta is not None and (isinstance(self.beta, bool) or not 0 <= float(self.beta) < 1):
+                f"{DEFAULT_THRESHOLD:g}: a spike is |g| > threshold * momentum), got {t!r}")
+        if b is not None and (isinstance(b, bool) or not 0 <= float(b) < 1):
             raise SpikeConfigError(
                 f"spike beta from {self._where('beta')} must lie in [0, 1) (EMA coefficient of |g|, "
-                f"default {DEFAULT_BETA}), got {self.beta!r}"
-            )
-        w = self.warmup_steps
+                f"default {DEFAULT_BETA}), got {b!r}")
         if w is not None and (isinstance(w, bool) or int(w) != w or w < 0):
             raise SpikeConfigError(f"spike warmup_steps from {self._where('warmup_steps')} must be an integer >= 0, got {w!r}")
         if self.targets is not None:
             parse_targets(self.targets, self._where("targets"))
-        li = self.log_interval
         if li is not None and (isinstance(li, bool) or int(li) < 1):
             raise SpikeConfigError(f"spike log_interval from {self._where('log_interval')} must be >= 1, got {li!r}")
 
+    def resolved(self) -> "SpikeSettings":
+        """These settings with the defaults filled in (enabled defaults to False)."""
+        pick = lambda name, default: default if getattr(self, name) is None else getattr(self, name)  # noqa: E731
+        return dataclasses.replace(
+            self, enabled=bool(pick("enabled", False)), threshold=float(pick("threshold", DEFAULT_THRESHOLD)),
+            beta=float(pick("beta", DEFAULT_BETA)), warmup_steps=int(pick("warmup_steps", DEFAULT_WARMUP_STEPS)),
+            targets=parse_targets(pick("targets", DEFAULT_TARGETS), self._where("targets")))
 
-SPIKE_FIELDS = ("enabled", "threshold", "beta", "warmup_steps", "targets", "log_interval")
+    def describe(self) -> str:
+        targets = self.targets if isinstance(self.targets, str) else ",".join(map(str, self.targets))
+        return f"threshold={self.threshold:g} beta={self.beta:g} warmup_steps={self.warmup_steps} targets={targets}"
 
 
-# --------------------------------------------------------------------------------------- telemetry
 @dataclasses.dataclass(frozen=True)
 class TelemetrySettings(_Sourced):
     """Per-layer gradient-norm telemetry: every `interval` steps (0 or None: off), JSONL at `path`."""
 
     interval: Optional[int] = None
     path: Optional[str] = None
-    sources: Tuple[Tuple[str, str], ...] = ()
+    sources: Tuple[Tuple[str, str], ...] = _SOURCES
 
     def __post_init__(self):
-        _freeze_sources(self)
+        super().__post_init__()
         if self.interval is not None:
             parse_count(self.interval, self._where("interval"), "telemetry interval (steps)")
 
 
-# --------------------------------------------------------------------------------------- all
 @dataclasses.dataclass(frozen=True)
 class MixLNSettings(_Sourced):
-    """What the user asked for. Unset fields (None) fall through to lower layers, then defaults.
-
-    Exactly one of `alpha` and `post_ln_layers` may be given at the same level of precedence.
-    """
+    """What the user asked for. Exactly one of `alpha` and `post_ln_layers` may be given per source."""
 
     alpha: Optional[Union[str, float, Fraction]] = None
     post_ln_layers: Optional[int] = None
     scheme: Optional[str] = None
     spike: SpikeSettings = dataclasses.field(default_factory=SpikeSettings)
     telemetry: TelemetrySettings = dataclasses.field(default_factory=TelemetrySettings)
-    sources: Tuple[Tuple[str, str], ...] = ()
+    sources: Tuple[Tuple[str, str], ...] = _SOURCES
 
     def __post_init__(self):
-        _freeze_sources(self)
-        if self.spike is None:
-            object.__setattr__(self, "spike", SpikeSettings())
-        if self.telemetry is None:
-            object.__setattr__(self, "telemetry", TelemetrySettings())
+        super().__post_init__()
+        object.__setattr__(self, "spike", self.spike or SpikeSettings())
+        object.__setattr__(self, "telemetry", self.telemetry or TelemetrySettings())
         if self.alpha is not None and self.post_ln_layers is not None:
             a, p = self.source("alpha"), self.source("post_ln_layers")
             if a == p == ARGUMENT:
                 raise MixLNConfigError(
-                    f"give either alpha ({self.alpha!r}) or post_ln_layers ({self.post_ln_layers!r}), "
-                    "not both: alpha sets P = floor(alpha * num_layers), post_ln_layers sets P directly"
-                )
-            raise MixLNConfigError(
-                f"both {a} ({self.alpha}) and {p} ({self.post_ln_layers}) were given; pass one "
-                "(alpha sets P = floor(alpha * num_layers), post_ln_layers sets P directly)"
-            )
+                    f"give either alpha ({self.alpha!r}) or post_ln_layers ({self.post_ln_layers!r}), not both: "
+                    "alpha sets P = floor(alpha * num_layers), post_ln_layers sets P directly")
+            raise MixLNConfigError(f"both {a} {self.alpha} and {p} {self.post_ln_layers} were given; pass one "
+                                   "(alpha sets P = floor(alpha * num_layers), post_ln_layers sets P directly)")
         if self.alpha is not None:
             parse_alpha(self.alpha, self._where("alpha"))
         if self.post_ln_layers is not None:
             parse_count(self.post_ln_layers, self._where("post_ln_layers"), "post_ln_layers")
-        if self.scheme is not None:
-            parse_scheme(self.scheme, self._where("scheme"))
+        if self.scheme is not None and str(self.scheme).strip().lower() not in SCHEMES:
+            raise MixLNConfigError(f"scheme from {self._where('scheme')} must be one of {', '.join(SCHEMES)}; got {self.scheme!r}")
 
     @property
     def placement_source(self) -> str:
         """Where P comes from: alpha's or post_ln_layers' source, or 'default'."""
-        if self.alpha is not None:
-            return self.source("alpha")
-        if self.post_ln_layers is not None:
-            return self.source("post_ln_layers")
-        return DEFAULT
+        return self.source("alpha") if self.alpha is not None else self.source("post_ln_layers")
 
-    def resolve(self, num_layers: int):
-        """The Placement for a model of `num_layers` layers (placement.resolve_placement)."""
-        from .placement import resolve_placement
+    # -- constructors, one per source -----------------------------------------------------------
+    @classmethod
+    def _from_values(cls, values: dict, names: dict) -> "MixLNSettings":
+        """values / names: field (as in FIELDS) -> value / the source's name."""
+        group = lambda prefix: {k.split(".")[1]: v for k, v in values.items() if k.startswith(prefix)}  # noqa: E731
+        named = lambda prefix: {k.split(".")[1]: v for k, v in names.items() if k.startswith(prefix)}  # noqa: E731
+        return cls(**{k: v for k, v in values.items() if "." not in k},
+                   spike=SpikeSettings(**group("spike."), sources=named("spike.")),
+                   telemetry=TelemetrySettings(**group("telemetry."), sources=named("telemetry.")),
+                   sources={k: v for k, v in names.items() if "." not in k})
 
-        return resolve_placement(num_layers, self)
+    @classmethod
+    def from_environ(cls, environ: Optional[Mapping[str, str]] = None) -> "MixLNSettings":
+        """The MIXLN_* variables (os.environ unless a mapping is given); empty values are unset."""
+        env = os.environ if environ is None else environ
+        values = {}
+        for field, _, var, kind in FIELDS:
+            text = (env.get(var) or "").strip()
+            if not text:
+                continue
+            error = SpikeConfigError if field.startswith("spike.") else MixLNConfigError
+            if kind is bool:
+                if text.lower() not in _TRUE + _FALSE:
+                    raise error(f"{var} must be 1 or 0, got {text!r}")
+                values[field] = text.lower() in _TRUE
+            elif field in _COUNTS:
+                values[field] = parse_count(text, var, _COUNTS[field])
+            else:
+                try:
+                    values[field] = kind(text)
+                except ValueError:
+                    what = "an integer" if kind is int else "a number"
+                    raise error(f"environment variable {var} must be {what}, got {text!r}") from None
+        if "alpha" in values and "post_ln_layers" in values:
+            raise MixLNConfigError(f"both MIXLN_ALPHA={values['alpha']!r} and MIXLN_POST_LN_LAYERS="
+                                   f"{env.get('MIXLN_POST_LN_LAYERS')!r} are set; unset one")
+        return cls._from_values(values, {field: var for field, _, var, _ in FIELDS if field in values})
+
+    @classmethod
+    def from_args(cls, args) -> "MixLNSettings":
+        """Megatron-LM's parsed --mixln-* flags (megatron_args.add_mixln_args); sources: the flags."""
+        values = {field: getattr(args, flag[2:].replace("-", "_"), None) for field, flag, _, _ in FIELDS}
+        values = {k: v for k, v in values.items() if v is not None}
+        return cls._from_values(values, {field: flag for field, flag, _, _ in FIELDS if field in values})
+
+    @classmethod
+    def from_checkpoint(cls, saved) -> Optional["MixLNSettings"]:
+        """The placement a checkpoint carries: its saved args (from-hf writes mixln_post_ln_layers)
+        or a Mix-LN record (Placement.record()). None when it carries none."""
+        if saved is None:
+            return None
+        get = saved.get if isinstance(saved, Mapping) else lambda name: getattr(saved, name, None)
+        prefix = "" if isinstance(saved, Mapping) else "mixln_"
+        post, scheme = get(prefix + "post_ln_layers"), get(prefix + "scheme")
+        alpha = None if post is not None else get(prefix + "alpha")
+        if post is None and alpha is None and scheme is None:
+            return None
+        return cls(alpha=alpha, post_ln_layers=post, scheme=scheme,
+                   sources=dict.fromkeys(("alpha", "post_ln_layers", "scheme"), CHECKPOINT))
 
     def describe_sources(self) -> str:
-        """'alpha=0.0625 (from --mixln-alpha), scheme=mixln (default), ...' for logs."""
-        parts = []
-        for name in ("alpha", "post_ln_layers", "scheme"):
-            if getattr(self, name) is not None:
-                parts.append(f"{name}={getattr(self, name)} (from {self.source(name)})")
+        """'alpha=0.0625 (from --mixln-alpha), scheme=mixln (from MIXLN_SCHEME)' for logs."""
+        parts = [f"{name}={getattr(self, name)} (from {self.source(name)})"
+                 for name in ("alpha", "post_ln_layers", "scheme") if getattr(self, name) is not None]
         return ", ".join(parts) or "nothing set (defaults)"
 
 
-def layered(*layers: MixLNSettings) -> MixLNSettings:
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_COUNTS = {"post_ln_layers": "post_ln_layers", "telemetry.interval": "the telemetry interval (steps)"}
+
+
+def layered(*layers: Optional[MixLNSettings]) -> MixLNSettings:
     """Combine settings, highest precedence first: per group, the first layer that sets it wins."""
     layers = [layer for layer in layers if layer is not None]
-    if not layers:
-        return MixLNSettings()
-    fields, sources = {}, {}
-    placement = next((s for s in layers if s.alpha is not None or s.post_ln_layers is not None), None)
-    if placement is not None:
-        for name in ("alpha", "post_ln_layers"):
-            if getattr(placement, name) is not None:
-                fields[name] = getattr(placement, name)
-                sources[name] = placement.source(name)
-    scheme = next((s for s in layers if s.scheme is not None), None)
-    if scheme is not None:
-        fields["scheme"], sources["scheme"] = scheme.scheme, scheme.source("scheme")
+    values, names = {}, {}
 
-    spike, spike_sources = {}, {}
-    for name in SPIKE_FIELDS:
-        owner = next((s.spike for s in layers if getattr(s.spike, name) is not None), None)
+    def take(owner, field: str, name: str) -> None:
+        if getattr(owner, name) is not None:
+            values[field], names[field] = getattr(owner, name), owner.source(name)
+
+    placement = next((s for s in layers if s.alpha is not None or s.post_ln_layers is not None), None)
+    for field, _, _, _ in FIELDS:
+        group, _, name = field.rpartition(".")
+        if field in ("alpha", "post_ln_layers"):
+            if placement is not None:
+                take(placement, field, name)
+            continue
+        owner = next((getattr(s, group) if group else s for s in layers
+                      if getattr(getattr(s, group) if group else s, name) is not None), None)
         if owner is not None:
-            spike[name], spike_sources[name] = getattr(owner, name), owner.source(name)
-    telemetry, telemetry_sources = {}, {}
-    for name in ("interval", "path"):
-        owner = next((s.telemetry for s in layers if getattr(s.telemetry, name) is not None), None)
-        if owner is not None:
-            telemetry[name], telemetry_sources[name] = getattr(owner, name), owner.source(name)
-    return MixLNSettings(
-        **fields,
-        spike=SpikeSettings(**spike, sources=spike_sources),
-        telemetry=TelemetrySettings(**telemetry, sources=telemetry_sources),
-        sources=sources,
-    )
+            take(owner, field, name)
+    owner = next((s.spike for s in layers if s.spike.log_interval is not None), None)
+    if owner is not None:
+        take(owner, "spike.log_interval", "log_interval")
+    return MixLNSettings._from_values(values, names)
+
+
+# --------------------------------------------------------------------------------------- the rest of MIXLN_*
+def settings_variables_set(environ: Optional[Mapping[str, str]] = None) -> list:
+    """The names of the MIXLN_* settings variables that are set (non-empty), MIXLN_CPU aside."""
+    env = os.environ if environ is None else environ
+    return [var for _, _, var, _ in FIELDS if (env.get(var) or "").strip()]
+
+
+def cpu_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """MIXLN_CPU=1: the entry point enters the CPU harness (development only)."""
+    value = ((os.environ if environ is None else environ).get(CPU) or "").strip().lower()
+    if value and value not in _TRUE + _FALSE:
+        raise MixLNConfigError(f"{CPU} must be 1 or 0, got {value!r}")
+    return value in _TRUE
+
+
+def analysis_cache_dir(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """MIXLN_ANALYSIS_CACHE: where the analysis tools cache tokenized text (None: a temp dir)."""
+    return ((os.environ if environ is None else environ).get(ANALYSIS_CACHE) or "").strip() or None
+
+
+settings_from_environ = MixLNSettings.from_environ  # the names other modules and tests use

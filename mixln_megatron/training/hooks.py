@@ -1,6 +1,7 @@
 """The one place that installs Mix-LN's training hooks on a model's config.
 
-Specs are plain data; hooks are installed here and nowhere else, from a MixLNSettings:
+Specs are plain data; hooks are installed here and nowhere else, from a MixLNSettings, and rank 0
+prints the build line (placement and sources, model/advice.py) here, once per placement:
   * the gradient-spike scaler (settings.spike.enabled) wraps config.finalize_model_grads_func;
   * the per-layer gradient telemetry (settings.telemetry.interval > 0) wraps it again, after
     the scaler, so it sees the gradients the optimizer receives.
@@ -21,21 +22,23 @@ from __future__ import annotations
 from typing import Optional
 
 from .. import compat
+from ..model import advice
 from ..model.placement import resolve_placement
 from ..model.settings import MixLNSettings
 
 
 def install_training_hooks(config, settings: Optional[MixLNSettings] = None) -> dict:
     """Install what `settings` asks for on `config`; returns {"spike_scaler": ..., "telemetry": ...}."""
-    from . import telemetry
+    from . import runtime, telemetry
     from .spike import install_on_config, resolve_spike_settings
 
     config = getattr(config, "transformer", config)  # Megatron-LM's GPTModelConfig wraps it
     settings = settings or MixLNSettings()
     installed = {"spike_scaler": None, "telemetry": None}
+    placement = resolve_placement(config.num_layers, settings)
+    advice.announce(placement, *runtime.schedule())
     spike = resolve_spike_settings(settings.spike)
     if spike.enabled:
-        placement = resolve_placement(config.num_layers, settings)
         installed["spike_scaler"] = install_on_config(config, placement, spike)
     interval = settings.telemetry.interval or 0
     if interval > 0:

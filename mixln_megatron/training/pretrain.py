@@ -35,10 +35,10 @@ from functools import partial
 from typing import Optional, Sequence
 
 from ..errors import MixLNError, one_line
-from ..megatron_args import add_mixln_args, settings_from_args, settings_from_checkpoint_args
-from ..model import env_settings, support
+from ..megatron_args import add_mixln_args, backend_from_args, run_settings  # noqa: F401  (run_settings: part of this entry point's API)
+from ..model import settings as mixln_settings, support
 from ..model.placement import resolve_placement
-from ..model.settings import MixLNSettings, layered
+from ..model.settings import MixLNSettings
 from .dataset_helpers import use_prebuilt_dataset_helpers
 from .loss_log import LossLog
 
@@ -72,7 +72,7 @@ def _cpu_flags_text():
 
 
 def cpu_requested(argv: Sequence[str], environ=None) -> bool:
-    return "--cpu" in argv or env_settings.cpu_requested(environ)
+    return "--cpu" in argv or mixln_settings.cpu_requested(environ)
 
 
 def with_cpu_flags(argv: Sequence[str]) -> list:
@@ -103,10 +103,6 @@ def check_supported_args(args, spec_from_checkpoint: bool = False) -> None:
         )
 
 
-def backend_from_args(args) -> str:
-    return "te" if getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine" else "local"
-
-
 def _single_process_defaults(environ=None) -> None:
     """Without a launcher (no RANK / WORLD_SIZE): one process, on a free local port."""
     env = os.environ if environ is None else environ
@@ -121,11 +117,6 @@ def _single_process_defaults(environ=None) -> None:
 
 
 # ------------------------------------------------------------------ settings
-def run_settings(args, checkpoint_args=None) -> MixLNSettings:
-    """This run's settings: the --mixln-* flags, then the resumed checkpoint's args, then defaults."""
-    return layered(settings_from_args(args), settings_from_checkpoint_args(checkpoint_args))
-
-
 def _checkpoint_args(args):
     """With --use-checkpoint-args: the args saved in the checkpoint (Megatron-LM copies only its
     own shape flags from them, not the Mix-LN placement that from-hf records)."""
@@ -153,7 +144,7 @@ def _write_loss_log(loss_log: Optional[LossLog], args, settings: MixLNSettings) 
 
 def _note_ignored_environment() -> None:
     """The entry point takes its settings from flags; say so when MIXLN_* settings are exported."""
-    names = env_settings.settings_variables_set()
+    names = mixln_settings.settings_variables_set()
     if names and os.environ.get("RANK", "0") == "0":
         print(f"[mixln_megatron] WARNING: {', '.join(names)} ignored: mixln-megatron pretrain takes its "
               "settings from its --mixln-* flags (MIXLN_* is for Megatron-LM's own pretrain_gpt.py "

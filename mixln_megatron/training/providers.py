@@ -30,8 +30,9 @@ from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_l
 
 from .. import compat
 from ..compat import core_transformer_config_from_args  # its module differs by release
+from ..megatron_args import backend_from_args, run_settings
 from ..model.settings import MixLNSettings
-from ..spec import get_mixln_decoder_block_spec
+from ..model.specs import get_mixln_decoder_block_spec
 from .hooks import install_training_hooks
 from .loss_log import LossLog
 
@@ -48,8 +49,6 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     """
     args = get_args()
     if settings is None or backend is None:
-        from .pretrain import backend_from_args, run_settings
-
         settings = settings if settings is not None else run_settings(args)
         backend = backend or backend_from_args(args)
     if config is None:

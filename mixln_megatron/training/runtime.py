@@ -31,6 +31,19 @@ def arg(name: str, default=None):
     return default if value is None else value
 
 
+def schedule() -> Tuple[Optional[int], Optional[int]]:
+    """(train_iters, warmup_iters) of the Megatron-LM run, or (None, None) without one."""
+    args = megatron_args()
+    if args is None:  # no Megatron-LM training run (megatron-core users, tests)
+        return None, None
+    train_iters = getattr(args, "train_iters", None)
+    warmup = getattr(args, "lr_warmup_iters", None) or 0
+    fraction = getattr(args, "lr_warmup_fraction", None)
+    if fraction is not None and train_iters:
+        warmup = int(fraction * train_iters)
+    return train_iters, warmup
+
+
 def current_iteration() -> Optional[int]:
     """The 1-based iteration being trained (args.curr_iteration is 0-based), or None."""
     iteration = getattr(megatron_args(), "curr_iteration", None)

@@ -2,43 +2,40 @@
 magnitude exceeds `threshold` x their running momentum down to that momentum).
 
   rule.py     the element-wise rule and its state, on plain [targets, elements] tensors
-  options.py  the settings with defaults filled in; which layers are targets
-  targets.py  the target norm parameters, the elements each rank owns, batched access to them
+  targets.py  which layers are targets, their norm parameters, the elements each rank owns,
+              batched access to them
   scaler.py   SpikeScaler: the per-step work after finalize_model_grads, commit, synchronize
   stats.py    per-step statistics, reduced and reported at the logging interval
-  state.py    the state in torch_dist checkpoints (SpikeStateHolder, per target layer)
+  state.py    the state in torch_dist checkpoints (replicated tensors per target layer)
   hook.py     the adapter on config.finalize_model_grads_func and the install functions
 """
 
+from ...model.settings import (
+    DEFAULT_BETA,
+    DEFAULT_TARGETS,
+    DEFAULT_THRESHOLD,
+    DEFAULT_WARMUP_STEPS,
+    SpikeConfigError,
+    SpikeSettings,
+)
 from .hook import (
     SpikeGradsHook,
-    SpikeScalerLayer,
     get_spike_scaler,
     install_finalize_hook,
     install_on_config,
     install_spike_scaler,
     remove_spike_scaler,
-)
-from .options import (
-    DEFAULT_BETA,
-    DEFAULT_TARGETS,
-    DEFAULT_THRESHOLD,
-    DEFAULT_WARMUP_STEPS,
-    ResolvedSpikeSettings,
-    SpikeConfigError,
-    SpikeSettings,
     resolve_spike_settings,
-    target_layers,
 )
 from .rule import ReferenceSpikeRule, SpikeState
 from .scaler import SpikeScaler
-from .state import HOLDER_NAME, METADATA_KEY, SpikeStateHolder
+from .state import HOLDER_NAME, SpikeStateHolder
 from .stats import write_report
+from .targets import target_layers
 
 __all__ = [
     "DEFAULT_BETA", "DEFAULT_TARGETS", "DEFAULT_THRESHOLD", "DEFAULT_WARMUP_STEPS", "HOLDER_NAME",
-    "METADATA_KEY", "ReferenceSpikeRule", "ResolvedSpikeSettings", "SpikeConfigError", "SpikeGradsHook",
-    "SpikeScaler", "SpikeScalerLayer", "SpikeSettings", "SpikeState", "SpikeStateHolder", "get_spike_scaler",
-    "install_finalize_hook", "install_on_config", "install_spike_scaler", "remove_spike_scaler",
-    "resolve_spike_settings", "target_layers", "write_report",
+    "ReferenceSpikeRule", "SpikeConfigError", "SpikeGradsHook", "SpikeScaler", "SpikeSettings",
+    "SpikeState", "SpikeStateHolder", "get_spike_scaler", "install_finalize_hook", "install_on_config",
+    "install_spike_scaler", "remove_spike_scaler", "resolve_spike_settings", "target_layers", "write_report",
 ]

@@ -7,10 +7,9 @@ hands the model chunks to the SpikeScaler, which edits `param.main_grad` of the 
 
   * megatron-core users: `install_spike_scaler(model_chunks, config, optimizer)` on a built,
     DDP-wrapped model, or MixLNSettings(spike=...) + mixln_megatron.install_training_hooks.
-  * Megatron-LM: the settings enable SpikeScalerLayer in the spec (plain data), and
-    `install_on_config`, called by training.hooks.install_training_hooks before the model is
-    built, puts the hook on the model's config; each SpikeScalerLayer then adds its checkpoint
-    holder to itself. Megatron-LM itself is not patched; the optimizer is found at the first
+  * Megatron-LM: `install_on_config`, called by training.hooks.install_training_hooks before the
+    model is built, puts the hook on the model's config and asks each Mix-LN layer then built
+    with it (model.layer.on_layer_built) to take its checkpoint holder. Megatron-LM itself is not patched; the optimizer is found at the first
     call through `config.grad_scale_func` (Megatron-LM sets it to the optimizer's scale_loss).
 `install_finalize_hook` is the one function that touches the config: a release whose train()
 replaces the finalize function (mixln_megatron.compat) re-runs or wraps it.
@@ -18,15 +17,22 @@ replaces the finalize function (mixln_megatron.compat) re-runs or wraps it.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
-from ...model.layer import MixLNTransformerLayer
+from ...model.layer import on_layer_built
 from ...model.placement import Placement
-from ...model.settings import SPIKE_FIELDS, SpikeSettings
+from ...model.settings import SpikeSettings
 from .. import runtime
-from .options import ResolvedSpikeSettings, resolve_spike_settings, target_layers
 from .scaler import SpikeScaler
-from .targets import mixln_layers
+from .targets import mixln_layers, target_layers
+
+
+def resolve_spike_settings(settings=None) -> SpikeSettings:
+    """SpikeSettings (or a dict of its fields) with the defaults filled in; enabled defaults to False."""
+    if settings is None or isinstance(settings, dict):
+        settings = SpikeSettings(**(settings or {}))
+    return settings.resolved()
 
 
 class SpikeGradsHook:
@@ -83,7 +89,7 @@ def _no_boundary(placement: Placement) -> str:
             f"boundary (P={placement.post_ln_layers}, L={placement.num_layers})")
 
 
-def _scaler_on(config, settings: ResolvedSpikeSettings, placement: Placement) -> SpikeScaler:
+def _scaler_on(config, settings: SpikeSettings, placement: Placement) -> SpikeScaler:
     """The scaler already on `config`, or a new one installed and announced."""
     scaler = get_spike_scaler(config)
     if scaler is None:
@@ -109,7 +115,7 @@ def install_spike_scaler(model_chunks, config=None, optimizer=None, settings=Non
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     config = _transformer_config(config) if config is not None else get_model_config(chunks[0])
     if isinstance(settings, SpikeSettings):
-        settings = {name: getattr(settings, name) for name in SPIKE_FIELDS}
+        settings = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.name != "sources"}
     resolved = resolve_spike_settings(SpikeSettings(**{**(settings or {}), **overrides, "enabled": True}))
     layers = [layer for _, layer in mixln_layers(chunks)]
     if not layers:
@@ -132,10 +138,10 @@ def install_spike_scaler(model_chunks, config=None, optimizer=None, settings=Non
     return scaler
 
 
-def install_on_config(config, placement: Placement, settings: ResolvedSpikeSettings) -> Optional[SpikeScaler]:
+def install_on_config(config, placement: Placement, settings: SpikeSettings) -> Optional[SpikeScaler]:
     """Install the hook on a model's config before the model is built (Megatron-LM's path; called
-    by training.hooks.install_training_hooks). Layers built from a spec with the scaler enabled
-    (SpikeScalerLayer) then attach their checkpoint holders. Idempotent (one call per VPP chunk).
+    by training.hooks.install_training_hooks). The target layers built next with `config` take
+    their checkpoint holders. Idempotent (one call per VPP chunk).
     Returns None, and announces it once, when the targets are the boundary and there is none."""
     config = _transformer_config(config)
     if not target_layers(settings.targets, placement):
@@ -143,14 +149,6 @@ def install_on_config(config, placement: Placement, settings: ResolvedSpikeSetti
             runtime.print_rank_0(_no_boundary(placement))
             config._mixln_spike_disabled_announced = True
         return None
-    return _scaler_on(config, settings, placement)
-
-
-class SpikeScalerLayer(MixLNTransformerLayer):
-    """MixLNTransformerLayer that joins the spike scaler installed on its config (install_on_config)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        scaler = get_spike_scaler(self.config)
-        if scaler is not None:
-            scaler.attach(self)
+    scaler = _scaler_on(config, settings, placement)
+    on_layer_built(config, scaler.attach)  # the layers built next carry the scaler's state
+    return scaler

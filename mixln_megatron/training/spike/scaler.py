@@ -33,11 +33,11 @@ import torch
 
 from ...model.placement import Placement
 from .. import runtime
-from .options import ResolvedSpikeSettings, target_layers
+from ...model.settings import SpikeSettings
 from .rule import SpikeState
 from .state import HOLDER_NAME, CheckpointState, SpikeStateHolder
 from .stats import DEFAULT_LOG_INTERVAL, StepStats
-from .targets import Target, TargetSet, find_targets, mixln_layers
+from .targets import Target, TargetSet, find_targets, is_target_layer, mixln_layers, target_layers
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 class SpikeScaler:
     """Per-process owner of the rule's state, the hook's work, the commit and the reporting."""
 
-    def __init__(self, settings: ResolvedSpikeSettings, placement: Placement, config=None):
+    def __init__(self, settings: SpikeSettings, placement: Placement, config=None):
         self.config = config
         self._configure(settings, placement)
         self.optimizer = None
@@ -64,7 +64,7 @@ class SpikeScaler:
         # debug: recorder(scaler, grads [K, n] before the rule, spike, replacement, scale, owned mask or None)
         self.recorder: Optional[Callable] = None
 
-    def _configure(self, settings: ResolvedSpikeSettings, placement: Placement) -> None:
+    def _configure(self, settings: SpikeSettings, placement: Placement) -> None:
         self.settings = settings
         self.placement = placement
         self.layers = target_layers(settings.targets, placement)
@@ -81,16 +81,17 @@ class SpikeScaler:
         return self.stats.last_report
 
     # -- installation pieces ---------------------------------------------------------------------
-    def attach(self, layer) -> SpikeStateHolder:
-        """Give `layer` its checkpoint holder (idempotent)."""
+    def attach(self, layer) -> Optional[SpikeStateHolder]:
+        """Give a target `layer` its checkpoint holder (idempotent); None for other layers."""
+        if not is_target_layer(layer, self.layers):
+            return None
         holder = layer._modules.get(HOLDER_NAME)
         if isinstance(holder, SpikeStateHolder):
             holder.bind(self, layer)
         else:
             holder = SpikeStateHolder(self, layer)
             layer.add_module(HOLDER_NAME, holder)
-        if holder.is_target:
-            self.checkpoint.holders[holder.layer_number] = holder
+        self.checkpoint.holders[holder.layer_number] = holder
         return holder
 
     def set_optimizer(self, optimizer) -> None:
@@ -136,9 +137,9 @@ class SpikeScaler:
                 self.settings.warmup_steps, device=self.target_set.device,
             )
             for k, t in enumerate(targets):
-                data = self.checkpoint.take_loaded(t.layer_number, t.role)
-                if data is not None:
-                    self.state.set_target(k, data["momentum"], data["step"])
+                loaded = self.checkpoint.take_loaded(t.layer_number, t.role)
+                if loaded is not None:
+                    self.state.set_target(k, *loaded)
         self.is_set_up = True
 
     def _find_optimizer(self) -> None:

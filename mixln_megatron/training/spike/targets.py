@@ -19,12 +19,27 @@ every element the rule leaves alone (bf16/fp16 -> fp32 -> bf16/fp16 round-trips)
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ...model.layer import MixLNTransformerLayer
+from ...model.settings import SpikeConfigError
 from ..ddp_shards import owned_range
+
+
+def target_layers(targets: Union[str, Tuple[int, ...]], placement) -> Tuple[int, ...]:
+    """Global 1-based layer numbers whose norm parameters the scaler watches: "boundary" (the last
+    Post-LN and first Pre-LN layer; () when the model has none, and the scaler is then disabled),
+    "all" (every transformer layer; not the decoder's final norm), or the given layers."""
+    if targets == "boundary":
+        return tuple(placement.boundary_layers)
+    if targets == "all":
+        return tuple(range(1, placement.num_layers + 1))
+    bad = [n for n in targets if not 1 <= n <= placement.num_layers]
+    if bad:
+        raise SpikeConfigError(f"spike target layers {bad} are outside 1..{placement.num_layers} (global, 1-based)")
+    return tuple(targets)
 
 
 class Target:

@@ -1,0 +1,146 @@
+"""The package's layers point down: no import cycles, and the model knows nothing above it.
+
+The graph is built with `ast` from the source (imports inside functions count), so it needs no
+megatron and imports nothing: `import a.b` and `from a import b` point at the module b when it
+is one (a/b.py or a/b/__init__.py), else at a's __init__.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mixln_megatron"
+TOP = PACKAGE.name
+
+# Packages whose own cycles are being fixed elsewhere: the lead removes an entry when its package
+# is cycle-free (convert/ is being rewritten). Cycles that touch any other module always fail.
+CYCLES_PENDING_IN = ("mixln_megatron.convert",)
+
+# What the model layer (mixln_megatron.model, the plain-data spec factories included) must not
+# import: training, conversion, development aids, and the Megatron-LM edge above them.
+ABOVE_THE_MODEL = (
+    "mixln_megatron.training", "mixln_megatron.convert", "mixln_megatron.dev", "mixln_megatron.analysis",
+    "mixln_megatron.hf", "mixln_megatron.data", "mixln_megatron.spec", "mixln_megatron.megatron_args",
+    "mixln_megatron.cli",
+)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict:
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(files)
+
+    def resolve(name: str):
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {m: set() for m in modules}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            for name in names:
+                target = resolve(name) if name.split(".")[0] == TOP else None
+                if target and target != module:
+                    graph[module].add(target)
+    return graph
+
+
+def cycles(graph: dict) -> list:
+    """Strongly connected groups of more than one module (Tarjan, iteratively)."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], [0]
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return found
+
+
+def _inside(module: str, packages) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_the_graph_sees_imports_inside_functions():
+    graph = import_graph()
+    assert "mixln_megatron.model.layer" in graph["mixln_megatron.model.specs"]
+    assert "mixln_megatron.training.hooks" in graph["mixln_megatron"]  # a lazy import in __init__
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles():
+    pending = [g for g in cycles(import_graph()) if all(_inside(m, CYCLES_PENDING_IN) for m in g)]
+    others = [g for g in cycles(import_graph()) if g not in pending]
+    assert not others, "import cycles: " + "; ".join(" <-> ".join(g) for g in others)
+
+
+@pytest.mark.xfail(bool(CYCLES_PENDING_IN), reason="cycles being fixed there (CYCLES_PENDING_IN)", strict=False)
+def test_no_import_cycles_in_pending_packages():
+    assert not [g for g in cycles(import_graph()) if all(_inside(m, CYCLES_PENDING_IN) for m in g)]
+
+
+def test_the_model_imports_nothing_above_it():
+    graph = import_graph()
+    offenders = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items() if _inside(module, ("mixln_megatron.model",))
+        for target in targets if _inside(target, ABOVE_THE_MODEL)
+    )
+    assert not offenders, offenders
+
+
+def test_the_release_module_and_errors_stay_below_the_model():
+    """compat.py (release differences only) and errors.py sit under the model, which may use
+    them: they never reach the model, training or the edge (compat reads a --load directory's
+    layout through convert.locate)."""
+    graph = import_graph()
+    above = ("mixln_megatron.model",) + tuple(p for p in ABOVE_THE_MODEL if p != "mixln_megatron.convert")
+    for module in ("mixln_megatron.compat", "mixln_megatron.errors"):
+        bad = sorted(t for t in graph[module] if _inside(t, above))
+        assert not bad, (module, bad)
