@@ -40,7 +40,8 @@ WORKER = os.path.join(ROOT, "benchmarks", "workers", "spike_worker.py")  # share
 sys.path.insert(0, os.path.dirname(WORKER))
 import spike_worker as W  # noqa: E402  (constants only; megatron is imported lazily there)
 
-WORLD2_LAYOUTS = ["ddp_plain", "ddp_quiet", "ddp", "distopt", "tp2sp", "pp2", "pp2_resume", "fresh_load", "fp16"]
+WORLD2_LAYOUTS = ["ddp_plain", "ddp_quiet", "ddp", "distopt", "tp2sp", "pp2", "pp2_resume", "pp2_resume_format1",
+                  "fresh_load", "fp16"]
 WORLD4_LAYOUTS = ["ddp_plain", "tp2pp2_distopt", "dp2tp2_distopt"]  # ddp_plain: the initial weights
 
 
@@ -535,8 +536,10 @@ def test_tp_sp_and_pp_take_the_same_decisions(world2):
 
 
 @pytest.mark.mp
-def test_resume_continues_exactly(world2):
-    for full, resumed in zip(world2["pp2"], world2["pp2_resume"]):
+@pytest.mark.parametrize("layout", ["pp2_resume", "pp2_resume_format1"])
+def test_resume_continues_exactly(world2, layout):
+    """From a checkpoint with the state as tensors, and from one in format 1 (earlier versions)."""
+    for full, resumed in zip(world2["pp2"], world2[layout]):
         assert resumed["digests"] == full["digests"]
         assert all(torch.equal(resumed["params"][k], full["params"][k]) for k in full["params"])
         assert resumed["decisions"] == full["decisions"]

@@ -57,6 +57,8 @@ LAYOUTS = {
     "tp2sp": dict(scaler="api", tp=2, sp=True),
     "pp2": dict(scaler="spec", pp=2, nosync=True),
     "pp2_resume": dict(scaler="spec", pp=2, resume_at=5),
+    # the same, through a checkpoint whose spike state is in format 1 (earlier versions' objects)
+    "pp2_resume_format1": dict(scaler="spec", pp=2, resume_at=5, format1=True),
     "fresh_load": dict(scaler="spec", load="ddp_plain", steps=2),
     "fp16": dict(scaler="spec", fp16=True, inf=True, nosync=True),
     "tp2pp2_distopt": dict(scaler="spec", tp=2, pp=2, sp=True, distopt=True),
@@ -387,7 +389,28 @@ def _unwrap(model):
     return model
 
 
-def save_checkpoint(path, model, optimizer=None):
+def _as_format1(sharded: dict, md: dict, scaler) -> None:
+    """Rewrite the spike state of a model's sharded state dict as mixln_megatron's format 1 saved
+    it (one object per target layer, announced in the content metadata): an earlier version's
+    checkpoint, for the load path that still reads it."""
+    import re
+
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    objects = {}
+    for local in [k for k in sharded if ".mixln_spike_scaler." in k]:
+        tensor = sharded.pop(local)
+        key, number, role, name = re.fullmatch(r"(.*\.layer(\d+))\.(norm\d\.\w+)\.(momentum|step)", tensor.key).groups()
+        prefix = local[: -len(f"{role}.{name}")]
+        entry = objects.setdefault(prefix, (key, int(number), tensor.replica_id, {}))[3].setdefault(role, {})
+        entry[name] = tensor.data.clone() if name == "momentum" else tensor.data.to(torch.int64)
+    for prefix, (key, number, replica_id, targets) in objects.items():
+        data = {"format": 1, "layer": number, "targets": targets, "settings": {}}
+        sharded[f"{prefix}state"] = ShardedObject(key, data, (1,), (0,), replica_id=replica_id)
+    md["mixln_spike_scaler"] = {"format": 1, "layers": list(scaler.layers)}
+
+
+def save_checkpoint(path, model, optimizer=None, format1_scaler=None):
     from megatron.core import dist_checkpointing
 
     model = _unwrap(model)
@@ -396,6 +419,8 @@ def save_checkpoint(path, model, optimizer=None):
     torch.distributed.barrier()
     md = _metadata()
     state = {"model": model.sharded_state_dict(metadata=md)}
+    if format1_scaler is not None:
+        _as_format1(state["model"], md, format1_scaler)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=False, metadata=md)
     content = {k: v for k, v in md.items() if k != "dp_cp_group"}
@@ -467,7 +492,7 @@ def run_layout(name: str, layout: dict, out_dir: str, steps: int) -> None:
             train_step(run, config, model, optimizer, scaler, _size(layout))
             if layout.get("resume_at") == step:
                 path = os.path.join(out_dir, "ckpt_" + name)
-                save_checkpoint(path, model, optimizer)
+                save_checkpoint(path, model, optimizer, format1_scaler=scaler if layout.get("format1") else None)
                 extra["state_at_save"] = _scaler_state(scaler)
                 del model, optimizer, scaler
                 config, model, optimizer, scaler = build(run, layout)

@@ -273,12 +273,6 @@ class MixLNSettings(_Sourced):
         return cls(alpha=alpha, post_ln_layers=post, scheme=scheme,
                    sources=dict.fromkeys(("alpha", "post_ln_layers", "scheme"), CHECKPOINT))
 
-    def describe_sources(self) -> str:
-        """'alpha=0.0625 (from --mixln-alpha), scheme=mixln (from MIXLN_SCHEME)' for logs."""
-        parts = [f"{name}={getattr(self, name)} (from {self.source(name)})"
-                 for name in ("alpha", "post_ln_layers", "scheme") if getattr(self, name) is not None]
-        return ", ".join(parts) or "nothing set (defaults)"
-
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _COUNTS = {"post_ln_layers": "post_ln_layers", "telemetry.interval": "the telemetry interval (steps)"}
