@@ -45,9 +45,9 @@ class CheckpointState:
     def take_loaded(self, layer_number: int, role: str):
         return self.pending_load.pop((layer_number, role), None)
 
-    def layer_state(self, layer_number: int, roles: Sequence[Tuple[str, int]]) -> dict:
-        """{role: (momentum, step)} fp32 cpu tensors, the full state of one layer's targets
-        (synchronizes first: collective over the distributed optimizer's DP group)."""
+    def layer_state(self, layer_number: int, roles: Sequence[Tuple[str, int]], device=None) -> dict:
+        """{role: (momentum, step)} fp32 tensors on `device` (default cpu), the full state of one
+        layer's targets (synchronizes first: collective over the distributed optimizer's DP group)."""
         scaler = self.scaler
         scaler.synchronize()
         index = scaler.target_index()
@@ -61,7 +61,7 @@ class CheckpointState:
                 out[role] = tuple(t.clone() for t in self.pending_load[(layer_number, role)])
             else:
                 out[role] = (torch.zeros(numel), torch.zeros(numel))
-        return out
+        return {role: tuple(t.to(device) for t in pair) for role, pair in out.items()} if device is not None else out
 
     def load(self, layer_number: int, role: str, numel: int, momentum, step) -> None:
         momentum = torch.as_tensor(momentum, dtype=torch.float32).reshape(-1).cpu()
@@ -99,7 +99,11 @@ class SpikeStateHolder(torch.nn.Module):
         self.__dict__["_checkpoint"] = scaler.checkpoint  # a plain attribute, not a submodule
         self.__dict__["_pg_collection"] = getattr(layer, "pg_collection", None)
         self.layer_number = int(layer.layer_number)
-        self.roles = [(role, p.numel()) for role, p in layer.norm_parameters()]
+        norms = layer.norm_parameters()
+        self.roles = [(role, p.numel()) for role, p in norms]
+        # The tensors live where the parameters do when saved (collective checkpoint strategies
+        # exchange them); a parameter object stays the same when the model moves to the GPU.
+        self.__dict__["_param"] = norms[0][1] if norms else None
 
     def forward(self, *args, **kwargs):  # pragma: no cover - never called
         raise RuntimeError("SpikeStateHolder holds checkpoint state only")
@@ -126,7 +130,8 @@ class SpikeStateHolder(torch.nn.Module):
         # The layer's prefix (decoder.layers.<local index>.) is replaced by decoder.layers. for
         # sharding, so the global layer number in the key keeps the layers apart (no layer axis).
         key = f"{prefix}layer{self.layer_number}"
-        state = self._checkpoint.layer_state(self.layer_number, self.roles)
+        device = None if self._param is None else self._param.device
+        state = self._checkpoint.layer_state(self.layer_number, self.roles, device)
         format1 = metadata.get(FORMAT1_METADATA_KEY) if isinstance(metadata, dict) else None
         if format1 is not None:  # a load of a format-1 checkpoint (module doc)
             if self.layer_number not in [int(n) for n in format1.get("layers", ())]:
