@@ -32,18 +32,33 @@ SCHEMES = ("mixln", "lns", "mixln+lns")
 # warm-up 100 steps (one such span); targets: the norms of the last Post-LN and first Pre-LN layer.
 DEFAULT_THRESHOLD, DEFAULT_BETA, DEFAULT_WARMUP_STEPS, DEFAULT_TARGETS = 50.0, 0.99, 100, "boundary"
 
-# (field, its Megatron-LM flag, its environment variable, the kind of value)
+# (field, its Megatron-LM flag, its environment variable, the kind of value, the flag's help)
 FIELDS = (
-    ("alpha", "--mixln-alpha", "MIXLN_ALPHA", str),
-    ("post_ln_layers", "--mixln-post-ln-layers", "MIXLN_POST_LN_LAYERS", int),
-    ("scheme", "--mixln-scheme", "MIXLN_SCHEME", str),
-    ("spike.enabled", "--mixln-spike-scaler", "MIXLN_SPIKE_SCALER", bool),
-    ("spike.threshold", "--mixln-spike-threshold", "MIXLN_SPIKE_THRESHOLD", float),
-    ("spike.beta", "--mixln-spike-beta", "MIXLN_SPIKE_BETA", float),
-    ("spike.warmup_steps", "--mixln-spike-warmup-steps", "MIXLN_SPIKE_WARMUP_STEPS", int),
-    ("spike.targets", "--mixln-spike-targets", "MIXLN_SPIKE_TARGETS", str),
-    ("telemetry.interval", "--mixln-telemetry-interval", "MIXLN_TELEMETRY_INTERVAL", int),
-    ("telemetry.path", "--mixln-telemetry-path", "MIXLN_TELEMETRY_PATH", str),
+    ("alpha", "--mixln-alpha", "MIXLN_ALPHA", str,
+     "Fraction of layers that are Post-LN: P = floor(alpha * num_layers). The paper uses 0.25 "
+     "up to 1B and 0.0625 at 7B. Exclusive with --mixln-post-ln-layers."),
+    ("post_ln_layers", "--mixln-post-ln-layers", "MIXLN_POST_LN_LAYERS", int,
+     "Number P of leading Post-LN layers (global numbering). Exclusive with --mixln-alpha."),
+    ("scheme", "--mixln-scheme", "MIXLN_SCHEME", str,
+     "mixln (default), lns (LayerNorm Scaling: Pre-LN, norm outputs of layer l scaled by "
+     "1/sqrt(l)), or mixln+lns (LNS on the Pre-LN layers of a Mix-LN model)."),
+    ("spike.enabled", "--mixln-spike-scaler", "MIXLN_SPIKE_SCALER", bool,
+     "Scale gradient spikes on the Post/Pre boundary norm weights down to their momentum."),
+    ("spike.threshold", "--mixln-spike-threshold", "MIXLN_SPIKE_THRESHOLD", float,
+     "Spike when |g| > threshold * momentum (default 50)."),
+    ("spike.beta", "--mixln-spike-beta", "MIXLN_SPIKE_BETA", float,
+     "EMA coefficient of the gradient-magnitude momentum."),
+    ("spike.warmup_steps", "--mixln-spike-warmup-steps", "MIXLN_SPIKE_WARMUP_STEPS", int,
+     "Steps of momentum warm-up before anything is scaled."),
+    ("spike.targets", "--mixln-spike-targets", "MIXLN_SPIKE_TARGETS", str,
+     "boundary (default: last Post-LN and first Pre-LN layer's norms), all, or a comma list of "
+     "global layer numbers."),
+    ("telemetry.interval", "--mixln-telemetry-interval", "MIXLN_TELEMETRY_INTERVAL", int,
+     "Log per-layer gradient norms every N steps (0 = off, the default; see "
+     "mixln_megatron.training.telemetry). Written to TensorBoard/W&B when configured and to "
+     "<save>/mixln_telemetry.jsonl."),
+    ("telemetry.path", "--mixln-telemetry-path", "MIXLN_TELEMETRY_PATH", str,
+     "Write the telemetry JSONL here instead of <save>/mixln_telemetry.jsonl."),
 )
 CPU, ANALYSIS_CACHE = "MIXLN_CPU", "MIXLN_ANALYSIS_CACHE"  # the harness; the analysis text cache
 
@@ -229,7 +244,7 @@ class MixLNSettings(_Sourced):
         """The MIXLN_* variables (os.environ unless a mapping is given); empty values are unset."""
         env = os.environ if environ is None else environ
         values = {}
-        for field, _, var, kind in FIELDS:
+        for field, _, var, kind, _ in FIELDS:
             text = (env.get(var) or "").strip()
             if not text:
                 continue
@@ -249,14 +264,14 @@ class MixLNSettings(_Sourced):
         if "alpha" in values and "post_ln_layers" in values:
             raise MixLNConfigError(f"both MIXLN_ALPHA={values['alpha']!r} and MIXLN_POST_LN_LAYERS="
                                    f"{env.get('MIXLN_POST_LN_LAYERS')!r} are set; unset one")
-        return cls._from_values(values, {field: var for field, _, var, _ in FIELDS if field in values})
+        return cls._from_values(values, {field: var for field, _, var, _, _ in FIELDS if field in values})
 
     @classmethod
     def from_args(cls, args) -> "MixLNSettings":
         """Megatron-LM's parsed --mixln-* flags (megatron_args.add_mixln_args); sources: the flags."""
-        values = {field: getattr(args, flag[2:].replace("-", "_"), None) for field, flag, _, _ in FIELDS}
+        values = {field: getattr(args, flag[2:].replace("-", "_"), None) for field, flag, _, _, _ in FIELDS}
         values = {k: v for k, v in values.items() if v is not None}
-        return cls._from_values(values, {field: flag for field, flag, _, _ in FIELDS if field in values})
+        return cls._from_values(values, {field: flag for field, flag, _, _, _ in FIELDS if field in values})
 
     @classmethod
     def from_checkpoint(cls, saved) -> Optional["MixLNSettings"]:
@@ -288,7 +303,7 @@ def layered(*layers: Optional[MixLNSettings]) -> MixLNSettings:
             values[field], names[field] = getattr(owner, name), owner.source(name)
 
     placement = next((s for s in layers if s.alpha is not None or s.post_ln_layers is not None), None)
-    for field, _, _, _ in FIELDS:
+    for field, _, _, _, _ in FIELDS:
         group, _, name = field.rpartition(".")
         if field in ("alpha", "post_ln_layers"):
             if placement is not None:
@@ -308,7 +323,7 @@ def layered(*layers: Optional[MixLNSettings]) -> MixLNSettings:
 def settings_variables_set(environ: Optional[Mapping[str, str]] = None) -> list:
     """The names of the MIXLN_* settings variables that are set (non-empty), MIXLN_CPU aside."""
     env = os.environ if environ is None else environ
-    return [var for _, _, var, _ in FIELDS if (env.get(var) or "").strip()]
+    return [var for _, _, var, _, _ in FIELDS if (env.get(var) or "").strip()]
 
 
 def cpu_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
