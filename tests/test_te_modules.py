@@ -12,8 +12,6 @@ parameters and state only; TE's forward needs a GPU). Run by `make test-te`; ski
 - The support table's TE refusals fire on real TE configs, and TE-only features build.
 """
 
-import enum
-
 import pytest
 import torch
 
@@ -24,34 +22,19 @@ WHY = mu.te_missing()
 pytestmark = [pytest.mark.te, pytest.mark.skipif(WHY is not None, reason=str(WHY))]
 
 L = 4
-_PRIMITIVE = (bool, int, float, str, type(None), torch.dtype, enum.Enum)
-_NOT_FLAGS = {"name"}  # TE's debug name ("Layer_<n>"), a process-wide counter
-
-
-def flags(module) -> dict:
-    """A module's own settings: its plain attributes (what TE and megatron decide at build time)."""
-    return {k: v for k, v in vars(module).items() if isinstance(v, _PRIMITIVE) and k not in _NOT_FLAGS}
-
-
-def params(module) -> dict:
-    return {n: tuple(p.shape) for n, p in module.named_parameters()}
+flags, params = mu.module_flags, mu.param_shapes
 
 
 def config(normalization="RMSNorm", **overrides):
-    kw = dict(num_layers=L, query_groups=2, normalization=normalization, layernorm_epsilon=1e-6,
+    kw = dict(query_groups=2, normalization=normalization, layernorm_epsilon=1e-6,
               layernorm_zero_centered_gamma=True, qk_layernorm=True)
-    kw.update(overrides)
-    return mu.tiny_config(**{k: v for k, v in kw.items() if k != "num_layers"}, num_layers=kw["num_layers"])
+    return mu.tiny_config(num_layers=L, **{**kw, **overrides})
 
 
 def stock_model(cfg):
     """megatron's own TE GPT decoder spec for `cfg` (the oracle)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=True, normalization=cfg.normalization,
-                                      qk_l2_norm=cfg.qk_l2_norm)
     with cpu.te_modules():
-        return mu.build_gpt(cfg, spec)
+        return mu.build_gpt(cfg, mu.stock_te_spec(cfg))
 
 
 def mixln_model(cfg, p):
@@ -80,17 +63,7 @@ def test_pre_ln_layers_are_megatrons_stock_te_layer(normalization, p):
     for ours, theirs in zip(mixln.decoder.layers, stock.decoder.layers):
         if ours.is_post_ln:
             continue
-        assert ours.layer_number == theirs.layer_number
-        mine, ref = dict(ours.named_modules()), dict(theirs.named_modules())
-        assert list(mine) == list(ref)
-        for name, module in ref.items():
-            if name:  # the layer itself: a subclass, with Mix-LN's attributes besides the stock ones
-                assert type(mine[name]) is type(module), name
-                assert flags(mine[name]) == flags(module), name
-        assert isinstance(ours, type(theirs))
-        stock_flags = flags(theirs)
-        assert {k: flags(ours)[k] for k in stock_flags} == stock_flags
-        assert params(ours) == params(theirs)
+        mu.same_as_stock_layer(ours, theirs)
         # the fused TE norm+linear, with the config's norm
         for linear in (ours.self_attention.linear_qkv, ours.mlp.linear_fc1):
             assert isinstance(linear, TELayerNormColumnParallelLinear)
@@ -145,7 +118,7 @@ def test_post_ln_layers_plain_te_linears_and_te_norms(normalization):
 def test_norm_parameters_spike_targets_and_telemetry_find_te_norms(normalization):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from mixln_megatron.training.spike.options import target_layers
+    from mixln_megatron.training.spike import target_layers
     from mixln_megatron.training.spike.targets import find_targets
     from mixln_megatron.training.telemetry import GradTelemetry, norm_columns
 

@@ -307,14 +307,66 @@ def save_chunks(chunks, path):
     dist_checkpointing.save(chunks_sharded_state_dict(chunks, metadata), path, content_metadata=metadata)
 
 
-def load_chunks(chunks, path, strict=True):
-    """dist_checkpointing load into the chunks (strict load_state_dict)."""
+def load_chunks(chunks, path, ckpt_strictness=None) -> list:
+    """dist_checkpointing load into the chunks; returns the keys the checkpoint lacked.
+
+    ckpt_strictness None: megatron's default (a key the model has and the checkpoint lacks is an
+    error) and a strict load_state_dict. Otherwise a dist_checkpointing StrictHandling value (as
+    Megatron-LM's --dist-ckpt-strictness, e.g. "log_all"): keys the checkpoint lacks keep the
+    model's values, like Megatron-LM's non-strict retry."""
     from megatron.core import dist_checkpointing
 
     metadata = dist_checkpointing.load_content_metadata(path)
-    loaded = dist_checkpointing.load(chunks_sharded_state_dict(chunks, metadata), path)
+    if ckpt_strictness is None:
+        loaded = dist_checkpointing.load(chunks_sharded_state_dict(chunks, metadata), path)
+    else:
+        loaded = dist_checkpointing.load(chunks_sharded_state_dict(chunks, metadata), path, strict=ckpt_strictness)
+    missing = []
     for key, model in zip(sorted(k for k in loaded if k.startswith("model")), chunks):
-        model.load_state_dict(loaded[key], strict=strict)
+        result = model.load_state_dict(loaded[key], strict=ckpt_strictness is None)
+        missing += list(result.missing_keys)
+    return missing
+
+
+_NOT_FLAGS = {"name"}  # TE's debug name ("Layer_<n>"): a process-wide counter, not a setting
+
+
+def module_flags(module) -> dict:
+    """A module's own settings: its plain attributes (what TE and megatron decide at build time)."""
+    import enum
+
+    plain = (bool, int, float, str, type(None), torch.dtype, enum.Enum)
+    return {k: v for k, v in vars(module).items() if isinstance(v, plain) and k not in _NOT_FLAGS}
+
+
+def param_shapes(module) -> dict:
+    return {n: tuple(p.shape) for n, p in module.named_parameters()}
+
+
+def stock_te_spec(cfg, vp_stage=None):
+    """megatron's own TE GPT decoder block spec for `cfg` (the reference for Pre-LN layers)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(cfg, use_transformer_engine=True, normalization=cfg.normalization,
+                                      qk_l2_norm=cfg.qk_l2_norm, vp_stage=vp_stage)
+
+
+def same_as_stock_layer(ours, theirs) -> None:
+    """Assert that a Pre-LN Mix-LN layer is megatron's stock layer `theirs`: module classes and
+    flags, parameter names and shapes (the layer itself is a subclass with attributes of its own)."""
+    assert isinstance(ours, type(theirs)) and ours.layer_number == theirs.layer_number
+    mine, ref = dict(ours.named_modules()), dict(theirs.named_modules())
+    assert list(mine) == list(ref), (list(mine), list(ref))
+    for name, module in ref.items():
+        if name:
+            assert type(mine[name]) is type(module), name
+            assert module_flags(mine[name]) == module_flags(module), name
+    stock_flags = module_flags(theirs)
+    assert {k: module_flags(ours)[k] for k in stock_flags} == stock_flags
+    assert param_shapes(ours) == param_shapes(theirs)
+    for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
+        for attr in ("sequence_parallel", "tensor_model_parallel", "partition_dim", "partition_stride"):
+            assert getattr(a, attr, None) == getattr(b, attr, None), (name, attr)
 
 
 def randomize(chunks, seed=5):
