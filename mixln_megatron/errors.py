@@ -51,3 +51,15 @@ def report_once(error: BaseException, file=None) -> bool:
         return False
     print(f"{PREFIX} {one_line(error)}", file=file or sys.stderr, flush=True)
     return True
+
+
+class ConversionError(MixLNError, RuntimeError):
+    """A checkpoint or model folder cannot be read or converted; the message says why and what to do."""
+
+
+class UnsupportedModelError(ConversionError):
+    """The checkpoint's model uses a feature the conversion (or Llama) cannot express."""
+
+
+class UnsafeCheckpointError(ConversionError):
+    """A checkpoint file names a global that is not on the allow-list, or is not a readable pickle."""

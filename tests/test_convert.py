@@ -33,9 +33,9 @@ from mixln_megatron.convert import convert_from_hf as from_hf  # noqa: E402
 from mixln_megatron.convert import convert_to_hf as to_hf  # noqa: E402
 from mixln_megatron.convert.megatron_reader import open_checkpoint  # noqa: E402
 from mixln_megatron.convert.layouts import (  # noqa: E402
-    deinterleave_rope_rows, hf_row_pieces, merge_qkv, merge_tp_shards, split_qkv, split_tp_shard)
+    deinterleave_rope_rows, merge_qkv, merge_tp_shards, split_qkv, split_tp_shard)
 from mixln_megatron.convert.shape import (  # noqa: E402
-    ModelShape, hf_config_kwargs, padded_vocab_size, shape_from_hf_config, shape_from_megatron_args)
+    ModelShape, padded_vocab_size, shape_from_hf_config, shape_from_megatron_args)
 from mixln_megatron.convert.inspect import mixln_record  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -269,14 +269,12 @@ def test_qkv_and_glu_layouts():
     for role in ("qkv.weight", "proj.weight", "fc2.weight"):
         t = torch.randn(shape.megatron_layer_shapes()[role])
         assert torch.equal(merge_tp_shards(role, [split_tp_shard(role, t, 2, r) for r in range(2)]), t)
-    # pieces cover each HF tensor's rows exactly, in order, within the byte budget (q by whole heads)
-    for role in shape.roles():
-        row_bytes = 4 * (shape.megatron_layer_shapes()[role][1:] or (1,))[0]
-        for index, (name, hf_shape) in enumerate(shape.hf_role_tensors(role, False)):
-            pieces = hf_row_pieces(role, index, shape, row_bytes, piece_bytes=3 * row_bytes)
-            assert sum(b - a for a, b in pieces) == hf_shape[0], (role, name)
-            assert all(b - a <= max(3, shape.kv_channels) for a, b in pieces)
-    assert hf_row_pieces("qkv.weight", 0, shape, 32, 64) == [(0, 2), (2, 4), (8, 10), (10, 12)]
+    # every role of a layer becomes the HF tensors hf_role_tensors names, with their shapes
+    from mixln_megatron.convert.to_hf import hf_layer_tensors
+
+    for role, megatron_shape in shape.megatron_layer_shapes().items():
+        hf = hf_layer_tensors(role, torch.randn(megatron_shape), shape)
+        assert [tuple(t.shape) for t in hf] == [s for _, s in shape.hf_role_tensors(role, False)], role
     assert padded_vocab_size(32000, 128, 4) == 32256 and padded_vocab_size(250, 128, 2) == 256
 
 
@@ -304,7 +302,7 @@ def test_interleaved_rope_rows_match_megatron(monkeypatch):
     assert (got - want).abs().max() < 1e-5
 
 
-def test_rope_scaling_maps_to_hf(monkeypatch):
+def test_rope_scaling_maps_to_hf(monkeypatch, tmp_path):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -318,8 +316,13 @@ def test_rope_scaling_maps_to_hf(monkeypatch):
                               max_position_embeddings=16384, normalization="RMSNorm", swiglu=True,
                               position_embedding_type="rope", rotary_base=500000, use_rope_scaling=True,
                               rope_scaling_factor=8.0, add_bias_linear=False, untie_embeddings_and_output_weights=True)
-    kwargs = hf_config_kwargs(shape_from_megatron_args(args, 100))
-    cfg = LlamaConfig(**kwargs)
+    from mixln_megatron.convert.to_hf import hf_config_dict
+
+    folder = tmp_path / "llama3"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(hf_config_dict(shape_from_megatron_args(args, 100), 0, "mixln",
+                                                                   None, "float32", {})))
+    cfg = LlamaConfig.from_pretrained(str(folder))
     hf_inv, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
     assert torch.allclose(hf_inv.float(), meg.inv_freq.float(), rtol=1e-6, atol=0)
 

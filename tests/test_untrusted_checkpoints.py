@@ -6,8 +6,7 @@ each test copies one, plants a payload (tests/payloads.py: a pickle reducing to 
 subprocess.Popen, builtins.exec / eval, importlib.import_module, or os.system nested inside allowed
 containers) or a garbage / truncated / empty version into one file kind, and runs a command that
 reads checkpoints: `mixln-megatron convert to-hf`, `mixln-megatron analyze angular-distance`,
-`convert.inspect.inspect_checkpoint`, and the `--spec` edge's `compat.check_load_dir` /
-`model.checkpoint.read_checkpoint_record`.
+`convert.inspect.inspect_checkpoint`, and the `--spec` edge's `compat.check_load_dir`.
 
 The contract: the payload's marker file is never created; a refusal is exit status 2 and one line
 `mixln-megatron <command>: error: <message>` naming the file (its path) and, for a payload, the
@@ -301,18 +300,12 @@ def test_analyze_refuses(bases, tmp_path, capsys, monkeypatch, analysis_process,
 # ------------------------------------------------------------------------------ the --spec edge
 SPEC_EDGE_CASES = ([(k, p) for k in TORCH_DIST_PICKLE_KINDS for p in ("os.system", "nested-os.system")]
                    + [(k, "garbage") for k in TORCH_DIST_PICKLE_KINDS + ["torch_dist-metadata.json"]])
-# read_checkpoint_record reads the content metadata: common.pt, else (0.19) the .metadata and the
-# common_state item; never the Mix-LN settings record.
-NOT_READ_BY_RECORD = ("torch_dist-mixln_settings-item",)
-
-
 @pytest.mark.parametrize("kind,what", SPEC_EDGE_CASES)
 def test_spec_edge_load_checks_refuse(bases, tmp_path, monkeypatch, kind, what):
-    """compat.check_load_dir (what the --spec edge runs on --load) reads no pickle on this release but
-    must never run one; model.checkpoint.read_checkpoint_record must refuse a file it reads with a
-    MixLNError naming it (the .metadata case uses 0.19's layout, no common.pt, so that it is read)."""
+    """compat.check_load_dir (what the --spec edge runs on --load before Megatron reads it) reads no
+    pickle of the checkpoint, and must never run one (the .metadata case uses 0.19's layout, no
+    common.pt); where it refuses, it names the file in one line."""
     from mixln_megatron import compat
-    from mixln_megatron.model.checkpoint import read_checkpoint_record
 
     case = Case(tmp_path, bases, kind)
     if kind == "torch_dist-.metadata":
@@ -322,8 +315,3 @@ def test_spec_edge_load_checks_refuse(bases, tmp_path, monkeypatch, kind, what):
     assert not case.payload_ran(), f"check_load_dir: the payload in {case.file} RAN"
     if error is not None:
         assert_raised(case, error, "check_load_dir")
-    error = call(read_checkpoint_record, str(case.ckpt / "release"))
-    if kind in NOT_READ_BY_RECORD and error is None:
-        assert not case.payload_ran(), f"read_checkpoint_record: the payload in {case.file} RAN"
-        return
-    assert_raised(case, error, "read_checkpoint_record")

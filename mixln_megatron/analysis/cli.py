@@ -28,6 +28,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from ..errors import MixLNError, one_line
 from .grad_norms import DEFAULT_VARIANTS, VARIANTS
 
 
@@ -280,8 +281,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
         run = {"grad-norms": _run_grad_norms, "angular-distance": _run_angular}.get(a.command, _run_layer_drop)
         with _megatron_on_this_machine():
             return run(a)
+    except MixLNError:
+        raise  # a refused checkpoint or setting: cli.main prints it in one line, exit 2
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 1
 
 

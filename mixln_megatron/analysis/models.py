@@ -7,9 +7,10 @@ CUDA the megatron models are moved to the current GPU instead (that path is unte
 Three ways in, one interface out (`LanguageModel`):
   build_megatron_gpt(shape, post_ln_layers=, scheme=, seed=)   a fresh GPTModel from our spec
   load_megatron_checkpoint(path)                                a torch_dist checkpoint saved by
-        Megatron-LM (`--ckpt-format torch_dist`), loaded into a megatron-core GPTModel built from
-        the model arguments stored in the checkpoint (common.pt `args`); Mix-LN settings from the
-        checkpoint's content metadata, else the saved --mixln-* arguments. No conversion to HF.
+        Megatron-LM (`--ckpt-format torch_dist`), read by convert's checkpoint reader (the one
+        loader; every pickle through the allow-list) into a megatron-core GPTModel built from
+        the model arguments stored in the checkpoint; Mix-LN settings as convert.inspect reads
+        them (record, content metadata, saved --mixln-* arguments). No conversion to HF.
   load_hf_model(path)                                           a Hugging Face folder (stock LLaMA
         or our mixln_llama export), via AutoModelForCausalLM.
 
@@ -361,7 +362,7 @@ def load_hf_model(path: str) -> HFLM:
     return HFLM(model, source=path)
 
 
-from ..errors import MixLNError  # noqa: E402  (cli.main prints it in one line, exit 2)
+from ..errors import ConversionError, MixLNError, one_line  # noqa: E402  (cli.main prints it in one line, exit 2)
 
 
 class CheckpointError(MixLNError, ValueError):
@@ -370,7 +371,6 @@ class CheckpointError(MixLNError, ValueError):
 
 def _inspect(path: str, iteration: Optional[int]):
     """The checkpoint's args, shape and Mix-LN record (convert.inspect, shared with the converter)."""
-    from ..convert import ConversionError
     from ..convert.inspect import inspect_checkpoint
 
     try:
@@ -405,16 +405,49 @@ def _config_from_shape(a):
     )
 
 
-def _stock_norm_keys(sharded: dict) -> None:
-    """Request a Mix-LN model's norms under the stock keys (checkpoints saved before the Mix-LN keys)."""
-    from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
+def _state_from_reader(model, reader, num_layers: int, record: dict) -> dict:
+    """The model's state dict with every tensor read by convert's checkpoint reader (TP = PP = 1).
 
+    Layer tensors are read by role (both norm layouts, TE or local names, see convert.mapping);
+    a layer tensor without a role (e.g. qk-layernorm weights) is read from its stacked key. The
+    Mix-LN record is the checkpoint's, so that the layers' own check refuses other settings.
+    """
     from ..convert import mapping as M
+    from ..model.checkpoint import RECORD_NAME
 
-    apply_prefix_mapping(sharded, {
-        M.TD_LAYER_PREFIX + M.MIXLN_NORM_NAMES[role][:-len("weight")]:
-            M.TD_LAYER_PREFIX + M.LAYER_ROLE_NAMES[role][:-len("weight")]
-        for role in ("norm_a", "norm_b")})
+    state = model.state_dict()
+    by_layer = {}
+    for key, value in state.items():
+        if key.endswith(RECORD_NAME):
+            state[key] = record
+            continue
+        if key.endswith("_extra_state") or not torch.is_tensor(value):
+            continue
+        if key.startswith(M.TD_LAYER_PREFIX):
+            index, _, name = key[len(M.TD_LAYER_PREFIX):].partition(".")
+            by_layer.setdefault(int(index), []).append((key, name))
+        elif key == M.TD_EMBEDDING:
+            state[key] = reader.read_vocab_rows("embedding", 0, value.shape[0])
+        elif key == M.TD_OUTPUT:
+            state[key] = reader.read_vocab_rows("output", 0, value.shape[0])
+        elif key == M.TD_FINAL_NORM:
+            state[key] = reader.read_final_norm()
+        else:
+            raise CheckpointError(f"{reader.path}: the analysis loader does not know the model tensor {key}")
+    for layer in range(num_layers):
+        named = by_layer.get(layer, [])
+        roles = {name: M.LEGACY_LAYER_NAMES[name] for _, name in named if name in M.LEGACY_LAYER_NAMES}
+        tensors = reader.read_layer(layer, sorted(set(roles.values())))
+        for key, name in named:
+            if name in roles:
+                state[key] = tensors[roles[name]]
+                continue
+            stacked = M.TD_LAYER_PREFIX + name
+            if not reader.has(stacked):
+                raise CheckpointError(f"{reader.path}: parameters missing from the checkpoint: {stacked}")
+            shape = reader.global_shape(stacked)
+            state[key] = reader.read(stacked, (layer,) + (0,) * (len(shape) - 1), (1,) + shape[1:])[0]
+    return state
 
 
 def load_megatron_checkpoint(
@@ -429,7 +462,6 @@ def load_megatron_checkpoint(
     scheme override the Mix-LN settings found in it (convert.inspect cross-checks its sources).
     Only TP = PP = 1 in memory; the checkpoint may have been saved with any parallel layout.
     """
-    from megatron.core import dist_checkpointing
     from megatron.core.models.gpt import GPTModel
 
     from ..model.placement import Placement
@@ -455,18 +487,12 @@ def load_megatron_checkpoint(
             rope_scaling=a.use_rope_scaling, rope_scaling_factor=a.rope_scaling_factor,
             share_embeddings_and_output_weights=not shape.untie_embeddings,
         )
+    try:
+        state = _state_from_reader(model, info.reader, config.num_layers, info.reader.settings_record or info.record)
+        model.load_state_dict(state, strict=True)
+    except (ConversionError, RuntimeError) as e:  # RuntimeError: the layers' Mix-LN settings check
+        raise CheckpointError(f"{ckpt_dir}: {one_line(e)}") from None
     model = _to_device(model)
-    metadata = info.reader.content_metadata
-    sharded = model.sharded_state_dict(metadata=dict(metadata)) if metadata else model.sharded_state_dict()
-    if info.reader.norm_layout == "stock" and not Placement(config.num_layers, settings["post_ln_layers"],
-                                                            settings["scheme"]).is_stock:
-        _stock_norm_keys(sharded)
-    loaded = dist_checkpointing.load({"model": sharded}, ckpt_dir)
-    state = loaded["model"]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing:
-        raise CheckpointError(f"{ckpt_dir}: parameters missing from the checkpoint: {missing[:8]}")
     model.eval()
     placement = Placement(config.num_layers, settings["post_ln_layers"], settings["scheme"],
                           source=settings["source"])

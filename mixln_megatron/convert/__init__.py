@@ -30,40 +30,8 @@ This package imports neither megatron nor transformers at import time.
 
 from __future__ import annotations
 
-import os
-
-
-from ..errors import MixLNError  # noqa: E402  (cli.main prints it in one line, exit 2)
-
-
-class ConversionError(MixLNError, RuntimeError):
-    """A conversion cannot proceed; the message says why and what to do."""
-
-
-class UnsupportedModelError(ConversionError):
-    """The checkpoint's model uses a feature the conversion (or Llama) cannot express."""
-
-
-def staged_output_dir(save: str, overwrite: bool = False, kind=None):
-    """Yield a fresh temporary directory next to `save`; move it to `save` only on success.
-
-    `kind` (safe_output.HF_FOLDER / MEGATRON_FOLDER) limits what overwrite may replace; the old
-    output is deleted only after the new one is renamed in, and any failure (Ctrl-C, SIGTERM)
-    removes the temporary directory. See mixln_megatron.safe_output.
-    """
-    from ..safe_output import staged_dir
-
-    return staged_dir(save, kind, overwrite, ConversionError)
-
-
-def prepare_output(load: str, save: str, kind, overwrite: bool) -> None:
-    """Before any work: refuse an output that overlaps the input or is not ours to replace, and
-    clean up what interrupted runs into the same output left behind."""
-    from ..safe_output import check_replaceable, check_separate, sweep_stale
-
-    check_separate([load], [save], ConversionError)
-    sweep_stale(save)
-    check_replaceable(os.path.abspath(save), kind, overwrite, ConversionError)
+from ..errors import ConversionError, UnsafeCheckpointError, UnsupportedModelError
+from .staging import prepare_output, staged_output_dir
 
 
 def convert_to_hf(load: str, save: str, **kwargs) -> dict:
@@ -80,4 +48,4 @@ def convert_from_hf(load: str, save: str, **kwargs) -> dict:
     return run(load, save, **kwargs)
 
 
-__all__ = ["ConversionError", "UnsupportedModelError", "convert_from_hf", "convert_to_hf", "prepare_output", "staged_output_dir"]
+__all__ = ["ConversionError", "UnsafeCheckpointError", "UnsupportedModelError", "convert_from_hf", "convert_to_hf", "prepare_output", "staged_output_dir"]

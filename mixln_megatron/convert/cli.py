@@ -24,7 +24,7 @@ import sys
 from typing import Optional, Sequence
 
 from ..safe_output import Interrupted, signals_as_interrupt
-from . import ConversionError
+from ..errors import ConversionError, one_line
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,8 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
     to.add_argument("--vocab-size", type=int, default=None,
                     help="true (unpadded) vocabulary size, when the checkpoint's args do not record it")
     to.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
-    to.add_argument("--slow-reads", action="store_true",
-                    help=argparse.SUPPRESS)  # read torch_dist chunks through torch's reader only (debugging)
 
     fr = _direction(
         sub, "from-hf", "Hugging Face folder -> Megatron-LM checkpoint",
@@ -104,7 +102,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with signals_as_interrupt():
             return _run(args)
     except ConversionError as e:
-        print(f"mixln-megatron convert {args.command}: error: {e}", file=sys.stderr)
+        print(f"mixln-megatron convert {args.command}: error: {one_line(e)}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Interrupted) as e:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
@@ -121,7 +119,7 @@ def _run(args) -> int:
         summary = convert_to_hf(
             args.load, args.save, iteration=args.iteration, dtype=args.dtype, tokenizer=args.tokenizer,
             vocab_size=args.vocab_size, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
-            progress=not args.no_progress, fast_reads=not args.slow_reads,
+            progress=not args.no_progress,
         )
         print(
             f"[mixln-megatron convert] {summary['format']} checkpoint {summary['checkpoint']} "

@@ -39,7 +39,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import ConversionError, prepare_output, staged_output_dir
+from ..errors import ConversionError
+from .staging import prepare_output, staged_output_dir
 from . import mapping as M
 from .hf_folder import HFCheckpoint
 from .hf_roles import HFRoleSource

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import ConversionError, UnsupportedModelError
+from ..errors import ConversionError, UnsupportedModelError
 
 
 class HFCheckpoint:

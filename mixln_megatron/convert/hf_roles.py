@@ -11,7 +11,7 @@ from typing import Dict
 
 import torch
 
-from . import ConversionError
+from ..errors import ConversionError
 from . import mapping as M
 from .hf_folder import HFCheckpoint
 from .layouts import merge_qkv

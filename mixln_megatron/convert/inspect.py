@@ -18,90 +18,11 @@ keys existed). None of them: a stock Pre-LN checkpoint (P = 0).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
-from . import ConversionError
+from ..errors import ConversionError
+from .shape import ArgsShape, args_shape  # noqa: F401  (ArgsShape, args_shape: part of this module's API)
 
 NO_RECORD = "no Mix-LN record (a stock Pre-LN checkpoint: P = 0)"
-
-
-def _arg(args, *names, default=None):
-    """The first of `names` that args has and that is not None."""
-    for name in names:
-        value = getattr(args, name, None)
-        if value is not None:
-            return value
-    return default
-
-
-@dataclasses.dataclass(frozen=True)
-class ArgsShape:
-    """The model a Megatron-LM checkpoint's args describe (any GPT, not only Llama)."""
-
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    kv_channels: int
-    ffn_hidden_size: int
-    padded_vocab_size: Optional[int]
-    max_position_embeddings: int
-    norm_epsilon: float
-    normalization: str
-    zero_centered_gamma: bool
-    swiglu: bool
-    add_bias_linear: bool
-    add_qkv_bias: bool
-    qk_layernorm: bool
-    untie_embeddings: bool
-    position_embedding_type: str
-    rotary_base: float
-    rotary_percent: float
-    rotary_interleaved: bool
-    rotary_seq_len_interpolation_factor: Optional[float]
-    use_rope_scaling: bool
-    rope_scaling_factor: float
-
-
-def args_shape(args) -> ArgsShape:
-    """The ArgsShape of saved Megatron-LM args (argparse.Namespace or a stand-in with attributes)."""
-    if args is None:
-        raise ConversionError("the checkpoint carries no Megatron args (saved without them?): the model shape "
-                              "cannot be read")
-    hidden = int(args.hidden_size)
-    heads = int(args.num_attention_heads)
-    groups = int(_arg(args, "num_query_groups", default=heads)) if _arg(
-        args, "group_query_attention", default=False) else heads
-    add_bias = bool(_arg(args, "add_bias_linear", default=True))
-    if _arg(args, "disable_bias_linear", default=None) is True:
-        add_bias = False
-    padded = _arg(args, "padded_vocab_size")
-    return ArgsShape(
-        num_layers=int(args.num_layers),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_query_groups=groups,
-        kv_channels=int(_arg(args, "kv_channels", default=hidden // heads)),
-        ffn_hidden_size=int(_arg(args, "ffn_hidden_size", default=4 * hidden)),
-        padded_vocab_size=int(padded) if padded is not None else None,
-        max_position_embeddings=int(_arg(args, "max_position_embeddings", "seq_length", default=2048)),
-        norm_epsilon=float(_arg(args, "layernorm_epsilon", "norm_epsilon", default=1e-5)),
-        normalization=str(_arg(args, "normalization", default="LayerNorm")),
-        zero_centered_gamma=bool(_arg(args, "layernorm_zero_centered_gamma", default=False)
-                                 or _arg(args, "apply_layernorm_1p", default=False)),
-        swiglu=bool(_arg(args, "swiglu", default=False)),
-        add_bias_linear=add_bias,
-        add_qkv_bias=bool(_arg(args, "add_qkv_bias", default=False)),
-        qk_layernorm=bool(_arg(args, "qk_layernorm", default=False)),
-        untie_embeddings=bool(_arg(args, "untie_embeddings_and_output_weights", default=False)),
-        position_embedding_type=str(_arg(args, "position_embedding_type", default="learned_absolute")),
-        rotary_base=float(_arg(args, "rotary_base", default=10000)),
-        rotary_percent=float(_arg(args, "rotary_percent", default=1.0)),
-        rotary_interleaved=bool(_arg(args, "rotary_interleaved", default=False)),
-        rotary_seq_len_interpolation_factor=_arg(args, "rotary_seq_len_interpolation_factor"),
-        use_rope_scaling=bool(_arg(args, "use_rope_scaling", default=False)),
-        rope_scaling_factor=float(_arg(args, "rope_scaling_factor", default=8.0)),
-    )
 
 
 # Shape settings Megatron-LM's own --use-checkpoint-args (load_args_from_checkpoint, 0.19) does
@@ -196,13 +117,11 @@ class CheckpointInfo:
         return self.record["scheme"]
 
 
-def inspect_checkpoint(load: str, iteration=None, fast_reads: bool = True) -> CheckpointInfo:
+def inspect_checkpoint(load: str, iteration=None) -> CheckpointInfo:
     """Open the checkpoint in `load` (a --save directory or one iteration in it) and read its model."""
     from .megatron_reader import open_checkpoint
 
     reader = open_checkpoint(load, iteration)
-    if hasattr(reader, "fast_reads"):
-        reader.fast_reads = fast_reads
     reader._require_args()
     shape = args_shape(reader.args)
     record, source = mixln_record(reader, shape.num_layers)

@@ -5,8 +5,8 @@
     legacy checkpoint gives the same grouped layout as torch_dist.
   * fc1 (SwiGLU) is [gate; up]. torch_dist stores the layout-independent [gate_all; up_all]; each
     legacy TP rank holds [gate_r; up_r] of its own slice.
-  * Row ranges ("pieces", "chunks") let both directions stream a tensor in bounded memory
-    without a range ever straddling what the other side keeps apart.
+  * Row ranges ("chunks") let the import write a tensor in bounded pieces without a range ever
+    straddling what HF keeps apart.
 """
 
 from __future__ import annotations
@@ -114,35 +114,6 @@ def split_tp_shard(role: str, tensor, tp: int, rank: int):
     dim = layout[1]
     size = tensor.shape[dim] // tp
     return tensor.narrow(dim, rank * size, size).contiguous()
-
-
-def hf_row_pieces(role: str, index: int, shape: ModelShape, row_bytes: int, piece_bytes: int):
-    """Row ranges of a layer's Megatron `role` tensor that make up its `index`-th HF tensor, in order.
-
-    Each range is at most `piece_bytes` (but at least one row, or one head for q / k / v), so an
-    export can read, convert and write any tensor in bounded pieces: q is gathered group by group
-    from the grouped QKV rows, k and v take one head per group, gate / up are the two halves of
-    fc1, everything else is split into plain row blocks.
-    """
-    per = max(1, piece_bytes // max(1, row_bytes))
-    d = shape.kv_channels
-
-    if role.startswith("qkv."):
-        group = (shape.q_per_group + 2) * d
-        out = []
-        for g in range(shape.num_query_groups):
-            base = g * group
-            if index == 0:
-                out += _ranges(base, base + shape.q_per_group * d, max(d, per // d * d))
-            else:
-                start = base + (shape.q_per_group + index - 1) * d
-                out.append((start, start + d))
-        return out
-    if role.startswith("fc1."):
-        f = shape.ffn_hidden_size
-        return _ranges(index * f, (index + 1) * f, per)
-    rows = shape.megatron_layer_shapes()[role][0]
-    return _ranges(0, rows, per)
 
 
 def megatron_row_chunks(role: str, shape: ModelShape, row_bytes: int, piece_bytes: int):

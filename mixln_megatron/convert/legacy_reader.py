@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from . import ConversionError, UnsupportedModelError
+from ..errors import ConversionError, UnsupportedModelError
 from . import mapping as M
 from .layouts import merge_tp_shards
 from .locate import LEGACY_DIR
-from .reader_base import ReaderBase, RowSource
-from .safe_unpickle import safe_load
+from ..safe_unpickle import load_torch
+from .reader_base import ReaderBase
 from .shape import ModelShape
 
 LEGACY_FILE = "model_optim_rng.pt"
@@ -93,17 +93,10 @@ class LegacyCheckpoint(ReaderBase):
 
     def _load(self, t: int, p: int) -> dict:
         path = self._files[(t, p)]
-        return safe_load(path, mmap=True, what=f"checkpoint shard {path}")
+        return load_torch(path, what=f"checkpoint shard {path}", mmap=True)
 
     def _model(self, sd: dict, key: str) -> dict:
         return sd[key]
-
-    def layer_source(self, layer: int, roles: Sequence[str]):
-        tensors = self.read_layer(layer, roles)
-        return RowSource(lambda role, a, b: tensors[role][a:b])
-
-    def vocab_block_rows(self, row_bytes: int) -> Optional[int]:
-        return None  # the TP shards are concatenated once, then written whole
 
     def check_layer_kinds(self, post_ln_layers: int) -> None:
         for t in range(1):

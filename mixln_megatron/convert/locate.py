@@ -6,7 +6,7 @@ import os
 import re
 from typing import Optional, Tuple
 
-from . import ConversionError, UnsupportedModelError
+from ..errors import ConversionError, UnsupportedModelError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 LEGACY_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -33,7 +33,11 @@ def resolve_checkpoint_dir(load: str, iteration: Optional[int] = None) -> Tuple[
         return path, name
     tracker = os.path.join(load, TRACKER)
     if os.path.isfile(tracker):
-        text = open(tracker).read().strip()
+        try:
+            with open(tracker, "rb") as f:
+                text = f.read(64).decode("ascii").strip()  # an iteration number or "release", nothing more
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConversionError(f"{tracker} is unreadable (it should hold an iteration number): {e}") from None
         if text == "release":
             name = "release"
         else:

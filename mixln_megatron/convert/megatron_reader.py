@@ -1,23 +1,22 @@
 """Read Megatron-LM checkpoints layer by layer, without process groups and without megatron.
 
 One entry point, open_checkpoint(load, iteration), over modules split by job:
-  safe_unpickle      torch.load(weights_only=True) with inert stand-ins for non-data classes
   locate             which iteration directory, and which format (torch_dist / legacy torch)
-  torch_dist_reader  sub-box reads of stacked torch_dist tensors (with the zip fast path)
+  torch_dist_reader  one layer's boxes of the stacked torch_dist tensors (over dcp_files:
+                     torch.distributed.checkpoint's reader, with the allow-list)
   legacy_reader      per-rank model_optim_rng.pt files, one layer resident at a time
-What the checkpoint says about the model (args, shape, epsilon, Mix-LN record) is read by
-convert.inspect, for conversion and analysis alike.
+Every pickle goes through mixln_megatron.safe_unpickle. What the checkpoint says about the model
+(args, shape, epsilon, Mix-LN record) is read by convert.inspect, for conversion and analysis alike.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from . import ConversionError
+from ..errors import ConversionError
 from .legacy_reader import LEGACY_FILE, LegacyCheckpoint
 from .locate import TRACKER, detect_format, resolve_checkpoint_dir
-from .safe_unpickle import safe_load
-from .torch_dist_reader import COMMON_PT, COMMON_STATE_KEY, PIECE_BYTES, TorchDistCheckpoint
+from .torch_dist_reader import COMMON_PT, COMMON_STATE_KEY, TorchDistCheckpoint
 
 
 def open_checkpoint(load: str, iteration: Optional[int] = None):
@@ -34,5 +33,5 @@ def open_checkpoint(load: str, iteration: Optional[int] = None):
     return reader
 
 
-__all__ = ["COMMON_PT", "COMMON_STATE_KEY", "LEGACY_FILE", "PIECE_BYTES", "TRACKER", "LegacyCheckpoint",
-           "TorchDistCheckpoint", "open_checkpoint", "resolve_checkpoint_dir", "safe_load"]
+__all__ = ["COMMON_PT", "COMMON_STATE_KEY", "LEGACY_FILE", "TRACKER", "LegacyCheckpoint", "TorchDistCheckpoint",
+           "open_checkpoint", "resolve_checkpoint_dir"]

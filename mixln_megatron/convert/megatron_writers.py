@@ -16,12 +16,13 @@ from typing import Callable, Dict, List
 
 import torch
 
-from . import ConversionError
+from ..errors import ConversionError
 from . import mapping as M
 from .hf_roles import HFRoleSource
 from .layouts import megatron_row_chunks, split_tp_shard
 from .shape import ModelShape
-from .torch_dist_reader import PIECE_BYTES
+
+PIECE_BYTES = 8 << 20  # largest piece converted / written at once
 
 
 def _lazy_planner_class():

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from . import ConversionError
+from ..errors import ConversionError
 
 
 class ReaderBase:
@@ -33,12 +33,8 @@ class ReaderBase:
     def check_layer_kinds(self, post_ln_layers: int) -> None:
         """Formats that name the layer kind (legacy) compare it with the settings; torch_dist cannot."""
 
+    def vocab_blocks(self, which: str, rows: int):
+        """Row blocks in which the embedding / output layer is read (default: all rows at once)."""
+        return [(0, rows)]
 
-class RowSource:
-    """Rows of a layer's role tensors: read on demand (torch_dist) or sliced from a loaded layer (legacy)."""
 
-    def __init__(self, rows_fn):
-        self._rows = rows_fn
-
-    def rows(self, role: str, start: int, stop: int) -> torch.Tensor:
-        return self._rows(role, start, stop)

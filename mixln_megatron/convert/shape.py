@@ -13,8 +13,87 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 from ..model import support
-from . import UnsupportedModelError
+from ..errors import ConversionError, UnsupportedModelError
 from .mapping import HF_EMBEDDING, HF_FINAL_NORM, HF_OUTPUT, hf_layer_prefix, hf_norm_names
+
+
+def _arg_set(args, *names, default=None):
+    """The first of `names` that args has and that is not None."""
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgsShape:
+    """The model a Megatron-LM checkpoint's args describe (any GPT, not only Llama)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    ffn_hidden_size: int
+    padded_vocab_size: Optional[int]
+    max_position_embeddings: int
+    norm_epsilon: float
+    normalization: str
+    zero_centered_gamma: bool
+    swiglu: bool
+    add_bias_linear: bool
+    add_qkv_bias: bool
+    qk_layernorm: bool
+    untie_embeddings: bool
+    position_embedding_type: str
+    rotary_base: float
+    rotary_percent: float
+    rotary_interleaved: bool
+    rotary_seq_len_interpolation_factor: Optional[float]
+    use_rope_scaling: bool
+    rope_scaling_factor: float
+
+
+def args_shape(args) -> ArgsShape:
+    """The ArgsShape of saved Megatron-LM args (argparse.Namespace or a stand-in with attributes)."""
+    if args is None:
+        raise ConversionError("the checkpoint carries no Megatron args (saved without them?): the model shape "
+                              "cannot be read")
+    hidden = int(args.hidden_size)
+    heads = int(args.num_attention_heads)
+    groups = int(_arg_set(args, "num_query_groups", default=heads)) if _arg_set(
+        args, "group_query_attention", default=False) else heads
+    add_bias = bool(_arg_set(args, "add_bias_linear", default=True))
+    if _arg_set(args, "disable_bias_linear", default=None) is True:
+        add_bias = False
+    padded = _arg_set(args, "padded_vocab_size")
+    return ArgsShape(
+        num_layers=int(args.num_layers),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=int(_arg_set(args, "kv_channels", default=hidden // heads)),
+        ffn_hidden_size=int(_arg_set(args, "ffn_hidden_size", default=4 * hidden)),
+        padded_vocab_size=int(padded) if padded is not None else None,
+        max_position_embeddings=int(_arg_set(args, "max_position_embeddings", "seq_length", default=2048)),
+        norm_epsilon=float(_arg_set(args, "layernorm_epsilon", "norm_epsilon", default=1e-5)),
+        normalization=str(_arg_set(args, "normalization", default="LayerNorm")),
+        zero_centered_gamma=bool(_arg_set(args, "layernorm_zero_centered_gamma", default=False)
+                                 or _arg_set(args, "apply_layernorm_1p", default=False)),
+        swiglu=bool(_arg_set(args, "swiglu", default=False)),
+        add_bias_linear=add_bias,
+        add_qkv_bias=bool(_arg_set(args, "add_qkv_bias", default=False)),
+        qk_layernorm=bool(_arg_set(args, "qk_layernorm", default=False)),
+        untie_embeddings=bool(_arg_set(args, "untie_embeddings_and_output_weights", default=False)),
+        position_embedding_type=str(_arg_set(args, "position_embedding_type", default="learned_absolute")),
+        rotary_base=float(_arg_set(args, "rotary_base", default=10000)),
+        rotary_percent=float(_arg_set(args, "rotary_percent", default=1.0)),
+        rotary_interleaved=bool(_arg_set(args, "rotary_interleaved", default=False)),
+        rotary_seq_len_interpolation_factor=_arg_set(args, "rotary_seq_len_interpolation_factor"),
+        use_rope_scaling=bool(_arg_set(args, "use_rope_scaling", default=False)),
+        rope_scaling_factor=float(_arg_set(args, "rope_scaling_factor", default=8.0)),
+    )
 
 
 @dataclasses.dataclass
@@ -159,8 +238,6 @@ def check_megatron_args_supported(args) -> None:
 
 def shape_from_megatron_args(args, vocab_size: int) -> ModelShape:
     """The model shape recorded in a Megatron-LM checkpoint's args (after the support check)."""
-    from .inspect import args_shape
-
     check_megatron_args_supported(args)
     a = args_shape(args)
     rope_scaling = None
@@ -199,30 +276,6 @@ def llama3_rope_scaling(factor: float) -> dict:
 
 
 # ----------------------------------------------------------------------------- HF <-> shape
-def hf_config_kwargs(shape: ModelShape) -> dict:
-    """LlamaConfig keyword arguments of the model (the Mix-LN fields are added by the caller)."""
-    kwargs = dict(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.ffn_hidden_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_query_groups,
-        head_dim=shape.kv_channels,
-        max_position_embeddings=shape.max_position_embeddings,
-        rms_norm_eps=shape.norm_epsilon,
-        rope_theta=shape.rotary_base,
-        attention_bias=shape.add_bias_linear,
-        mlp_bias=shape.add_bias_linear,
-        tie_word_embeddings=shape.tie_embeddings,
-        hidden_act="silu",
-        attention_dropout=0.0,
-    )
-    if shape.rope_scaling is not None:
-        kwargs["rope_scaling"] = dict(shape.rope_scaling)
-    return kwargs
-
-
 def v4_rope_keys(shape: ModelShape) -> dict:
     """rope_theta / rope_scaling as transformers 4.x reads them (5.x reads rope_parameters)."""
     out = {"rope_theta": shape.rotary_base}

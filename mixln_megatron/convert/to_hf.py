@@ -25,14 +25,15 @@ import json
 import os
 import shutil
 import time
-from typing import List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from . import ConversionError, UnsupportedModelError, prepare_output, staged_output_dir
+from ..errors import ConversionError, UnsupportedModelError
+from .staging import prepare_output, staged_output_dir
 from . import mapping as M
 from .inspect import inspect_checkpoint
-from .layouts import deinterleave_rope_rows, hf_row_pieces
+from .layouts import deinterleave_rope_rows, split_qkv
 from .shape import ModelShape, shape_from_megatron_args, v4_rope_keys
 
 TRANSFORMERS_RANGE = ("4.56", "6")  # >= 4.56, < 6 (tested with 5.24)
@@ -189,13 +190,14 @@ def _numel(shape) -> int:
 
 # --------------------------------------------------------------------------- config files
 def hf_config_dict(shape: ModelShape, post_ln: int, scheme: str, alpha, dtype_name: str, token_ids: dict) -> dict:
-    """config.json of the export, written without importing transformers (kept light for the export).
+    """The one builder of an export's config.json, written without importing transformers.
 
-    Holds the LlamaConfig fields of the model, the architecture fields of mixln_megatron.hf
-    (model_type llama + LlamaForCausalLM when stock, else mixln_llama + auto_map + the Mix-LN
-    fields), and the rope settings in both transformers 5 (rope_parameters) and 4 spellings.
+    Holds the LlamaConfig fields of the model shape, the architecture fields of mixln_megatron.hf
+    (export_config_fields: model_type llama + LlamaForCausalLM when stock, else mixln_llama +
+    auto_map + the Mix-LN fields), and the rope settings in both transformers 5 (rope_parameters)
+    and 4 spellings.
     """
-    from ..hf.export_code import AUTO_MAP, LLAMA_ARCHITECTURES, MIXLN_ARCHITECTURES, is_stock_llama
+    from ..hf.export_code import export_config_fields
 
     cfg = {
         "vocab_size": shape.vocab_size,
@@ -227,11 +229,7 @@ def hf_config_dict(shape: ModelShape, post_ln: int, scheme: str, alpha, dtype_na
         rope.update(shape.rope_scaling)
     cfg["rope_parameters"] = rope
     cfg.update(v4_rope_keys(shape))
-    if is_stock_llama(post_ln, scheme):
-        cfg.update(model_type="llama", architectures=list(LLAMA_ARCHITECTURES))
-    else:
-        cfg.update(model_type="mixln_llama", architectures=list(MIXLN_ARCHITECTURES), auto_map=dict(AUTO_MAP),
-                   post_ln_layers=int(post_ln), mixln_scheme=scheme, mixln_alpha=alpha)
+    cfg.update(export_config_fields(int(post_ln), scheme, alpha))
     return cfg
 
 
@@ -288,7 +286,6 @@ def convert_to_hf(
     overwrite: bool = False,
     max_shard_size="5GB",
     progress: bool = True,
-    fast_reads: bool = True,
 ) -> dict:
     """Convert the Megatron-LM checkpoint in `load` to a Hugging Face folder `save`.
 
@@ -299,7 +296,7 @@ def convert_to_hf(
 
     prepare_output(load, save, HF_FOLDER, overwrite)  # before any work: never lose the input or a foreign folder
     tf_version = check_transformers_version()
-    info = inspect_checkpoint(load, iteration, fast_reads=fast_reads)
+    info = inspect_checkpoint(load, iteration)
     reader = info.reader
     true_vocab, vocab_source = resolve_true_vocab(reader, vocab_size, tokenizer)
     shape = shape_from_megatron_args(reader.args, true_vocab)
@@ -351,7 +348,7 @@ def convert_to_hf(
         writer = StreamingSafetensorsWriter(tmp, plan, parse_size(max_shard_size))
         bar = _progress(progress, writer.total_bytes, f"to-hf {os.path.basename(os.path.abspath(save))}")
         try:
-            _stream_tensors(reader, shape, post_ln, out_dtype, writer, bar)
+            _write_tensors(reader, shape, post_ln, out_dtype, writer, bar)
             writer.close()
         finally:
             writer.abort()
@@ -369,50 +366,46 @@ def convert_to_hf(
     }
 
 
-def _postprocess(role: str, index: int, t: torch.Tensor, shape: ModelShape) -> torch.Tensor:
-    """Per-piece fix-ups: q / k rows for interleaved RoPE, gamma + 1 for --apply-layernorm-1p."""
-    if role.startswith("qkv.") and index < 2 and shape.rotary_interleaved:
-        d = shape.kv_channels
-        return deinterleave_rope_rows(t, t.shape[0] // d, d)
+def hf_layer_tensors(role: str, tensor: torch.Tensor, shape: ModelShape) -> List[torch.Tensor]:
+    """One layer's Megatron tensor of `role` (global layout) -> its HF tensors, in shape.hf_role_tensors order."""
+    if role.startswith("qkv."):
+        q, k, v = split_qkv(tensor, shape)
+        if shape.rotary_interleaved:  # Megatron's interleaved RoPE -> HF's rotate-half rows
+            d = shape.kv_channels
+            q, k = (deinterleave_rope_rows(t, t.shape[0] // d, d) for t in (q, k))
+        return [q, k, v]
+    if role.startswith("fc1."):
+        return list(tensor.chunk(2, dim=0))  # [gate; up]
     if role in ("norm_a", "norm_b") and shape.layernorm_1p:
-        return t.float() + 1
-    return t
+        return [tensor.float() + 1]  # Megatron stores gamma - 1 (--apply-layernorm-1p)
+    return [tensor]
 
 
-def _stream_tensors(reader, shape: ModelShape, post_ln: int, out_dtype, writer, bar) -> None:
-    """Read, convert and write every tensor in plan order, in pieces of at most PIECE_BYTES (torch_dist)."""
-    from .megatron_reader import PIECE_BYTES
-
-    h, itemsize = shape.hidden_size, reader.dtype.itemsize
-    block = reader.vocab_block_rows(h * itemsize) or shape.vocab_size
-
+def hf_tensors(reader, shape: ModelShape, post_ln: int) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(HF name, tensor or block of its rows) in the order of shape.hf_plan: reader -> role mapping."""
     def vocab(which, name):
-        for start in range(0, shape.vocab_size, block):
-            stop = min(shape.vocab_size, start + block)
-            rows = reader.read_vocab_rows(which, start, stop)
-            bar.update(writer.write(name, rows.to(out_dtype)))
-            del rows
+        for start, stop in reader.vocab_blocks(which, shape.vocab_size):
+            yield name, reader.read_vocab_rows(which, start, stop)
 
-    vocab("embedding", M.HF_EMBEDDING)
+    yield from vocab("embedding", M.HF_EMBEDDING)
     roles = shape.roles()
-    role_shapes = shape.megatron_layer_shapes()
     for layer in range(shape.num_layers):
         prefix = M.hf_layer_prefix(layer)
-        source = reader.layer_source(layer, roles)
+        tensors = reader.read_layer(layer, roles)
         for role in roles:
-            row_bytes = _numel(role_shapes[role][1:]) * itemsize
-            for index, (name, _) in enumerate(shape.hf_role_tensors(role, layer < post_ln)):
-                for a, b in hf_row_pieces(role, index, shape, row_bytes, PIECE_BYTES):
-                    piece = _postprocess(role, index, source.rows(role, a, b), shape)
-                    bar.update(writer.write(prefix + name, piece.to(out_dtype)))
-                    del piece
-        del source
+            names = shape.hf_role_tensors(role, layer < post_ln)
+            for (name, _), tensor in zip(names, hf_layer_tensors(role, tensors.pop(role), shape)):
+                yield prefix + name, tensor
     norm = reader.read_final_norm()
-    if shape.layernorm_1p:
-        norm = norm.float() + 1
-    bar.update(writer.write(M.HF_FINAL_NORM, norm.to(out_dtype)))
+    yield M.HF_FINAL_NORM, norm.float() + 1 if shape.layernorm_1p else norm
     if not shape.tie_embeddings:
-        vocab("output", M.HF_OUTPUT)
+        yield from vocab("output", M.HF_OUTPUT)
+
+
+def _write_tensors(reader, shape: ModelShape, post_ln: int, out_dtype, writer, bar) -> None:
+    for name, tensor in hf_tensors(reader, shape, post_ln):
+        bar.update(writer.write(name, tensor.to(out_dtype)))
+        del tensor
 
 
 def _copy_tokenizer(src: str, dst: str) -> None:

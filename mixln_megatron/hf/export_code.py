@@ -68,14 +68,12 @@ def config_for_export(post_ln_layers: int, mixln_scheme: str, mixln_alpha: Optio
     from .configuration_mixln_llama import MixLNLlamaConfig
 
     kwargs = {k: v for k, v in llama_kwargs.items() if k not in _CLASS_KEYS}
-    if is_stock_llama(post_ln_layers, mixln_scheme):
-        config = LlamaConfig(**kwargs)
-        config.architectures = list(LLAMA_ARCHITECTURES)
-        return config
-    config = MixLNLlamaConfig(
-        post_ln_layers=post_ln_layers, mixln_scheme=mixln_scheme, mixln_alpha=mixln_alpha, **kwargs
-    )
-    mark_for_remote_code(config)
+    fields = export_config_fields(post_ln_layers, mixln_scheme, mixln_alpha)
+    cls = LlamaConfig if fields["model_type"] == "llama" else MixLNLlamaConfig
+    config = cls(**kwargs, **{k: v for k, v in fields.items() if k not in _CLASS_KEYS})
+    for key in ("architectures", "auto_map"):
+        if key in fields:
+            setattr(config, key, fields[key])
     return config
 
 

@@ -109,14 +109,3 @@ def check_settings_record(layer, state_dict: dict, prefix: str, error_msgs: list
     if problem:
         error_msgs.append(problem)
 
-
-def read_checkpoint_record(checkpoint_dir: str) -> Optional[dict]:
-    """The Mix-LN record in a torch_dist checkpoint's content metadata (Megatron-LM saves it).
-
-    Returns None when the checkpoint has no such metadata entry (stock Pre-LN, or saved outside
-    Megatron-LM's save_checkpoint); the sharded record is then checked by the model on load.
-    """
-    from megatron.core import dist_checkpointing
-
-    metadata = dist_checkpointing.load_content_metadata(checkpoint_dir) or {}
-    return metadata.get(METADATA_KEY)
