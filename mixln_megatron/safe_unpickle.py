@@ -24,6 +24,7 @@ import importlib
 import io
 import os
 import pickle
+import pickletools
 import re
 import struct
 import zipfile
@@ -130,7 +131,9 @@ def load_torch(source: Source, what: str, *, mmap: bool = False):
         needed = torch.serialization.get_unsafe_globals_in_checkpoint(opened())
     except (ValueError, RuntimeError, OSError, EOFError, KeyError, zipfile.BadZipFile, pickle.UnpicklingError,
             IndexError, struct.error) as e:
-        raise _unreadable(what, e) from None
+        # torch's scan reads the protocol torch.save writes; name what another protocol asks for
+        forbidden = [n for n in _archive_globals(opened()) if n not in _ALLOWED and not n.startswith("torch.")]
+        raise (_refusal(what, forbidden) if forbidden else _unreadable(what, e)) from None
     forbidden = [n for n in needed if n not in _ALLOWED]
     classes = [_resolve(n) for n in needed]
     forbidden += [n for n, c in zip(needed, classes) if c is None and n not in forbidden]
@@ -147,6 +150,29 @@ def load_torch(source: Source, what: str, *, mmap: bool = False):
     except (RuntimeError, ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile, IndexError, TypeError,
             AttributeError, struct.error) as e:
         raise _unreadable(what, e) from None
+
+
+def _archive_globals(source) -> list:
+    """The globals the data.pkl of a torch.save zip names, by a static scan (nothing is run); [] if unreadable."""
+    try:
+        with zipfile.ZipFile(source) as archive:
+            name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+            data = archive.read(name)
+        names, strings, memo = [], [], {}
+        for op, arg, _ in pickletools.genops(data):
+            if isinstance(arg, str) and "UNICODE" in op.name or op.name == "STRING":
+                strings.append(arg)
+            elif op.name in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE") and strings:
+                memo[len(memo) if op.name == "MEMOIZE" else arg] = strings[-1]
+            elif op.name in ("BINGET", "LONG_BINGET", "GET") and arg in memo:
+                strings.append(memo[arg])
+            elif op.name == "GLOBAL":
+                names.append(arg.replace(" ", "."))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+        return names
+    except Exception:  # noqa: BLE001 - only used to word a refusal
+        return []
 
 
 class _AllowListUnpickler(pickle.Unpickler):

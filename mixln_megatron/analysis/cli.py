@@ -278,6 +278,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
 
             return train_health.main(argv[1:])
         a = build_parser(prog).parse_args(argv)
+        if getattr(a, "megatron", None):
+            from ..convert.inspect import inspect_checkpoint
+
+            inspect_checkpoint(a.megatron, a.iteration)  # refuse a bad checkpoint before megatron is imported
         run = {"grad-norms": _run_grad_norms, "angular-distance": _run_angular}.get(a.command, _run_layer_drop)
         with _megatron_on_this_machine():
             return run(a)
