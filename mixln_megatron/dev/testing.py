@@ -370,13 +370,14 @@ def same_as_stock_layer(ours, theirs) -> None:
 
 
 def randomize(chunks, seed=5):
-    """Every parameter (norms included) drawn afresh, so that a wrong or missing load shows."""
+    """Every parameter drawn afresh, so that a wrong or missing load shows: norm weights
+    1 + 0.3 N(0, 1) (not all ones), the rest 0.02 N(0, 1) (megatron's init scale)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for chunk in chunks:
             for name, p in chunk.named_parameters():
-                base = 1.0 if "norm" in name else 0.0
-                p.copy_(base + 0.3 * torch.randn(p.shape, generator=g))
+                norm = "norm" in name
+                p.copy_((1.0 if norm else 0.0) + (0.3 if norm else 0.02) * torch.randn(p.shape, generator=g))
 
 
 # ------------------------------------------------------------------ subprocess launchers
