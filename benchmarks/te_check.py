@@ -26,7 +26,10 @@ TE runs in deterministic mode (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 unless set): t
 round trip must reproduce outputs exactly and gradients within TOL_REPEAT_GRAD.
 
 `--cpu-dry-run` runs the same code with the local backend standing in for TE, on the CPU with
-tiny shapes (fp8 skipped), so that the suite keeps the script working. Exit status: 0 passed or
+tiny shapes (fp8 skipped), so that the suite keeps the script working. Where TransformerEngine
+imports (e.g. `make test-te`'s overlay), the dry run also builds the TE block from real TE modules
+(phase te_modules: weight mapping by sharded key, torch_dist round trip); its first line says
+which it used ("real TransformerEngine <version> modules" or "the local backend standing in"). Exit status: 0 passed or
 skipped; 1 a check failed; 2 no GPU / TE unusable by megatron-core; 3 a package is missing.
 """
 
@@ -289,6 +292,53 @@ def phase_checkpoint(rt, shape, backend: str, model, inputs, seed: int) -> dict:
     return report
 
 
+def phase_te_modules(rt, shape, local_fp32, inputs, seed: int) -> dict:
+    """Dry run where TransformerEngine imports: the TE Mix-LN block built from real TE modules on
+    the CPU (mixln_megatron.dev.cpu.te_modules), the local fp32 block's weights copied into it by
+    sharded key (the mapping must be complete both ways), a torch_dist round trip of the TE block
+    into a fresh TE block (every tensor equal) and into a fresh local block, whose forward and
+    backward must then equal the original local block's exactly. TE's own forward needs a GPU."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from mixln_megatron.dev import cpu
+
+    cfg = checks.make_config(shape, torch.float32, on_cpu=True)
+    rope = checks.rotary(cfg, shape.seq, rt.device, on_cpu=True)
+    x, gout = inputs
+    report = {}
+    _seed_all(seed + 31)
+    with cpu.te_modules():
+        te_block = checks.build_block(cfg, "mixln_te", PARITY_POST_LN, rt.device, torch.float32)
+        fresh_te = checks.build_block(cfg, "mixln_te", PARITY_POST_LN, rt.device, torch.float32)
+    report["post_ln_qkv"] = type(te_block.layers[0].self_attention.linear_qkv).__name__
+    report["pre_ln_qkv"] = type(te_block.layers[-1].self_attention.linear_qkv).__name__
+    report["mapping"] = mapping = transfer_weights(local_fp32, te_block)
+    clean = not (mapping["only_in_source"] or mapping["only_in_target"] or mapping["target_params_without_key"])
+    with tempfile.TemporaryDirectory(prefix="mixln_te_modules_") as root:
+        ckpt = os.path.join(root, "ckpt")
+        os.makedirs(ckpt)
+        dist_checkpointing.save(te_block.sharded_state_dict(prefix=""), ckpt)
+        loaded = dist_checkpointing.load(fresh_te.sharded_state_dict(prefix=""), ckpt)
+        fresh_te.load_state_dict(loaded, strict=True)
+        want, got = te_block.state_dict(), fresh_te.state_dict()
+        report["te_roundtrip_unequal"] = unequal = [k for k, v in want.items()
+                                                    if torch.is_tensor(v) and not torch.equal(v, got[k])]
+        _seed_all(seed + 47)
+        local = checks.build_block(cfg, "mixln_local", PARITY_POST_LN, rt.device, torch.float32)
+        loaded = dist_checkpointing.load(local.sharded_state_dict(prefix=""), ckpt)
+        local.load_state_dict(loaded, strict=True)
+    ref = run_keyed(local_fp32, x.to(rt.device), gout.to(rt.device), rope)
+    back = run_keyed(local, x.to(rt.device), gout.to(rt.device), rope)
+    report["local_via_te_checkpoint"] = cmp = checks.compare_run(back, ref)
+    report["ok"] = bool(clean and not unequal and cmp["max_abs"] == 0.0)
+    log(f"te modules: real TE {report['pre_ln_qkv']} (Pre-LN) / {report['post_ln_qkv']} (Post-LN) built on the "
+        f"CPU; {mapping['copied']} tensors local -> TE by sharded key; TE torch_dist round trip "
+        f"{'equal' if not unequal else 'UNEQUAL ' + str(unequal[:3])}; local model from the TE checkpoint: "
+        f"max_abs {cmp['max_abs']:.3e} -> {'ok' if report['ok'] else 'FAIL'}")
+    return report
+
+
 def _values(sharded):
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
@@ -363,6 +413,20 @@ def main(argv=None) -> int:
                   "(megatron.core.extensions.transformer_engine.HAVE_TE is False); check the TE version",
                   file=sys.stderr, flush=True)
             return 2
+    te_modules = None  # dry run: None (stand-ins) or real TE modules where TE imports
+    if dry:
+        from mixln_megatron.dev import cpu
+
+        why_not = cpu.te_unavailable_reason()
+        te_modules = "real" if why_not is None else "stand-in"
+        if why_not is None:
+            import transformer_engine
+
+            print(f"te_check: dry run with real TransformerEngine {transformer_engine.__version__} modules "
+                  "(built on the CPU: weight mapping, torch_dist round trip; the forward runs on the local "
+                  "backend, TE's kernels need a GPU)", flush=True)
+        else:
+            print(f"te_check: dry run with the local backend standing in for TE ({why_not})", flush=True)
     plan = checks.RunPlan.from_args(args)
     warmup, repeats, shape, parity_shape = plan.warmup, plan.repeats, plan.shape, plan.parity_shape
 
@@ -374,6 +438,7 @@ def main(argv=None) -> int:
         "started": _dt.datetime.now().isoformat(timespec="seconds"),
         "machine": checks.machine_facts(rt), "versions": checks.versions(), "phases": {},
         "te_deterministic": os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") == "0",
+        "dry_run_te_modules": te_modules,
         "notes": ["dry run: the local backend stands in for TE, so only the code paths are exercised"] if dry else [
             "timing scope: decoder block only (layers + final norm), no embedding / output layer / loss"],
     }
@@ -389,6 +454,11 @@ def main(argv=None) -> int:
     parity = checks.checked_phase(report, path, "parity", parity_phase)
     keep, inputs = kept.get("models", {}), kept.get("inputs")
     ok = ok and parity.get("ok", False)
+
+    if te_modules == "real" and "fp32_local" in keep:
+        te_phase = checks.checked_phase(report, path, "te_modules", phase_te_modules, rt, parity_shape,
+                                        keep["fp32_local"], inputs, args.seed)
+        ok = ok and te_phase.get("ok", False)
 
     if "bf16" in keep:
         ckpt = checks.checked_phase(report, path, "checkpoint", phase_checkpoint, rt, parity_shape, backend,
