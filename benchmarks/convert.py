@@ -1,6 +1,6 @@
 """Conversion speed and memory: a 1B-shaped Mix-LN torch_dist checkpoint (TP2 x PP2) -> Hugging Face.
 
-    python benchmarks/convert.py [--workdir DIR] [--keep] [--skip-baseline]
+    python benchmarks/convert.py [--workdir DIR] [--keep] [--skip-baseline] [--compare-with TREE]
 
 1. Creates (once per --workdir) a synthetic checkpoint the way Megatron-LM lays it out: four
    torchrun ranks (gloo, CPU) build megatron-core's GPTModel with the Mix-LN local spec at TP2 x
@@ -14,7 +14,11 @@
    normal interpreter teardown of torch's CUDA build alone touches ~0.12 GiB of extra pages
    (measured on an imports-only child both ways and printed).
 3. Converts the exported folder back (from-hf, torch_dist) and reports its peak RSS too.
-4. For comparison, loads the same checkpoint whole with torch's DCP-to-torch-save route
+4. With --compare-with TREE (a source tree of an earlier mixln_megatron, e.g. `git worktree add
+   /tmp/old 3397bf7`, the last commit with the hand-written zip-chunk reader), runs that tree's
+   to-hf on the same checkpoint in the same run, prints both and their ratios, and checks that
+   both wrote byte-identical safetensors.
+5. For comparison, loads the same checkpoint whole with torch's DCP-to-torch-save route
    (torch.distributed.checkpoint.format_utils.dcp_to_torch_save) in another child, and measures
    a child that only imports what the converter imports (torch, transformers, the package).
 
@@ -103,6 +107,12 @@ def create_checkpoint(ckpt_dir: str) -> float:
     return time.time() - t0
 
 
+def _same_file(a: str, b: str) -> bool:
+    import filecmp
+
+    return os.path.isfile(b) and filecmp.cmp(a, b, shallow=False)
+
+
 # --------------------------------------------------------------------------- measured children
 def run_measured(cmd, env=None):
     """(seconds, peak RSS in bytes, stdout) of a child process; RSS from os.wait4 of that child."""
@@ -138,6 +148,8 @@ def main(argv=None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint for the next run")
     p.add_argument("--skip-baseline", action="store_true", help="do not run dcp_to_torch_save")
     p.add_argument("--skip-from-hf", action="store_true", help="do not time from-hf on the exported folder")
+    p.add_argument("--compare-with", default=None, metavar="TREE",
+                   help="also run to-hf from this source tree of mixln_megatron (PYTHONPATH) and compare")
     p.add_argument("--create-worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.create_worker:
@@ -170,8 +182,23 @@ def main(argv=None) -> int:
     print(stdout.strip().splitlines()[0] if stdout.strip() else "", flush=True)
     hf_bytes = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
     print(f"to-hf: {seconds:.1f} s, peak_rss_gb={rss / GIB:.3f} ({(rss - imp_rss) / GIB:.3f} above the imports), "
-          f"wrote {hf_bytes / GIB:.3f} GiB of safetensors; peak / checkpoint = {rss / weights:.3f} "
-          f"(target <= 0.25)", flush=True)
+          f"wrote {hf_bytes / GIB:.3f} GiB of safetensors; above the imports / checkpoint = "
+          f"{(rss - imp_rss) / weights:.3f} (target <= 0.125)", flush=True)
+
+    if a.compare_with:
+        tree = os.path.abspath(a.compare_with)
+        other = os.path.join(a.workdir, "hf_compare")
+        shutil.rmtree(other, ignore_errors=True)
+        c_env = dict(env, PYTHONPATH=tree + os.pathsep + env.get("PYTHONPATH", ""))
+        c_s, c_rss, _ = run_measured(
+            [sys.executable, "-c", CONVERT, "to-hf", "--load", ckpt, "--save", other, "--no-progress"], c_env)
+        same = all(_same_file(os.path.join(out, f), os.path.join(other, f)) for f in sorted(os.listdir(out))
+                   if f.endswith(".safetensors"))
+        print(f"to-hf from {tree}: {c_s:.1f} s, peak_rss_gb={c_rss / GIB:.3f} ({(c_rss - imp_rss) / GIB:.3f} above "
+              f"the imports); this tree / that tree: seconds {seconds / c_s:.3f} (target <= 1.25), memory above "
+              f"the imports {(rss - imp_rss) / max(1, c_rss - imp_rss):.2f}x; safetensors byte-identical: {same}",
+              flush=True)
+        shutil.rmtree(other, ignore_errors=True)
 
     if not a.skip_from_hf:
         back = os.path.join(a.workdir, "from_hf")

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..errors import ConversionError, UnsupportedModelError
+from ..safe_unpickle import load_torch
 
 
 class HFCheckpoint:
@@ -79,10 +80,7 @@ class HFCheckpoint:
 
     def _load_bin(self, filename: str):
         full = os.path.join(self.path, filename)
-        try:
-            return torch.load(full, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as e:  # noqa: BLE001
-            raise ConversionError(f"weight file {full} is unreadable: {e}") from None
+        return load_torch(full, what=f"weight file {full}", mmap=True)  # through the allow-list, like checkpoints
 
     def has(self, name: str) -> bool:
         return name in self.weight_map

@@ -24,6 +24,9 @@ from .reader_base import ReaderBase
 
 COMMON_PT = "common.pt"
 COMMON_STATE_KEY = "common_state/shard_0_1"
+# Largest block of embedding / output rows read at once: a block also holds its saved chunk while it
+# is read, so blocks much smaller than a chunk only add reads (benchmarks/convert.py).
+VOCAB_BLOCK_BYTES = 32 << 20
 
 
 def _numel(shape) -> int:
@@ -154,11 +157,15 @@ class TorchDistCheckpoint(ReaderBase):
         return self.global_shape(key)[0] if key in self._tensors else None
 
     def vocab_blocks(self, which: str, rows: int):
-        """(start, stop) row blocks of the embedding / output layer, each within one saved chunk row range."""
+        """(start, stop) row blocks of the embedding / output layer: none straddles two saved chunks
+        (each block loads the chunks it touches whole) and none exceeds VOCAB_BLOCK_BYTES."""
         key = M.TD_EMBEDDING if which == "embedding" else M.TD_OUTPUT
-        starts = sorted({int(c.offsets[0]) for c in self._tensors[key].chunks} | {0})
+        md = self._tensors[key]
+        step = max(1, VOCAB_BLOCK_BYTES // (_numel(md.size[1:]) * md.properties.dtype.itemsize))
+        starts = sorted({int(c.offsets[0]) for c in md.chunks} | {0})
         bounds = [s for s in starts if s < rows] + [rows]
-        return list(zip(bounds[:-1], bounds[1:]))
+        return [(a, min(b, a + step)) for lo, hi in zip(bounds[:-1], bounds[1:]) for a, b in
+                ((a, hi) for a in range(lo, hi, step))]
 
     def read_vocab_rows(self, which: str, start: int, stop: int) -> torch.Tensor:
         key = M.TD_EMBEDDING if which == "embedding" else M.TD_OUTPUT
