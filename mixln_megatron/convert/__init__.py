@@ -9,17 +9,19 @@ Python API (same options as the command line, see cli.py):
     convert_to_hf("runs/ckpt", "hf/out", dtype="bfloat16")
     convert_from_hf("hf/out", "runs/ckpt2", tp=2, pp=2)
 
-Modules
+Modules (one way each: reader -> role mapping -> writer)
   mapping           tensor names on both sides (torch_dist keys, legacy module names, HF names)
   shape             the model shape from Megatron args / HF config; what Llama cannot express
-  layouts           QKV (per query group), fc1 ([gate; up]) and TP-shard layouts; streaming row ranges
+  layouts           QKV (per query group), fc1 ([gate; up]) and TP-shard layouts; import row chunks
   inspect           what a checkpoint says about its model (args, shape, epsilon, Mix-LN record)
-  megatron_reader   open_checkpoint over locate, torch_dist_reader (+ dcp_metadata, zip_chunk),
-                    legacy_reader, safe_unpickle
-  to_hf             streaming export: config.json (+ auto_map and model code when P > 0),
-                    safetensors shards written tensor by tensor, index, generation_config.json
+  megatron_reader   open_checkpoint over locate, torch_dist_reader (over dcp_files:
+                    torch.distributed.checkpoint with the allow-list) and legacy_reader
+  to_hf             reader -> hf_layer_tensors -> streaming safetensors writer; config.json
+                    (hf_config_dict, the one builder), the model code when P > 0
   from_hf           streaming import over hf_folder, hf_roles, megatron_writers, written_args
+  staging           the temporary output directory renamed in at the end
 
+Every pickle read from a checkpoint goes through mixln_megatron.safe_unpickle (one allow-list).
 Both directions write into a temporary directory next to the output and rename it at the end, so a
 failed or interrupted conversion leaves nothing behind; an existing non-empty output directory is
 refused unless overwrite=True (--overwrite), and even then unless it is a previous export of the same

@@ -130,8 +130,8 @@ def _run(args) -> int:
         )
         if summary["architecture"] != "LlamaForCausalLM":
             print("[mixln-megatron convert] load with AutoModelForCausalLM.from_pretrained(dir, "
-                  "trust_remote_code=True); serving engines that refuse remote code (vLLM, SGLang) cannot run "
-                  "it as is")
+                  "trust_remote_code=True); serve with vLLM / SGLang through their Transformers backend "
+                  "(--model-impl transformers --trust-remote-code)")
     else:
         from .from_hf import convert_from_hf
 
