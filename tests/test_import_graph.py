@@ -10,14 +10,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mixln_megatron"
 TOP = PACKAGE.name
-
-# Packages whose own cycles are being fixed elsewhere: the lead removes an entry when its package
-# is cycle-free (convert/ is being rewritten). Cycles that touch any other module always fail.
-CYCLES_PENDING_IN = ("mixln_megatron.convert",)
 
 # What the model layer (mixln_megatron.model, the plain-data spec factories included) must not
 # import: training, conversion, development aids, and the Megatron-LM edge above them.
@@ -115,14 +110,8 @@ def test_the_graph_sees_imports_inside_functions():
 
 
 def test_no_import_cycles():
-    pending = [g for g in cycles(import_graph()) if all(_inside(m, CYCLES_PENDING_IN) for m in g)]
-    others = [g for g in cycles(import_graph()) if g not in pending]
-    assert not others, "import cycles: " + "; ".join(" <-> ".join(g) for g in others)
-
-
-@pytest.mark.xfail(bool(CYCLES_PENDING_IN), reason="cycles being fixed there (CYCLES_PENDING_IN)", strict=False)
-def test_no_import_cycles_in_pending_packages():
-    assert not [g for g in cycles(import_graph()) if all(_inside(m, CYCLES_PENDING_IN) for m in g)]
+    found = cycles(import_graph())
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(g) for g in found)
 
 
 def test_the_model_imports_nothing_above_it():

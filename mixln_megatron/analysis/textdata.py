@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 def default_cache_dir() -> str:
-    from ..model.env_settings import analysis_cache_dir  # MIXLN_ANALYSIS_CACHE
+    from ..model.settings import analysis_cache_dir  # MIXLN_ANALYSIS_CACHE
 
     return analysis_cache_dir() or os.path.join(tempfile.gettempdir(), "mixln_megatron_data")
 
