@@ -77,16 +77,35 @@ def test_auto_map_names_the_base_model(exported):
     assert (exported / "modeling_mixln_llama.py").is_file() and (exported / "configuration_mixln_llama.py").is_file()
 
 
-def test_automodel_loads_the_exported_base_model(exported):
-    from transformers import AutoModel
+# Run in a fresh interpreter, as a serving engine would: in this one another test may have
+# registered the package's own classes (mixln_megatron.hf.register_auto_classes), which transformers
+# then prefers to the folder's code.
+LOAD_BASE_MODEL = """
+import json, sys
+from transformers import AutoModel
+model = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True)
+cls = type(model)
+print(json.dumps({"name": cls.__name__, "module": cls.__module__, "backend": cls._supports_attention_backend,
+                  "kinds": [type(layer).__name__ for layer in model.layers]}))
+"""
 
-    model = AutoModel.from_pretrained(str(exported), trust_remote_code=True)
-    cls = type(model)
-    assert cls.__name__ == "MixLNLlamaModel"
-    assert cls.__module__.startswith("transformers_modules"), cls.__module__  # the folder's code, not ours
-    assert cls._supports_attention_backend is True
-    kinds = [type(layer).__name__ for layer in model.layers]
-    assert kinds == ["MixLNLlamaPostLNDecoderLayer"] * POST_LN + ["MixLNLlamaPreLNDecoderLayer"] * (NUM_LAYERS - POST_LN)
+
+def test_automodel_loads_the_exported_base_model(exported):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_HUB_OFFLINE"] = "1"
+    proc = subprocess.run([sys.executable, "-c", LOAD_BASE_MODEL, str(exported)], capture_output=True, text=True,
+                          env=env, cwd=str(exported.parent), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["name"] == "MixLNLlamaModel"
+    assert got["module"].startswith("transformers_modules"), got["module"]  # the folder's code, not ours
+    assert got["backend"] is True
+    assert got["kinds"] == (["MixLNLlamaPostLNDecoderLayer"] * POST_LN
+                            + ["MixLNLlamaPreLNDecoderLayer"] * (NUM_LAYERS - POST_LN))
 
 
 def test_registered_attention_runs_in_every_layer_and_equals_sdpa(exported, probe):
