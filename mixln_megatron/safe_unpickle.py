@@ -40,7 +40,8 @@ ALLOWED = (
     "types.SimpleNamespace",
     "pathlib.PosixPath",
     "pathlib.PurePosixPath",
-    "io.BytesIO",
+    "pathlib._local.PosixPath",  # Python 3.13's spelling
+    "_io.BytesIO",  # how io.BytesIO pickles (TE extra state in older checkpoints)
     "signal.Signals",
     "megatron.core.enums.ModelType",
     "megatron.core.transformer.enums.AttnBackend",
