@@ -24,7 +24,7 @@ test-all: $(STAMP)
 
 # The compatibility subset (marker `compat`) on each older megatron-core release, laid over the
 # venv's torch by scripts/compat_env.sh (.compat/<release>, no second torch download).
-COMPAT_RELEASES ?= 0.17 0.18
+COMPAT_RELEASES ?= 0.17 0.18 main
 test-compat: $(STAMP)
 	@failed=; for r in $(COMPAT_RELEASES); do \
 	  overlay=$$(scripts/compat_env.sh $$r) || { failed="$$failed $$r"; continue; }; \

@@ -11,7 +11,7 @@ setup(
     include_package_data=True,
     package_data={"mixln_megatron": ["assets/**/*", "hf/*.py"]},
     install_requires=[
-        "megatron-core>=0.17,<0.20",
+        "megatron-core>=0.17,<0.21",
         "torch>=2.4",
         "psutil",  # megatron's dist_checkpointing save needs it but does not declare it
         "tqdm",

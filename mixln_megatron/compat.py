@@ -1,4 +1,5 @@
-"""Every difference between the megatron-core releases mixln_megatron supports: 0.17, 0.18, 0.19.
+"""Every difference between the megatron-core releases mixln_megatron supports: 0.17, 0.18, 0.19
+and 0.20 (Megatron-LM main, d98e8a64; not on a registry yet).
 
 The rest of the package is written against one API; what a release does differently is adapted
 here and nowhere else (docs/megatron-releases.md, sections A-J, says what was measured):
@@ -16,6 +17,12 @@ here and nowhere else (docs/megatron-releases.md, sections A-J, says what was me
      the DCP files (object `common_state`) instead of common.pt, so 0.17/0.18 cannot load what
      0.19 saved (Megatron's limitation; older -> newer loads); the converter's reader
      (convert/torch_dist_reader.py) reads both layouts without importing megatron.
+  N  0.20 (main) renamed TransformerLayer's MLP residual step: `_forward_post_mlp(out, residual)`
+     became `_apply_mlp_bda_step(out, residual, mlp_state=())`; a subclass that still defines
+     `_forward_post_mlp` is routed through a deprecation shim. `keep_release_hooks` leaves the
+     layer only the name this release calls. (0.20 also reads `returns_residual` off norms, no
+     Mix-LN norm returns a residual; MLP passes `pg_collection=` to fc1/fc2, which the Post-LN
+     linears forward untouched; a misspelt `--spec` module raises ImportError.)
 A future HybridModel variant (0.19's pretrain_hybrid.py) would add its --spec objects here too.
 
 The release is that of the megatron.core actually imported (a Megatron-LM checkout on sys.path
@@ -31,8 +38,8 @@ from typing import Callable, Optional, Sequence, Tuple
 
 from .errors import MixLNError
 
-SUPPORTED = ">=0.17,<0.20"
-OLDEST, FIRST_UNSUPPORTED = (0, 17), (0, 20)
+SUPPORTED = ">=0.17,<0.21"
+OLDEST, FIRST_UNSUPPORTED = (0, 17), (0, 21)
 
 
 class UnsupportedMegatronRelease(MixLNError, RuntimeError):
@@ -56,7 +63,7 @@ def check_release(version: str) -> Tuple[int, int]:
     if not OLDEST <= release < FIRST_UNSUPPORTED:
         raise UnsupportedMegatronRelease(
             f"megatron-core {version.split('+')[0]} found; mixln_megatron supports megatron-core {SUPPORTED} "
-            "(0.17.x, 0.18.x, 0.19.x): install one of those (pip install 'megatron-core>=0.17,<0.20')"
+            "(0.17.x, 0.18.x, 0.19.x, 0.20.x): install one of those (pip install 'megatron-core>=0.17,<0.21')"
         )
     return release
 
@@ -212,6 +219,21 @@ def batch_on_this_cp_rank(batch: dict) -> dict:
 
 # ------------------------------------------------------------------ D: what `--spec` imports
 SPEC_GETS_THE_CONFIG = RELEASE >= (0, 19)
+
+
+# ------------------------------------------------------------------ N: the MLP residual step's name
+MLP_BDA_HOOK = "_apply_mlp_bda_step" if RELEASE >= (0, 20) else "_forward_post_mlp"
+_MLP_BDA_HOOKS = ("_apply_mlp_bda_step", "_forward_post_mlp")
+
+
+def keep_release_hooks(cls):
+    """Class decorator: of the MLP residual-step overrides `cls` defines (one per name, both kept
+    readable in the class), keep the one this release's TransformerLayer calls and drop the
+    other, so 0.20 never routes a subclass through its `_forward_post_mlp` deprecation shim."""
+    for name in _MLP_BDA_HOOKS:
+        if name != MLP_BDA_HOOK and name in vars(cls):
+            delattr(cls, name)
+    return cls
 
 
 # ------------------------------------------------------------------ E: the finalize hook survives train()

@@ -18,7 +18,8 @@ WORKER = os.path.join(REPO, "tests", "workers", "release_checkpoint_worker.py")
 
 # ------------------------------------------------------------------ release detection
 @pytest.mark.compat
-@pytest.mark.parametrize("version, release", [("0.17.1", (0, 17)), ("0.18.2+3f9a1c2", (0, 18)), ("0.19.2", (0, 19))])
+@pytest.mark.parametrize("version, release", [("0.17.1", (0, 17)), ("0.18.2+3f9a1c2", (0, 18)), ("0.19.2", (0, 19)),
+                                              ("0.20.0+f989a4a", (0, 20))])
 def test_supported_releases(version, release):
     from mixln_megatron import compat
 
@@ -26,7 +27,7 @@ def test_supported_releases(version, release):
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("version", ["0.16.1", "0.20.0", "1.0.0+abc"])
+@pytest.mark.parametrize("version", ["0.16.1", "0.21.0", "1.0.0+abc"])
 def test_unsupported_release_names_the_range(version):
     from mixln_megatron import compat
     from mixln_megatron.errors import MixLNError
@@ -34,7 +35,7 @@ def test_unsupported_release_names_the_range(version):
     with pytest.raises(compat.UnsupportedMegatronRelease) as info:
         compat.check_release(version)
     message = str(info.value)
-    assert "\n" not in message and version.split("+")[0] in message and ">=0.17,<0.20" in message
+    assert "\n" not in message and version.split("+")[0] in message and ">=0.17,<0.21" in message
     assert isinstance(info.value, MixLNError) and not isinstance(info.value, ImportError)
 
 
@@ -48,6 +49,7 @@ def test_release_is_the_imported_megatron():
     assert compat.VERSION == megatron.core.__version__.split("+")[0]
     expected = os.environ.get("COMPAT_MEGATRON_RELEASE")
     if expected:
+        expected = {"main": "0.20"}.get(expected, expected)  # Megatron-LM main's snapshot
         assert compat.VERSION.startswith(expected + ".")
 
 
@@ -153,3 +155,38 @@ def test_checkpoint_saved_by_0_17_loads_in_0_19_and_not_back(tmp_path):
                           cwd=REPO, timeout=600)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "saved by megatron-core 0.19 or newer" in proc.stderr.splitlines()[-1]
+
+
+# ------------------------------------------------------------------ N: the MLP residual step
+@pytest.mark.compat
+def test_layer_overrides_the_mlp_residual_step_this_release_calls(mcore_single):
+    """0.20 renamed `_forward_post_mlp` to `_apply_mlp_bda_step` and routes a subclass's legacy
+    override through a shim that warns; the layer keeps only the name its release calls, so a
+    Post-LN forward runs N2 on every release without the shim's DeprecationWarning."""
+    import warnings
+
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from mixln_megatron import compat
+    from mixln_megatron.spec import get_mixln_decoder_block_spec
+    from mixln_megatron.dev import testing
+    from mixln_megatron.model.layer import MixLNTransformerLayer
+
+    assert hasattr(TransformerLayer, compat.MLP_BDA_HOOK)
+    assert compat.MLP_BDA_HOOK in vars(MixLNTransformerLayer)
+    other = ({"_forward_post_mlp", "_apply_mlp_bda_step"} - {compat.MLP_BDA_HOOK}).pop()
+    assert other not in vars(MixLNTransformerLayer)
+    assert (compat.MLP_BDA_HOOK == "_apply_mlp_bda_step") == (compat.RELEASE >= (0, 20))
+    config = testing.tiny_config()
+    model = testing.build_gpt(config, get_mixln_decoder_block_spec(config, backend="local", post_ln_layers=2))
+    calls = []
+    for layer in model.decoder.layers:
+        if layer.is_post_ln:
+            layer.post_mlp_layernorm.register_forward_hook(
+                lambda *_, n=layer.layer_number: calls.append(n))
+    ids, labels, pos, mask = testing.batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert bool(model(ids, pos, mask, labels=labels).isfinite().all())
+    assert not [w for w in caught if "_forward_post_mlp" in str(w.message)]  # no shim on 0.20
+    assert sorted(calls) == [1, 2]  # N2 of both Post-LN layers ran

@@ -9,7 +9,8 @@ one spec serves every layer and every pipeline split builds the same network.
 
 The Post-LN layer reuses megatron's attention, MLP and bias-dropout-add; only the norms move:
 its input/pre-MLP norms are IdentityOp, N1 runs at the end of `_forward_attention` and N2 at
-the end of `_forward_post_mlp`. Those are the methods CUDA-graph capture calls directly, so the
+the end of the MLP residual step (`_forward_post_mlp` up to 0.19, `_apply_mlp_bda_step` from
+0.20; compat.keep_release_hooks keeps the one the release calls). Those are the methods CUDA-graph capture calls directly, so the
 norms live inside the captured paths.
 
 Checkpoint keys (one answer for every backend and for conversion). A model with P > 0 or an
@@ -45,6 +46,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import get_pg_rank, make_viewless_tensor
 
+from .. import compat
 from . import backends
 from .support import MixLNUnsupportedError, check_supported  # noqa: F401  (re-exported)
 from . import checkpoint as mixln_checkpoint
@@ -129,6 +131,7 @@ def _check_extra_state_empty(key: str, item) -> None:
     )
 
 
+@compat.keep_release_hooks  # only the MLP residual-step override this release calls stays
 class MixLNTransformerLayer(TransformerLayer):
     """A TransformerLayer that is Post-LN when its global layer_number <= P.
 
@@ -241,8 +244,13 @@ class MixLNTransformerLayer(TransformerLayer):
             hidden_states = self.post_attention_layernorm(hidden_states)  # h = N1(x + Attn(x))
         return hidden_states, context
 
-    def _forward_post_mlp(self, mlp_output_with_bias, residual):
-        output = super()._forward_post_mlp(mlp_output_with_bias, residual)
+    def _apply_mlp_bda_step(self, mlp_output_with_bias, residual, mlp_state=()):  # 0.20+
+        return self._after_mlp_residual(super()._apply_mlp_bda_step(mlp_output_with_bias, residual, mlp_state))
+
+    def _forward_post_mlp(self, mlp_output_with_bias, residual):  # 0.17-0.19
+        return self._after_mlp_residual(super()._forward_post_mlp(mlp_output_with_bias, residual))
+
+    def _after_mlp_residual(self, output):
         if not self.is_post_ln:
             return output
         output = self.post_mlp_layernorm(output)  # y = N2(h + MLP(h))
