@@ -55,8 +55,11 @@ def settings_for_spec(environ=None, args=None) -> MixLNSettings:
 
 
 def _at_the_edge(config, build, environ=None, args=None):
-    """Settings from the edge, `build(settings)`, then the hooks; a MixLN error printed in one line."""
+    """Settings from the edge, `build(settings)`, then the hooks; a MixLN error printed in one line.
+    It runs before Megatron-LM loads --load, so a checkpoint this release cannot read (0.19+ on
+    0.17/0.18, compat.check_load_dir) is refused here too, not only in the project's entry point."""
     try:
+        compat.check_load_dir(getattr(runtime.megatron_args() if args is None else args, "load", None))
         settings = settings_for_spec(environ, args)
         spec = build(settings)
         install_training_hooks(config, settings)

@@ -190,3 +190,55 @@ def test_layer_overrides_the_mlp_residual_step_this_release_calls(mcore_single):
         assert bool(model(ids, pos, mask, labels=labels).isfinite().all())
     assert not [w for w in caught if "_forward_post_mlp" in str(w.message)]  # no shim on 0.20
     assert sorted(calls) == [1, 2]  # N2 of both Post-LN layers ran
+
+
+# ------------------------------------------------------------------ one-line refusals at the --spec edge
+def _error_lines(text):
+    return [line for line in text.splitlines() if line.startswith("[mixln_megatron] ERROR:")]
+
+
+@pytest.mark.compat
+def test_spec_edge_refuses_a_checkpoint_of_a_newer_release_in_one_line(mcore_single, tmp_path, monkeypatch, capsys):
+    """The --spec objects run before Megatron-LM reads --load: on 0.17/0.18 a 0.19+ torch_dist
+    checkpoint (no common.pt) is refused there, one `[mixln_megatron] ERROR:` line on rank 0,
+    instead of Megatron's missing-common.pt traceback on every rank. 0.19+ reads it: no refusal."""
+    import argparse
+
+    from mixln_megatron import compat, errors, spec
+    from mixln_megatron.dev import testing
+
+    monkeypatch.setattr(errors, "_reported", False)
+    iteration = tmp_path / "iter_0000005"
+    iteration.mkdir()
+    (iteration / ".metadata").write_bytes(b"")  # what 0.19 writes: DCP files, no common.pt
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
+    args = argparse.Namespace(load=str(tmp_path))
+    config = testing.tiny_config()
+    if compat.RELEASE >= (0, 19):
+        spec.stock_layer_spec(config, "local", environ={}, args=args)
+        assert not _error_lines(capsys.readouterr().err)
+        return
+    with pytest.raises(compat.CheckpointFromNewerRelease, match="saved by megatron-core 0.19 or newer"):
+        spec.stock_layer_spec(config, "local", environ={}, args=args)
+    lines = _error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and "cannot load it" in lines[0] and str(iteration) in lines[0]
+
+
+@pytest.mark.compat
+def test_settings_mismatch_on_resume_is_one_line_first(mcore_single, monkeypatch, capsys):
+    """A resume with other Mix-LN settings: one `[mixln_megatron] ERROR:` line on rank 0 before
+    the exception every rank raises inside Megatron-LM's load (as bad settings already are)."""
+    from mixln_megatron import errors
+    from mixln_megatron.dev import testing
+    from mixln_megatron.model import checkpoint
+    from mixln_megatron.spec import get_mixln_decoder_block_spec
+
+    monkeypatch.setattr(errors, "_reported", False)
+    config = testing.tiny_config()
+    model = testing.build_gpt(config, get_mixln_decoder_block_spec(config, backend="local", post_ln_layers=1))
+    saved = {checkpoint.METADATA_KEY: {"format": 1, "scheme": "mixln", "num_layers": 4, "post_ln_layers": 2,
+                                       "alpha": None}}
+    with pytest.raises(checkpoint.MixLNCheckpointMismatch, match="Mix-LN settings differ"):
+        model.sharded_state_dict(metadata=saved)
+    lines = _error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and "P=2 of L=4" in lines[0] and "P=1 of L=4" in lines[0]

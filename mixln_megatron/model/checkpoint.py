@@ -15,13 +15,16 @@ layout does not reveal P. The settings therefore travel with the weights, in thr
 3. Legacy (per-rank torch) checkpoints: the same record in the regular state_dict of layer 1.
 
 The mismatch is reported through load_state_dict's `error_msgs`, which raises even when
-Megatron-LM retries a failed strict load non-strictly.
+Megatron-LM retries a failed strict load non-strictly. Before that, as for bad settings, it is
+printed once as one `[mixln_megatron] ERROR:` line on rank 0 (errors.report_once): every rank
+raises it, inside Megatron-LM's tracebacks.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+from ..errors import report_once
 from .placement import Placement
 
 
@@ -81,7 +84,9 @@ def add_settings_record(layer, sharded: dict, prefix: str, metadata: Optional[di
         if loaded is not None:
             problem = mismatch_message(loaded, placement)
             if problem:
-                raise MixLNCheckpointMismatch(problem)
+                error = MixLNCheckpointMismatch(problem)
+                report_once(error)  # one line on rank 0 before every rank's traceback
+                raise error
         else:
             metadata[METADATA_KEY] = placement.record()
     if placement.is_stock or layer.layer_number != 1 or getattr(layer, "is_mtp_layer", False):
@@ -107,5 +112,6 @@ def check_settings_record(layer, state_dict: dict, prefix: str, error_msgs: list
         return  # a stock checkpoint into a P = 0 model: nothing to say
     problem = mismatch_message(record, layer.placement)
     if problem:
+        report_once(MixLNCheckpointMismatch(problem))
         error_msgs.append(problem)
 
