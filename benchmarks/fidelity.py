@@ -56,7 +56,7 @@ import torch  # noqa: E402
 
 from mixln_megatron.analysis import grad_norms, textdata  # noqa: E402
 from mixln_megatron.analysis.layer_drop import evaluate  # noqa: E402
-from mixln_megatron.analysis.models import REFERENCE_EMBEDDING_STD, ModelShape, build_megatron_gpt  # noqa: E402
+from mixln_megatron.analysis.models import REFERENCE_EMBEDDING_STD, FreshShape, build_megatron_gpt  # noqa: E402
 from mixln_megatron.dev import cpu  # noqa: E402
 
 EMB_MEGATRON = "megatron"
@@ -107,7 +107,7 @@ def lr_at(step: int, r: Recipe) -> float:
     return lo + 0.5 * (r.lr - lo) * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def train_one(shape: ModelShape, variant: str, seed: int, alpha: float, recipe: Recipe,
+def train_one(shape: FreshShape, variant: str, seed: int, alpha: float, recipe: Recipe,
               train_batches, valid_batches) -> dict:
     p, scheme = grad_norms.variant_placement(variant, shape.num_layers, alpha)
     lm = build_megatron_gpt(shape, post_ln_layers=p, scheme=scheme, seed=seed)
@@ -345,7 +345,7 @@ def _pool_worker_init(recipe: Recipe, cache_dir: Optional[str], threads: int) ->
 def _run_task(setup: Setup, task):
     depth, variant, emb, seed = task
     r = setup.recipe
-    shape = ModelShape(num_layers=depth, hidden_size=setup.hidden, num_attention_heads=setup.heads,
+    shape = FreshShape(num_layers=depth, hidden_size=setup.hidden, num_attention_heads=setup.heads,
                        vocab_size=4096, seq_length=r.seq_length,
                        embedding_init_std=REFERENCE_EMBEDDING_STD if emb == EMB_REFERENCE else None)
     res = train_one(shape, variant, seed, setup.alpha, r, _WORKER["train"], _WORKER["valid"])

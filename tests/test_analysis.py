@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mixln_megatron.analysis import angular, grad_norms, layer_drop, textdata
-from mixln_megatron.analysis.models import HFLM, ModelShape, build_megatron_gpt
+from mixln_megatron.analysis.models import HFLM, FreshShape, build_megatron_gpt
 
 TEXT = (
     "It is a truth universally acknowledged, that a single man in possession of a good fortune,\n"
@@ -37,7 +37,7 @@ def text_tokens(text_file):
 def tiny_shape(layers=4, **kw):
     base = dict(num_layers=layers, hidden_size=32, num_attention_heads=2, vocab_size=4096, seq_length=32)
     base.update(kw)
-    return ModelShape(**base)
+    return FreshShape(**base)
 
 
 # ------------------------------------------------------------------------------------- text data
@@ -187,7 +187,7 @@ def test_grad_norm_profile_at_init_12_layers(mcore_single, austen_tokens):
     over 6 seeds, mean profile monotone). Post-LN rising and Mix-LN being flatter than both did
     not hold under megatron's init at this scale (Post-LN is flat, ~1.0; Mix-LN's max/min is the
     largest because of a step at the Post/Pre boundary), so they are reported, not pinned."""
-    shape = ModelShape(num_layers=12, hidden_size=128, num_attention_heads=4, vocab_size=4096, seq_length=64)
+    shape = FreshShape(num_layers=12, hidden_size=128, num_attention_heads=4, vocab_size=4096, seq_length=64)
     batch_list = textdata.batches(austen_tokens, 64, 8, num_batches=1, seed=0)
     v = grad_norms.measure_at_init(shape, batch_list, ("pre_ln",), seeds=(1, 2, 3))["variants"]
     v.update(grad_norms.measure_at_init(shape, batch_list, ("post_ln", "mix_ln"), seeds=(1,))["variants"])

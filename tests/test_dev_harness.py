@@ -41,9 +41,9 @@ def test_cpu_harness_undoes_its_patches_and_keeps_an_outer_one():
 def test_analysis_asks_for_the_harness_and_runs_inside_it():
     out = _python("""
         import torch
-        from mixln_megatron.analysis.models import ModelShape, build_megatron_gpt
+        from mixln_megatron.analysis.models import FreshShape, build_megatron_gpt
         from mixln_megatron.dev import cpu
-        shape = ModelShape(num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=64, seq_length=8)
+        shape = FreshShape(num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=64, seq_length=8)
         try:
             build_megatron_gpt(shape, post_ln_layers=1)
         except RuntimeError as e:

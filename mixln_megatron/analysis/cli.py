@@ -151,7 +151,7 @@ def _write_json(path: str, payload: dict) -> None:
 
 def _run_grad_norms(a) -> int:
     from . import grad_norms, textdata
-    from .models import ModelShape
+    from .models import FreshShape
 
     if a.num_layers < 1 or a.batch_size < 1 or a.num_batches < 1 or not a.seeds:
         print("error: --num-layers, --batch-size, --num-batches must be positive and --seeds non-empty",
@@ -162,7 +162,7 @@ def _run_grad_norms(a) -> int:
     from ..data import load_tokenizer
 
     vocab = int(math.ceil(load_tokenizer(spec).vocab_size / 128) * 128)  # Megatron-style padding
-    shape = ModelShape(
+    shape = FreshShape(
         num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
         ffn_hidden_size=a.ffn_hidden_size, vocab_size=vocab, seq_length=a.seq_length,
         init_method_std=a.init_method_std, embedding_init_std=a.embedding_std,

@@ -21,7 +21,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .models import LanguageModel, ModelShape, build_megatron_gpt
+from .models import LanguageModel, FreshShape, build_megatron_gpt
 
 VARIANTS = ("pre_ln", "post_ln", "mix_ln", "lns", "mix_ln+lns")
 DEFAULT_VARIANTS = ("pre_ln", "post_ln", "mix_ln")
@@ -97,7 +97,7 @@ def profile_summary(norms: Sequence[float]) -> Dict[str, float]:
 
 
 def measure_at_init(
-    shape: ModelShape,
+    shape: FreshShape,
     batch_list,
     variants: Iterable[str] = DEFAULT_VARIANTS,
     alpha: float = 0.25,

@@ -70,8 +70,10 @@ def seed_everything(seed: int) -> None:
 
 # ----------------------------------------------------------------------------------- model shapes
 @dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """A LLaMA-shaped GPT: RMSNorm, SwiGLU, RoPE, no biases, untied embeddings (as the paper)."""
+class FreshShape:
+    """The shape and initialisation of a fresh LLaMA-shaped GPT the analyses build (RMSNorm, SwiGLU,
+    RoPE, no biases, untied embeddings, as the paper). A checkpoint's model shape is convert.shape's
+    (ArgsShape / ModelShape, read by convert.inspect); this is only the recipe for a new model."""
 
     num_layers: int = 12
     hidden_size: int = 128
@@ -97,7 +99,7 @@ class ModelShape:
                 f"init_std={self.init_method_std:g} emb_std={emb:.4g}")
 
 
-def megatron_config(shape: ModelShape, **overrides):
+def megatron_config(shape: FreshShape, **overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg = dict(
@@ -137,7 +139,7 @@ def _to_device(model):
 
 
 def build_megatron_gpt(
-    shape: ModelShape,
+    shape: FreshShape,
     post_ln_layers: int = 0,
     scheme: str = "mixln",
     seed: int = 1234,
@@ -385,10 +387,10 @@ def _inspect(path: str, iteration: Optional[int]):
 
 
 def _config_from_shape(a):
-    """ModelShape + TransformerConfig for CPU inference from the checkpoint's ArgsShape."""
+    """The model to build (FreshShape) + TransformerConfig for CPU inference from convert's ArgsShape."""
     if a.padded_vocab_size is None:
         raise CheckpointError("the checkpoint's saved args have no padded_vocab_size")
-    shape = ModelShape(
+    shape = FreshShape(
         num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
         ffn_hidden_size=a.ffn_hidden_size, vocab_size=a.padded_vocab_size, seq_length=a.max_position_embeddings,
         num_query_groups=a.num_query_groups, untie_embeddings=a.untie_embeddings,
