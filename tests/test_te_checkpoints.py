@@ -4,7 +4,6 @@ by a local-backend model, and back from the local model's checkpoint into a TE m
 tensor equal to the TP2 x PP2 checkpoint's (compared by key, element for element). Resume with
 other Mix-LN settings is refused. Skipped without TE (make test-te installs it)."""
 
-import json
 import os
 
 import pytest
@@ -17,10 +16,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "te
 
 
 def run(nproc, *args):
-    proc = mu.torchrun(WORKER, nproc, *args, env={"OMP_NUM_THREADS": "1"})
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return mu.last_result(mu.torchrun(WORKER, nproc, *args, env={"OMP_NUM_THREADS": "1"}))
 
 
 def same_tensors(first, second):

@@ -6,7 +6,6 @@ this layout's TP / SP and TE norms whose weights carry `sequence_parallel` under
 finalize_model_grads all-reduces them over TP); torch_dist save, then a strict load into fresh
 chunks gives every tensor back. Skipped without TE (make test-te installs it)."""
 
-import json
 import os
 
 import pytest
@@ -19,10 +18,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "te
 
 
 def run(nproc, *args):
-    proc = mu.torchrun(WORKER, nproc, *args, env={"OMP_NUM_THREADS": "1"})
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return mu.last_result(mu.torchrun(WORKER, nproc, *args, env={"OMP_NUM_THREADS": "1"}))
 
 
 @pytest.mark.parametrize("layout, per_rank_layers", [

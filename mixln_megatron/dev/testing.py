@@ -416,3 +416,12 @@ def torchrun(script, nproc, *args, timeout=600, env: Optional[dict] = None):
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def last_result(proc) -> dict:
+    """The JSON of a worker's last `RESULT {...}` line on stdout (workers print their measurements so)."""
+    import json
+
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
