@@ -120,8 +120,10 @@ class DCPFiles:
         except UnsafeCheckpointError:
             raise
         except BaseException as e:  # noqa: BLE001 - DCP wraps failures in CheckpointException (a BaseException)
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
+            inner = [exc for exc, _ in getattr(e, "failures", {}).values()] or [e]
+            for cause in inner:  # a signal (safe_output.Interrupted, Ctrl-C) stays a signal, even when wrapped
+                if not isinstance(cause, Exception):
+                    raise cause from None
             keys = ", ".join(sorted(list(boxes) + list(byte_keys))[:3])
             detail = " ".join(str(e).split())[-300:]
             raise ConversionError(f"cannot read {keys} from {self.path} (truncated or corrupt shard?): {detail}") \
