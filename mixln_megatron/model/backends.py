@@ -233,10 +233,12 @@ def set_norm_output_scale(layer, scale: float) -> None:
     gets its GEMM output scaled instead, which is the same map and keeps the fused kernel.
     """
     pairs = [
-        (layer.input_layernorm, layer.self_attention.linear_qkv),
-        (layer.pre_mlp_layernorm, layer.mlp.linear_fc1),
+        (layer.input_layernorm, getattr(layer.self_attention, "linear_qkv", None)),
+        (layer.pre_mlp_layernorm, getattr(layer.mlp, "linear_fc1", None)),
     ]
     for norm, linear in pairs:
+        if linear is None and isinstance(norm, IdentityOp):
+            continue  # a HybridModel layer has attention or an MLP, not both
         if isinstance(norm, MixLNNorm):
             norm.output_scale = scale
         elif isinstance(norm, IdentityOp) and hasattr(linear, "layer_norm_weight"):

@@ -47,7 +47,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.utils import get_pg_rank, make_viewless_tensor
 
 from .. import compat
-from . import backends
+from . import backends, hybrid_pattern as hybrid
 from .support import MixLNUnsupportedError, check_supported  # noqa: F401  (re-exported)
 from . import checkpoint as mixln_checkpoint
 from .placement import MixLNSettings, Placement, resolve_placement
@@ -152,6 +152,7 @@ class MixLNTransformerLayer(TransformerLayer):
         add_layer_offset: bool = True,
         mixln_settings: Optional[MixLNSettings] = None,
         post_ln_norm=None,
+        hybrid_part: Optional[str] = None,
         **kwargs,
     ):
         if pg_collection is None:
@@ -163,11 +164,16 @@ class MixLNTransformerLayer(TransformerLayer):
             global_number = layer_number + get_transformer_layer_offset(
                 config, vp_stage, get_pg_rank(pg_collection.pp)
             )
-        self.placement: Placement = resolve_placement(config.num_layers, mixln_settings)
+        # The placement counts transformer blocks: a GPT layer is one block, a HybridModel `*` / `-`
+        # layer is half of one (hybrid_part, see hybrid.py).
+        self.hybrid_part = hybrid_part
+        self.block_number = hybrid.block_number(global_number, hybrid_part)
+        num_blocks = hybrid.num_blocks(config.num_layers, hybrid_part)
+        self.placement: Placement = resolve_placement(num_blocks, mixln_settings)
         # MTP layers sit after the decoder and are built from megatron's stock spec; if one ever
         # reaches this class it stays Pre-LN rather than being numbered into the Post-LN group.
-        self.is_post_ln = (not is_mtp_layer) and self.placement.is_post_ln(global_number)
-        self.norm_output_scale = 1.0 if is_mtp_layer else self.placement.norm_output_scale(global_number)
+        self.is_post_ln = (not is_mtp_layer) and self.placement.is_post_ln(self.block_number)
+        self.norm_output_scale = 1.0 if is_mtp_layer else self.placement.norm_output_scale(self.block_number)
         check_supported(config, backend=backends.backend_of_norm(post_ln_norm), post_ln=self.is_post_ln)
         if self.is_post_ln:
             if post_ln_norm is None:
@@ -196,8 +202,9 @@ class MixLNTransformerLayer(TransformerLayer):
                 post_ln_norm, config=self.config, hidden_size=self.config.hidden_size,
                 eps=self.config.layernorm_epsilon,
             )
-            self.post_attention_layernorm = make()  # N1
-            self.post_mlp_layernorm = make()  # N2
+            # A hybrid `*` layer has only N1, a `-` layer only N2 (the other stays None).
+            self.post_attention_layernorm = make() if hybrid_part != hybrid.MLP else None  # N1
+            self.post_mlp_layernorm = make() if hybrid_part != hybrid.ATTENTION else None  # N2
         elif self.norm_output_scale != 1.0:
             self._apply_layernorm_scaling()
         self._register_state_dict_hook(
@@ -230,6 +237,8 @@ class MixLNTransformerLayer(TransformerLayer):
                 own(self.input_layernorm) or fused(getattr(self.self_attention, "linear_qkv", None)),
                 own(self.pre_mlp_layernorm) or fused(getattr(self.mlp, "linear_fc1", None)),
             )
+        # A hybrid layer holds one of its block's two norms: `*` norm1, `-` norm2 (the other
+        # group is empty), so (block_number, role) names a norm in both model kinds.
         return [(f"norm{i}.{name}", p) for i, params in enumerate(groups, 1) for name, p in params]
 
     # ---------------------------------------------------------------- LayerNorm Scaling
@@ -240,7 +249,7 @@ class MixLNTransformerLayer(TransformerLayer):
     # ---------------------------------------------------------------- forward
     def _forward_attention(self, *args, **kwargs):
         hidden_states, context = super()._forward_attention(*args, **kwargs)
-        if self.is_post_ln:
+        if self.is_post_ln and self.post_attention_layernorm is not None:
             hidden_states = self.post_attention_layernorm(hidden_states)  # h = N1(x + Attn(x))
         return hidden_states, context
 
@@ -251,7 +260,7 @@ class MixLNTransformerLayer(TransformerLayer):
         return self._after_mlp_residual(super()._forward_post_mlp(mlp_output_with_bias, residual))
 
     def _after_mlp_residual(self, output):
-        if not self.is_post_ln:
+        if not self.is_post_ln or self.post_mlp_layernorm is None:
             return output
         output = self.post_mlp_layernorm(output)  # y = N2(h + MLP(h))
         # Pipeline send and activation checkpointing need a view-less tensor.
@@ -274,7 +283,7 @@ class MixLNTransformerLayer(TransformerLayer):
         ]
         return submodules + [
             norm for block, norm in scoped
-            if any(m is block for m in submodules) and not any(m is norm for m in submodules)
+            if norm is not None and any(m is block for m in submodules) and not any(m is norm for m in submodules)
         ]
 
     # ---------------------------------------------------------------- checkpoints
@@ -298,7 +307,8 @@ class MixLNTransformerLayer(TransformerLayer):
                 module = getattr(self, name)
                 key = f"{prefix}{name}._extra_state"
                 if (
-                    type(module).get_extra_state is not torch.nn.Module.get_extra_state
+                    module is not None
+                    and type(module).get_extra_state is not torch.nn.Module.get_extra_state
                     and key not in state_dict
                 ):
                     state_dict[key] = module.get_extra_state()

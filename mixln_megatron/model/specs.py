@@ -2,6 +2,7 @@
 
   MixLNTransformerLayerSpec(backend="te", alpha=0.25)           -> ModuleSpec (one layer)
   get_mixln_decoder_block_spec(config, backend="te", alpha=...)  -> TransformerBlockSubmodules
+  get_mixln_hybrid_stack_spec(config, backend="te", alpha=...)   -> ModuleSpec (HybridModel stack)
 
 Then `mixln_megatron.install_training_hooks(config, settings)` installs what the settings ask for
 (spike scaler, telemetry). The stock `--spec` objects, which read flags and MIXLN_* and install
@@ -15,7 +16,7 @@ from typing import Optional
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from . import backends
+from . import backends, hybrid_pattern
 from .layer import MixLNTransformerLayer
 from .placement import resolve_placement
 from .settings import MixLNSettings, layered
@@ -79,4 +80,46 @@ def checked_layer_spec(config, backend: str, settings: MixLNSettings) -> ModuleS
         backend=backend, settings=settings,
         normalization=config.normalization, qk_layernorm=getattr(config, "qk_layernorm", False),
         config=config,  # every flag megatron's builder takes, from the config (backends.BUILDER_FLAGS)
+    )
+
+
+def get_mixln_hybrid_stack_spec(
+    config=None,
+    backend: str = "te",
+    alpha=None,
+    post_ln_layers: Optional[int] = None,
+    scheme: Optional[str] = None,
+    settings: Optional[MixLNSettings] = None,
+    hybrid_layer_pattern: Optional[str] = None,
+) -> ModuleSpec:
+    """The stack spec for megatron's HybridModel (its `hybrid_stack_spec`) with a `*-*-...` pattern
+    of L transformer blocks: P = floor(alpha * L) blocks Post-LN, final norm the backend's. Plain
+    data, like get_mixln_decoder_block_spec. With `config` (num_layers = the pattern's length)
+    the builder flags come from it and the settings are checked here; with the pattern, so is the
+    pattern (HybridModel hands each stage only its own part, which the stack checks again)."""
+    from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
+
+    from .hybrid import MixLNHybridStack, hybrid_layer_submodules
+
+    settings = _with_arguments(settings, alpha, post_ln_layers, scheme)
+    if hybrid_layer_pattern is not None:
+        hybrid_pattern.check_pattern(hybrid_layer_pattern)
+    if config is not None:
+        config = getattr(config, "transformer", config)
+        check_supported(config, backend=backend)
+        resolve_placement(hybrid_pattern.num_blocks(config.num_layers, hybrid_pattern.ATTENTION), settings)
+        layer = backends.layer_submodules(backend, config=config)
+    else:
+        layer = backends.layer_submodules(backend)
+    params = {"mixln_settings": settings, "post_ln_norm": backends.norm_class(backend)}
+
+    def part(name):
+        return ModuleSpec(module=MixLNTransformerLayer, submodules=hybrid_layer_submodules(layer, name),
+                          params={**params, "hybrid_part": name})
+
+    return ModuleSpec(
+        module=MixLNHybridStack,
+        submodules=HybridStackSubmodules(
+            attention_layer=part(hybrid_pattern.ATTENTION), mlp_layer=part(hybrid_pattern.MLP)),
+        params={"final_norm": backends.norm_class(backend)},
     )

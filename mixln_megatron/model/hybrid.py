@@ -1,0 +1,75 @@
+"""Mix-LN on megatron's HybridModel: the stack and the two layer kinds of a `*-*-...` pattern.
+
+A `*` layer is a MixLNTransformerLayer with attention only, a `-` layer one with the MLP only
+(hybrid_part, hybrid_pattern.py); the layer class, its norms, checkpoint keys and settings record
+are the GPT model's. With the same weights the network is the GPTModel Mix-LN network exactly:
+
+    block k Pre-LN:   layer 2k-1  h = x + Attn(N1(x))      layer 2k  y = h + MLP(N2(h))
+    block k Post-LN:  layer 2k-1  h = N1(x + Attn(x))      layer 2k  y = N2(h + MLP(h))
+
+MixLNHybridStack is megatron's HybridStack with two changes: it refuses patterns Mix-LN does not
+define (per pipeline stage, from the segment and offset HybridModel hands it), and its final norm
+is the backend's (HybridStack hard-codes TENorm, so the local backend needs the stack subclass to
+run without TransformerEngine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megatron.core.models.hybrid.hybrid_block import HybridStack
+from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+from . import hybrid_pattern
+from .support import MixLNUnsupportedError
+
+
+def hybrid_layer_submodules(layer: TransformerLayerSubmodules, part: str) -> TransformerLayerSubmodules:
+    """The GPT layer's submodules cut down to one hybrid part (the shared spec is not mutated)."""
+    if part == hybrid_pattern.ATTENTION:
+        return dataclasses.replace(layer, pre_mlp_layernorm=IdentityOp, mlp=IdentityOp, mlp_bda=IdentityFuncOp)
+    if part == hybrid_pattern.MLP:
+        return dataclasses.replace(
+            layer, input_layernorm=IdentityOp, self_attention=IdentityOp, self_attn_bda=IdentityFuncOp)
+    raise ValueError(f"part must be {hybrid_pattern.ATTENTION!r} or {hybrid_pattern.MLP!r}, got {part!r}")
+
+
+class MixLNHybridStack(HybridStack):
+    """HybridStack for Mix-LN patterns, with the final norm `final_norm` (a norm class called as
+    (config=, hidden_size=, eps=); None keeps HybridStack's TENorm)."""
+
+    def __init__(
+        self,
+        config,
+        submodules,
+        pre_process: bool = True,
+        layer_type_list: Optional[list] = None,
+        pp_layer_offset: int = 0,
+        post_layer_norm: bool = True,
+        post_process: bool = True,
+        *args,
+        final_norm=None,
+        **kwargs,
+    ):
+        if getattr(config, "mtp_num_layers", None):
+            raise MixLNUnsupportedError(
+                f"multi-token prediction (mtp_num_layers={config.mtp_num_layers}) is not supported "
+                "in a Mix-LN HybridModel: the Mix-LN stack builds the decoder only")
+        blocks = hybrid_pattern.num_blocks(config.num_layers, hybrid_pattern.ATTENTION)
+        if layer_type_list is not None:
+            hybrid_pattern.check_segment(layer_type_list, pp_layer_offset)
+            if pp_layer_offset + len(layer_type_list) > config.num_layers:
+                raise MixLNUnsupportedError(
+                    f"the hybrid pattern has more layers than config.num_layers = {config.num_layers} "
+                    f"({blocks} blocks); set num_layers to the pattern's length")
+        own_final_norm = final_norm is not None and post_process and post_layer_norm
+        super().__init__(
+            config, submodules, pre_process, layer_type_list, pp_layer_offset,
+            post_layer_norm and not own_final_norm, post_process, *args, **kwargs,
+        )
+        if own_final_norm:
+            self.post_layer_norm = True  # forward applies self.final_norm
+            self.final_norm = final_norm(
+                config=self.config, hidden_size=self.config.hidden_size, eps=self.config.layernorm_epsilon)

@@ -1,0 +1,117 @@
+"""HybridModel layer patterns as Mix-LN reads them: pure Python, no megatron import.
+
+megatron's HybridModel (`--hybrid-layer-pattern`) makes every symbol its own layer: `*` an
+attention layer, `-` an MLP layer, each x + F(N(x)) with its own norm. A pattern of L `*-` pairs
+is the GPT decoder of L transformer blocks split in two, so Mix-LN's rule carries over unchanged
+once it counts blocks: hybrid layer n (global, 1-based) belongs to block ceil(n / 2), P =
+floor(alpha * L) blocks are Post-LN, and block k's N1 sits in layer 2k - 1, its N2 in layer 2k.
+
+Only that shape is supported for now: other symbols (Mamba M, GDN G, DSA D, MLA +, MoE E), MTP
+(`/...`) and patterns that do not strictly alternate `*-` are refused with the reason. `|`
+(pipeline stage splits) may sit anywhere, also inside a block.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from .support import MixLNUnsupportedError
+
+ATTENTION, MLP = "attention", "mlp"  # MixLNTransformerLayer(hybrid_part=...)
+SYMBOL = {ATTENTION: "*", MLP: "-"}
+PIPE, MTP_SEPARATOR = "|", "/"
+
+_OTHER_SYMBOLS = {
+    "M": "Mamba", "G": "gated delta net", "D": "DeepSeek sparse attention",
+    "+": "multi-latent attention", "E": "MoE",
+}
+_WHY = ("Mix-LN is defined on transformer blocks (attention then MLP), so a HybridModel pattern "
+        "must be L strictly alternating '*-' pairs ('*-*-...*-', '|' splits allowed)")
+
+
+def part_of_layer(layer_number: int) -> str:
+    """The part a strictly alternating pattern has at global 1-based layer `layer_number`."""
+    return ATTENTION if layer_number % 2 == 1 else MLP
+
+
+def block_number(layer_number: int, part: Optional[str]) -> int:
+    """The 1-based transformer block of a layer: a GPT layer is one block (part None)."""
+    if part is None:
+        return layer_number
+    if part not in SYMBOL:
+        raise ValueError(f"hybrid_part must be {ATTENTION!r}, {MLP!r} or None, got {part!r}")
+    if part_of_layer(layer_number) != part:
+        raise MixLNUnsupportedError(
+            f"hybrid layer {layer_number} is '{SYMBOL[part]}', but in a Mix-LN pattern layer "
+            f"{layer_number} must be '{SYMBOL[part_of_layer(layer_number)]}': {_WHY}")
+    return (layer_number + 1) // 2
+
+
+def num_blocks(num_layers: int, part: Optional[str]) -> int:
+    """Transformer blocks of a model of `num_layers` megatron layers (hybrid: pattern length)."""
+    if part is None:
+        return num_layers
+    if num_layers % 2:
+        raise MixLNUnsupportedError(
+            f"the hybrid pattern has {num_layers} layers, an odd number: {_WHY}")
+    return num_layers // 2
+
+
+def layer_numbers_of_block(block: int) -> tuple:
+    """(attention layer, MLP layer): the global 1-based hybrid layers of transformer block `block`."""
+    return 2 * block - 1, 2 * block
+
+
+def _symbol_problem(symbol: str, position: int) -> Optional[str]:
+    expected = SYMBOL[part_of_layer(position)]
+    if symbol == expected:
+        return None
+    if symbol in _OTHER_SYMBOLS:
+        return (f"layer {position} is '{symbol}' ({_OTHER_SYMBOLS[symbol]}), which Mix-LN does not "
+                f"support yet: {_WHY}")
+    if symbol in SYMBOL.values():
+        return f"layer {position} is '{symbol}' where '{expected}' belongs: {_WHY}"
+    return f"layer {position} is {symbol!r}, not a HybridModel symbol: {_WHY}"
+
+
+def pattern_problem(pattern: Optional[str]) -> Optional[str]:
+    """None when `pattern` (the whole --hybrid-layer-pattern) is a Mix-LN pattern, else why not."""
+    if not pattern:
+        return f"no hybrid layer pattern was given: {_WHY}"
+    main, sep, _mtp = pattern.partition(MTP_SEPARATOR)
+    if sep:
+        return (f"the pattern {pattern!r} has multi-token-prediction layers ('/'), which Mix-LN "
+                "does not support (the decoder only); drop the '/...' part")
+    layers = main.replace(PIPE, "")
+    for position, symbol in enumerate(layers, 1):
+        problem = _symbol_problem(symbol, position)
+        if problem:
+            return f"the hybrid pattern {pattern!r}: {problem}"
+    if not layers or len(layers) % 2:
+        return f"the hybrid pattern {pattern!r} has {len(layers)} layers, not whole blocks: {_WHY}"
+    return None
+
+
+def check_pattern(pattern: Optional[str]) -> int:
+    """The number of transformer blocks L of a Mix-LN pattern; MixLNUnsupportedError otherwise."""
+    problem = pattern_problem(pattern)
+    if problem:
+        raise MixLNUnsupportedError(problem)
+    return len(pattern.replace(PIPE, "")) // 2
+
+
+def check_segment(layer_types: Sequence[str], pp_layer_offset: int) -> None:
+    """One pipeline stage's part of the pattern (HybridStack's layer_type_list and offset)."""
+    for i, symbol in enumerate(layer_types):
+        problem = _symbol_problem(symbol, i + 1 + pp_layer_offset)
+        if problem:
+            raise MixLNUnsupportedError(f"the hybrid pattern: {problem}")
+
+
+def pattern_for(num_blocks: int, stage_blocks: Optional[Sequence[int]] = None) -> str:
+    """`*-` * num_blocks, split into pipeline stages of `stage_blocks` blocks each when given."""
+    if stage_blocks is None:
+        return "*-" * num_blocks
+    if sum(stage_blocks) != num_blocks or any(n < 1 for n in stage_blocks):
+        raise ValueError(f"stage_blocks {list(stage_blocks)} must be positive and sum to {num_blocks}")
+    return PIPE.join("*-" * n for n in stage_blocks)
