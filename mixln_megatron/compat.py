@@ -23,7 +23,8 @@ here and nowhere else (docs/megatron-releases.md, sections A-J, says what was me
      layer only the name this release calls. (0.20 also reads `returns_residual` off norms, no
      Mix-LN norm returns a residual; MLP passes `pg_collection=` to fc1/fc2, which the Post-LN
      linears forward untouched; a misspelt `--spec` module raises ImportError.)
-A future HybridModel variant (0.19's pretrain_hybrid.py) would add its --spec objects here too.
+  P  HybridModel: Mix-LN builds on the 0.19+ one (HYBRID_MODEL); the --spec stack objects are
+     the edge's (mixln_megatron.spec).
 
 The release is that of the megatron.core actually imported (a Megatron-LM checkout on sys.path
 wins over the installed wheel), so its own version string decides, not the installed dist-info.
@@ -237,6 +238,19 @@ def keep_release_hooks(cls):
 
 
 # ------------------------------------------------------------------ E: the finalize hook survives train()
+# P  HybridModel (megatron.core.models.hybrid, `--hybrid-layer-pattern`, pretrain_hybrid.py's
+#    --spec stack ModuleSpec) is what Mix-LN builds on from 0.19; 0.17 has only MambaStack.
+HYBRID_MODEL = RELEASE >= (0, 19)
+
+
+def require_hybrid_model() -> None:
+    """MixLNError unless this release has the HybridModel Mix-LN is built for."""
+    if not HYBRID_MODEL:
+        raise UnsupportedMegatronRelease(
+            f"Mix-LN on HybridModel needs megatron-core 0.19 or newer (found {VERSION}); on this "
+            "release train GPTModel with --spec mixln_megatron.spec mixln_layer_spec")
+
+
 TRAIN_KEEPS_FINALIZE_HOOK = RELEASE >= (0, 19)  # 0.19 sets it only when None
 
 

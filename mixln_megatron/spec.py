@@ -12,9 +12,17 @@ passes the object uncalled to GPTModel, so they are layer ModuleSpecs whose laye
 default (LayerNormImpl; README). A bad setting is printed as one `[mixln_megatron] ERROR:` line
 on rank 0 before the traceback.
 
+Megatron-LM's HybridModel (pretrain_hybrid.py, core 0.19+, `--hybrid-layer-pattern "*-*-..."`):
+    --spec mixln_megatron.spec mixln_hybrid_stack_spec        (TransformerEngine)
+    --spec mixln_megatron.spec mixln_hybrid_local_stack_spec  (local modules, local final norm)
+pretrain_hybrid.py imports a stack ModuleSpec and never calls it, so these are ModuleSpecs whose
+stack class (HybridStackFromStockSpec) reads the same settings, checks the whole pattern and
+installs the hooks when HybridModel builds it.
+
 megatron-core users: the plain-data factories (mixln_megatron.model.specs, re-exported here)
   MixLNTransformerLayerSpec(backend="te", alpha=0.25)           -> ModuleSpec (one layer)
   get_mixln_decoder_block_spec(config, backend="te", alpha=...)  -> TransformerBlockSubmodules
+  get_mixln_hybrid_stack_spec(config, backend="te", alpha=...)   -> ModuleSpec (HybridModel)
 then mixln_megatron.install_training_hooks(config, settings).
 
 This module imports with megatron-core's base dependencies only (no TE, no transformers):
@@ -33,7 +41,12 @@ from . import compat, megatron_args
 from .errors import MixLNError, report_once
 from .model.layer import MixLNTransformerLayer
 from .model.settings import MixLNSettings, layered
-from .model.specs import MixLNTransformerLayerSpec, checked_layer_spec, get_mixln_decoder_block_spec
+from .model.specs import (
+    MixLNTransformerLayerSpec,
+    checked_layer_spec,
+    get_mixln_decoder_block_spec,
+    get_mixln_hybrid_stack_spec,
+)
 from .model.support import MixLNUnsupportedError
 from .training import runtime
 from .training.hooks import install_training_hooks
@@ -41,6 +54,9 @@ from .training.hooks import install_training_hooks
 __all__ = [
     "MixLNTransformerLayerSpec",
     "get_mixln_decoder_block_spec",
+    "get_mixln_hybrid_stack_spec",
+    "mixln_hybrid_local_stack_spec",
+    "mixln_hybrid_stack_spec",
     "mixln_layer_spec",
     "mixln_local_layer_spec",
 ]
@@ -54,7 +70,7 @@ def settings_for_spec(environ=None, args=None) -> MixLNSettings:
     return layered(flags, MixLNSettings.from_environ(environ))
 
 
-def _at_the_edge(config, build, environ=None, args=None):
+def _at_the_edge(config, build, environ=None, args=None, hybrid: bool = False):
     """Settings from the edge, `build(settings)`, then the hooks; a MixLN error printed in one line.
     It runs before Megatron-LM loads --load, so a checkpoint this release cannot read (0.19+ on
     0.17/0.18, compat.check_load_dir) is refused here too, not only in the project's entry point."""
@@ -62,7 +78,7 @@ def _at_the_edge(config, build, environ=None, args=None):
         compat.check_load_dir(getattr(runtime.megatron_args() if args is None else args, "load", None))
         settings = settings_for_spec(environ, args)
         spec = build(settings)
-        install_training_hooks(config, settings)
+        install_training_hooks(config, settings, hybrid=hybrid)
     except (MixLNError, MixLNUnsupportedError) as error:
         report_once(error)  # one clear line before Megatron-LM's traceback
         raise
@@ -91,6 +107,36 @@ class LayerFromStockSpec(MixLNTransformerLayer):
         layer_spec = stock_layer_spec(config, mixln_backend)
         # An instance of the real class, not of cls, so Python does not run __init__ again.
         return build_module(layer_spec, config, *args, **kwargs)
+
+
+def stock_hybrid_stack_spec(config, backend: str, environ=None, args=None) -> ModuleSpec:
+    """The hybrid stack spec the --spec edge builds: settings from the edge, the whole pattern of
+    Megatron-LM's --hybrid-layer-pattern checked (every rank the same, the error once on rank 0),
+    hooks installed for a HybridModel."""
+    args = runtime.megatron_args() if args is None else args
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    return _at_the_edge(config, lambda settings: get_mixln_hybrid_stack_spec(
+        config, backend=backend, settings=settings, hybrid_layer_pattern=pattern), environ, args, hybrid=True)
+
+
+class HybridStackFromStockSpec:
+    """The "stack class" of the hybrid --spec ModuleSpecs: constructing it returns the real Mix-LN
+    stack (a model.hybrid.MixLNHybridStack). Not a subclass of it, so that this module imports on
+    releases without HybridModel (0.17)."""
+
+    def __new__(cls, config, *args, mixln_backend: str = "te", submodules=None, **kwargs):
+        spec = stock_hybrid_stack_spec(config, mixln_backend)
+        try:
+            return build_module(spec, config, *args, **kwargs)
+        except (MixLNError, MixLNUnsupportedError) as error:  # this stage's part of the pattern
+            report_once(error)
+            raise
+
+
+# `--spec mixln_megatron.spec mixln_hybrid_stack_spec` (TE) / `mixln_hybrid_local_stack_spec`
+# (local) for pretrain_hybrid.py. No submodules: HybridModel reads them only for MTP, refused.
+mixln_hybrid_stack_spec = ModuleSpec(module=HybridStackFromStockSpec, params={"mixln_backend": "te"})
+mixln_hybrid_local_stack_spec = ModuleSpec(module=HybridStackFromStockSpec, params={"mixln_backend": "local"})
 
 
 def _stock(decoder_spec, backend: str):

@@ -97,6 +97,9 @@ def get_mixln_hybrid_stack_spec(
     data, like get_mixln_decoder_block_spec. With `config` (num_layers = the pattern's length)
     the builder flags come from it and the settings are checked here; with the pattern, so is the
     pattern (HybridModel hands each stage only its own part, which the stack checks again)."""
+    from .. import compat
+
+    compat.require_hybrid_model()
     from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
 
     from .hybrid import MixLNHybridStack, hybrid_layer_submodules

@@ -22,20 +22,22 @@ from __future__ import annotations
 from typing import Optional
 
 from .. import compat
-from ..model import advice
+from ..model import advice, hybrid_pattern
 from ..model.placement import resolve_placement
 from ..model.settings import MixLNSettings
 
 
-def install_training_hooks(config, settings: Optional[MixLNSettings] = None) -> dict:
-    """Install what `settings` asks for on `config`; returns {"spike_scaler": ..., "telemetry": ...}."""
+def install_training_hooks(config, settings: Optional[MixLNSettings] = None, hybrid: bool = False) -> dict:
+    """Install what `settings` asks for on `config`; returns {"spike_scaler": ..., "telemetry": ...}.
+    `hybrid`: the config is a HybridModel's (num_layers counts `*` and `-` layers, two per block)."""
     from . import runtime, telemetry
     from .spike import install_on_config, resolve_spike_settings
 
     config = getattr(config, "transformer", config)  # Megatron-LM's GPTModelConfig wraps it
     settings = settings or MixLNSettings()
     installed = {"spike_scaler": None, "telemetry": None}
-    placement = resolve_placement(config.num_layers, settings)
+    part = hybrid_pattern.ATTENTION if hybrid else None
+    placement = resolve_placement(hybrid_pattern.num_blocks(config.num_layers, part), settings)
     advice.announce(placement, *runtime.schedule())
     spike = resolve_spike_settings(settings.spike)
     if spike.enabled:
