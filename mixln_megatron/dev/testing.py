@@ -123,6 +123,24 @@ def build_gpt(config, spec, vp_stage=None, pre_process=None, post_process=None, 
     )
 
 
+def build_hybrid(config, stack_spec, pattern, pre_process=None, post_process=None, vocab=VOCAB, untie=False,
+                 seq=SEQ):
+    """HybridModel (RoPE) with `stack_spec` and `pattern` (`|` splits the pipeline stages) for this
+    pipeline stage; config.num_layers must be the pattern's length. The GPT model's twin of build_gpt."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    if pre_process is None:
+        pre_process = ps.is_pipeline_first_stage(ignore_virtual=False)
+    if post_process is None:
+        post_process = ps.is_pipeline_last_stage(ignore_virtual=False)
+    return HybridModel(
+        config=config, hybrid_stack_spec=stack_spec, vocab_size=vocab, max_sequence_length=seq,
+        hybrid_layer_pattern=pattern, position_embedding_type="rope", pre_process=pre_process,
+        post_process=post_process, share_embeddings_and_output_weights=not untie,
+    )
+
+
 def batch(seed=7, b=2, s=SEQ, vocab=VOCAB):
     """(token ids, next-token labels, positions, causal mask) of random tokens, seeded."""
     g = torch.Generator().manual_seed(seed)
