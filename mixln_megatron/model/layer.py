@@ -7,6 +7,10 @@ The kind is decided once, before TransformerLayer.__init__, from the global 1-ba
 layer_number (megatron's offset already accounts for PP, VPP, uneven stages and layouts), so
 one spec serves every layer and every pipeline split builds the same network.
 
+HybridModel (hybrid.py): a `*` layer (hybrid_part "attention") is this class with attention only,
+a `-` layer ("mlp") with the MLP only; both are numbered by transformer block (block_number =
+ceil(layer_number / 2), hybrid_pattern.py), so L `*-` pairs are this network split in two.
+
 The Post-LN layer reuses megatron's attention, MLP and bias-dropout-add; only the norms move:
 its input/pre-MLP norms are IdentityOp, N1 runs at the end of `_forward_attention` and N2 at
 the end of the MLP residual step (`_forward_post_mlp` up to 0.19, `_apply_mlp_bda_step` from
