@@ -36,11 +36,14 @@ def _usage() -> str:
 def placement_main(argv=None) -> int:
     import argparse
 
+    from .model import hybrid_pattern
     from .model.placement import resolve_placement
     from .model.settings import MixLNSettings
 
     parser = argparse.ArgumentParser(prog="mixln-megatron placement", description="Show the Post-LN layers.")
-    parser.add_argument("--num-layers", type=int, required=True)
+    shape = parser.add_mutually_exclusive_group(required=True)
+    shape.add_argument("--num-layers", type=int, help="transformer layers of a GPT model")
+    shape.add_argument("--hybrid-layer-pattern", type=str, help="a HybridModel pattern '*-*-...' (L blocks)")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--alpha", type=str)
     group.add_argument("--post-ln-layers", type=int)
@@ -48,7 +51,13 @@ def placement_main(argv=None) -> int:
     args = parser.parse_args(argv)
     settings = MixLNSettings(alpha=args.alpha, post_ln_layers=args.post_ln_layers, scheme=args.scheme,
                              sources={"alpha": "--alpha", "post_ln_layers": "--post-ln-layers", "scheme": "--scheme"})
-    print(resolve_placement(args.num_layers, settings).describe())
+    if args.hybrid_layer_pattern is None:
+        print(resolve_placement(args.num_layers, settings).describe())
+        return 0
+    placement = resolve_placement(hybrid_pattern.check_pattern(args.hybrid_layer_pattern), settings)
+    print(placement.describe())
+    post = [n for k in placement.post_ln_layer_numbers for n in hybrid_pattern.layer_numbers_of_block(k)]
+    print(f"HybridModel layers (1-based): {', '.join(map(str, post)) or 'none'} Post-LN, of {2 * placement.num_layers}")
     return 0
 
 
