@@ -343,6 +343,18 @@ def test_spec_object_checks_megatron_lms_whole_pattern(mcore_single, megatron_lm
 
 
 @pytest.mark.compat
+def test_segments_that_do_not_match_the_pipeline_are_refused(mcore_single, no_megatron_lm_args, fresh_reports,
+                                                              capsys):
+    """At PP1 megatron reads "*-|*-" as two virtual stages and builds the first only; refused."""
+    from mixln_megatron.model.support import MixLNUnsupportedError
+
+    with pytest.raises(MixLNUnsupportedError, match="ends at hybrid layer 2, but the model has 4 layers"):
+        model_from_spec_object("*-|*-")
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("[mixln_megatron] ERROR:")]
+    assert len(lines) == 1 and lines[0].endswith("(x virtual pipeline) stages"), lines
+
+
+@pytest.mark.compat
 @pytest.mark.parametrize("pattern", sorted(ACCEPTED))
 def test_pipeline_splits_are_accepted(pattern):
     from mixln_megatron.model import hybrid_pattern

@@ -22,6 +22,7 @@ from megatron.core.models.hybrid.hybrid_block import HybridStack
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
+from ..errors import report_once
 from . import hybrid_pattern
 from .support import MixLNUnsupportedError
 
@@ -34,6 +35,30 @@ def hybrid_layer_submodules(layer: TransformerLayerSubmodules, part: str) -> Tra
         return dataclasses.replace(
             layer, input_layernorm=IdentityOp, self_attention=IdentityOp, self_attn_bda=IdentityFuncOp)
     raise ValueError(f"part must be {hybrid_pattern.ATTENTION!r} or {hybrid_pattern.MLP!r}, got {part!r}")
+
+
+def _check_stage(config, layer_type_list, pp_layer_offset: int, post_process: bool) -> None:
+    """This pipeline stage's part of the pattern, and that the stages add up to the model."""
+    if getattr(config, "mtp_num_layers", None):
+        raise MixLNUnsupportedError(
+            f"multi-token prediction (mtp_num_layers={config.mtp_num_layers}) is not supported "
+            "in a Mix-LN HybridModel: the Mix-LN stack builds the decoder only")
+    blocks = hybrid_pattern.num_blocks(config.num_layers, hybrid_pattern.ATTENTION)
+    if layer_type_list is None:
+        return
+    hybrid_pattern.check_segment(layer_type_list, pp_layer_offset)
+    end = pp_layer_offset + len(layer_type_list)
+    if end > config.num_layers:
+        raise MixLNUnsupportedError(
+            f"the hybrid pattern has more layers than config.num_layers = {config.num_layers} "
+            f"({blocks} blocks); set num_layers to the pattern's length")
+    if post_process and end != config.num_layers:
+        # megatron reads `|` segments as pipeline x virtual-pipeline stages: at PP1 "*-|*-"
+        # would silently build the first segment only.
+        raise MixLNUnsupportedError(
+            f"the last pipeline stage ends at hybrid layer {end}, but the model has "
+            f"{config.num_layers} layers: the pattern's '|' segments must match the pipeline "
+            "(x virtual pipeline) stages")
 
 
 class MixLNHybridStack(HybridStack):
@@ -53,17 +78,11 @@ class MixLNHybridStack(HybridStack):
         final_norm=None,
         **kwargs,
     ):
-        if getattr(config, "mtp_num_layers", None):
-            raise MixLNUnsupportedError(
-                f"multi-token prediction (mtp_num_layers={config.mtp_num_layers}) is not supported "
-                "in a Mix-LN HybridModel: the Mix-LN stack builds the decoder only")
-        blocks = hybrid_pattern.num_blocks(config.num_layers, hybrid_pattern.ATTENTION)
-        if layer_type_list is not None:
-            hybrid_pattern.check_segment(layer_type_list, pp_layer_offset)
-            if pp_layer_offset + len(layer_type_list) > config.num_layers:
-                raise MixLNUnsupportedError(
-                    f"the hybrid pattern has more layers than config.num_layers = {config.num_layers} "
-                    f"({blocks} blocks); set num_layers to the pattern's length")
+        try:
+            _check_stage(config, layer_type_list, pp_layer_offset, post_process)
+        except MixLNUnsupportedError as error:
+            report_once(error)  # one line on rank 0, before megatron's build_module rewraps it
+            raise
         own_final_norm = final_norm is not None and post_process and post_layer_norm
         super().__init__(
             config, submodules, pre_process, layer_type_list, pp_layer_offset,
