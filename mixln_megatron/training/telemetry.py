@@ -4,9 +4,12 @@ It wraps `config.finalize_model_grads_func` around everything already there (meg
 finalize_model_grads and, when installed, the gradient-spike scaler), so it sees the reduced
 gradients the optimizer receives, after the scaler. Off by default (N = 0): zero cost.
 
-For each transformer layer (global number) it logs the gradient norm of all its parameters and,
-separately, of its two norms (layer.norm_parameters(): first and second in forward order,
-Pre-LN N_in / N_mlp, Post-LN N1 / N2), plus the Post-LN-group and Pre-LN-group aggregates.
+For each Mix-LN layer, i.e. transformer block (global number; a GPTModel layer, or a HybridModel's
+`*` layer 2k-1 and `-` layer 2k together), it logs the gradient norm of all the block's parameters
+and, separately, of its two norms (roles of layer.norm_parameters(): first and second in forward
+order, Pre-LN N_in / N_mlp, Post-LN N1 / N2; in a HybridModel norm1 is the `*` layer's, norm2 the
+`-` layer's), plus the Post-LN-group and Pre-LN-group aggregates. Rows are per block in both
+model kinds, so the same network logs the same numbers.
 Squared sums are formed like megatron's grad norm: TP-duplicated parameters count once (TP rank 0), TP-sharded ones are
 summed over TP, stages are summed over PP (each holds its own layers), and under the
 distributed optimizer each rank adds only the shard of main_grad it owns (the rest is not
@@ -40,7 +43,8 @@ JSONL_NAME = "mixln_telemetry.jsonl"
 
 
 def norm_columns(layer) -> dict:
-    """{id(parameter): column} of the layer's two norms' parameters: column 1 first, 2 second."""
+    """{id(parameter): column} of the layer's norms' parameters: column 1 the block's first norm
+    (role norm1.*), 2 its second (norm2.*); a hybrid layer holds one of the two."""
     return {id(p): 1 if role.startswith("norm1.") else 2 for role, p in layer.norm_parameters()}
 
 
@@ -77,7 +81,8 @@ class GradTelemetry:
                         continue
                     duplicate = not getattr(param, "tensor_model_parallel", False) and tp_rank != 0
                     lo, hi = owned_range(chunk, param)
-                    items.append((layer.layer_number - 1, norms.get(id(param)), param, lo, hi, duplicate))
+                    # One row per block: a hybrid block's `*` and `-` layers add to the same row.
+                    items.append((layer.block_number - 1, norms.get(id(param)), param, lo, hi, duplicate))
         if placement is None:
             raise ValueError("mixln telemetry: the model has no Mix-LN layers")
         kept = [it for it in items if not it[5] and it[4] > it[3]]  # skip TP duplicates, empty shards

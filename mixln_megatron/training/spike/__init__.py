@@ -2,11 +2,12 @@
 magnitude exceeds `threshold` x their running momentum down to that momentum).
 
   rule.py     the element-wise rule and its state, on plain [targets, elements] tensors
-  targets.py  which layers are targets, their norm parameters, the elements each rank owns,
+  targets.py  which Mix-LN layers (transformer blocks: a GPT layer, a hybrid `*-` pair) are
+              targets, their norm parameters keyed (block, role), the elements each rank owns,
               batched access to them
   scaler.py   SpikeScaler: the per-step work after finalize_model_grads, commit, synchronize
   stats.py    per-step statistics, reduced and reported at the logging interval
-  state.py    the state in torch_dist checkpoints (replicated tensors per target layer)
+  state.py    the state in torch_dist checkpoints (replicated tensors per layer holding target norms)
   hook.py     the adapter on config.finalize_model_grads_func and the install functions
 """
 

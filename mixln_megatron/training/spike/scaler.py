@@ -10,7 +10,8 @@ Correctness under each kind of parallelism (targets.py says which elements a ran
     non-owned parts zeroed. Same decisions, but one more collective per step inside a possibly
     captured region, for nothing the optimizer reads.)
   * TP / SP: replicated norm grads give identical decisions. PP / VPP: each stage handles the
-    targets it holds; the decisions do not depend on where the stages split the model.
+    targets it holds; the decisions do not depend on where the stages split the model (in a
+    HybridModel a split may fall inside a block: its norm1 and norm2 then live on two stages).
   * fp16 loss scaling: main_grad still carries the loss scale; the rule divides by the
     optimizer's current scale (a device tensor) and multiplies the replacement back.
   * Skipped steps: the hook only proposes the next state; the optimizer's `step` (wrapped on the
@@ -82,7 +83,8 @@ class SpikeScaler:
 
     # -- installation pieces ---------------------------------------------------------------------
     def attach(self, layer) -> Optional[SpikeStateHolder]:
-        """Give a target `layer` its checkpoint holder (idempotent); None for other layers."""
+        """Give a layer holding norms of a target block its checkpoint holder (idempotent); None
+        for other layers. Holders are keyed by the layer's own global number (two per hybrid block)."""
         if not is_target_layer(layer, self.layers):
             return None
         holder = layer._modules.get(HOLDER_NAME)
@@ -137,7 +139,7 @@ class SpikeScaler:
                 self.settings.warmup_steps, device=self.target_set.device,
             )
             for k, t in enumerate(targets):
-                loaded = self.checkpoint.take_loaded(t.layer_number, t.role)
+                loaded = self.checkpoint.take_loaded(t.block_number, t.role)
                 if loaded is not None:
                     self.state.set_target(k, *loaded)
         self.is_set_up = True
@@ -159,7 +161,8 @@ class SpikeScaler:
                 logger.warning("mixln spike scaler: fp16 without a known optimizer: the loss scale is unknown")
 
     def target_index(self) -> dict:
-        return {(t.layer_number, t.role): k for k, t in enumerate(self.targets)}
+        """{(block_number, role): row of the state} of this rank's targets."""
+        return {t.key: k for k, t in enumerate(self.targets)}
 
     def target_names(self) -> List[str]:
         return [t.name for t in self.targets]

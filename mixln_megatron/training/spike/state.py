@@ -1,12 +1,18 @@
 """The spike scaler's state in torch_dist checkpoints: replicated tensors, one set per target layer.
 
-Each target layer gets a child module `mixln_spike_scaler` (SpikeStateHolder, no parameters or
-buffers, so regular state dicts, HF export and the optimizer do not see it). Its sharded state
-dict holds, per norm parameter of the layer (role `norm1.weight`, ...), two replicated fp32
-ShardedTensors of the parameter's size, `decoder.layers.mixln_spike_scaler.layer<N>.<role>.momentum`
-and `....step` (N global). Keys depend only on global layer numbers, so the state reshards across
-TP/PP/DP changes; save and load build the same request. Under the distributed optimizer,
-building it first makes the state whole over the DP group (a collective, as in every save/load).
+Each layer holding norms of a target block gets a child module `mixln_spike_scaler`
+(SpikeStateHolder, no parameters or buffers, so regular state dicts, HF export and the optimizer do
+not see it). Its sharded state dict holds, per norm parameter of that layer (role `norm1.weight`,
+...), two replicated fp32 ShardedTensors of the parameter's size, `<layer key>.layer<N>.<role>.momentum`
+and `....step`, N the global block number:
+  * GPTModel: `decoder.layers.mixln_spike_scaler.layer<N>...` (TransformerBlock swaps the layer's
+    prefix for `decoder.layers.`; the block number keeps the layers apart, no layer axis);
+  * HybridModel: `decoder.layers.<global hybrid index>.mixln_spike_scaler.layer<N>...` (HybridStack
+    keeps a per-layer prefix): block N's `*` layer saves norm1, its `-` layer norm2.
+Keys depend only on global numbers, so the state reshards across TP/PP/DP changes (also across a
+pipeline split inside a block); save and load build the same request. Under the distributed
+optimizer, building it first makes the state whole over the DP group (a collective, as in every
+save/load).
 
 What a load finds is megatron's load strictness's business: a checkpoint saved without the scaler
 lacks the keys, which megatron's default (`assume_ok_unexpected`) refuses ("Missing key in
@@ -34,51 +40,63 @@ FORMAT1_METADATA_KEY = "mixln_spike_scaler"  # read only: what format-1 saves wr
 
 
 class CheckpointState:
-    """A SpikeScaler's state as checkpoints see it, per (layer, role); keeps loaded state until
-    the scaler has set itself up (a checkpoint is loaded before the first step)."""
+    """A SpikeScaler's state as checkpoints see it, per (block, role); keeps loaded state until
+    the scaler has set itself up (a checkpoint is loaded before the first step).
+
+    `holders`: {global layer_number of the layer module that holds it: holder}; for a GPTModel
+    that is the block number, a HybridModel block has two (its `*` and `-` layers)."""
 
     def __init__(self, scaler):
         self.scaler = scaler
         self.holders: Dict[int, "SpikeStateHolder"] = {}
         self.pending_load: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def take_loaded(self, layer_number: int, role: str):
-        return self.pending_load.pop((layer_number, role), None)
+    def take_loaded(self, block_number: int, role: str):
+        return self.pending_load.pop((block_number, role), None)
 
-    def layer_state(self, layer_number: int, roles: Sequence[Tuple[str, int]], device=None) -> dict:
+    def layer_state(self, block_number: int, roles: Sequence[Tuple[str, int]], device=None) -> dict:
         """{role: (momentum, step)} fp32 tensors on `device` (default cpu), the full state of one
-        layer's targets (synchronizes first: collective over the distributed optimizer's DP group)."""
+        block's targets `roles` (synchronizes first: collective over the distributed optimizer's
+        DP group)."""
         scaler = self.scaler
         scaler.synchronize()
         index = scaler.target_index()
         out = {}
         for role, numel in roles:
-            k = index.get((layer_number, role))
+            k = index.get((block_number, role))
             if k is not None and scaler.state is not None:
                 n = scaler.state.sizes[k]
                 out[role] = (scaler.state.momentum[k, :n].cpu().clone(), scaler.state.step[k, :n].cpu().clone())
-            elif (layer_number, role) in self.pending_load:
-                out[role] = tuple(t.clone() for t in self.pending_load[(layer_number, role)])
+            elif (block_number, role) in self.pending_load:
+                out[role] = tuple(t.clone() for t in self.pending_load[(block_number, role)])
             else:
                 out[role] = (torch.zeros(numel), torch.zeros(numel))
         return {role: tuple(t.to(device) for t in pair) for role, pair in out.items()} if device is not None else out
 
-    def load(self, layer_number: int, role: str, numel: int, momentum, step) -> None:
+    def held_state(self) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+        """{target name `layer<block>.<role>`: (momentum, step)} of every holder on this rank, what
+        a save writes from here (a collective under the distributed optimizer, like a save)."""
+        return {f"layer{holder.block_number}.{role}": pair
+                for _, holder in sorted(self.holders.items())
+                for role, pair in self.layer_state(holder.block_number, holder.roles).items()}
+
+    def load(self, block_number: int, role: str, numel: int, momentum, step, where: Optional[str] = None) -> None:
         momentum = torch.as_tensor(momentum, dtype=torch.float32).reshape(-1).cpu()
-        step = torch.as_tensor(step, dtype=torch.float32).reshape(-1).cpu().expand(numel).clone()
-        if momentum.numel() != numel:
+        step = torch.as_tensor(step, dtype=torch.float32).reshape(-1).cpu()
+        if momentum.numel() != numel or step.numel() not in (1, numel):  # checked before expanding
             raise RuntimeError(
-                f"mixln spike scaler: the checkpoint's state for layer {layer_number} {role} has "
-                f"{momentum.numel()} elements, the model's parameter {numel}"
+                f"mixln spike scaler: the checkpoint's state for {where or f'layer {block_number}'} {role} "
+                f"has {momentum.numel()} elements, the model's parameter {numel}"
             )
-        k = self.scaler.target_index().get((layer_number, role))
+        step = step.expand(numel).clone()
+        k = self.scaler.target_index().get((block_number, role))
         if k is not None and self.scaler.state is not None:
             self.scaler.state.set_target(k, momentum, step)
         else:
-            self.pending_load[(layer_number, role)] = (momentum.clone(), step)
+            self.pending_load[(block_number, role)] = (momentum.clone(), step)
 
-    def warn_missing(self, layer_number: int, role: Optional[str] = None) -> None:
-        what = f"layer {layer_number}" + (f" {role}" if role else "")
+    def warn_missing(self, block_number: int, role: Optional[str] = None, where: Optional[str] = None) -> None:
+        what = (where or f"layer {block_number}") + (f" {role}" if role else "")
         logger.warning(
             f"mixln spike scaler: the checkpoint has no spike-scaler state for {what} (saved without "
             f"the scaler or with other targets); its momentum starts fresh and nothing is scaled "
@@ -87,9 +105,9 @@ class CheckpointState:
 
 
 class SpikeStateHolder(torch.nn.Module):
-    """Child module of a target Mix-LN layer that carries the scaler's state in torch_dist
-    checkpoints: only `sharded_state_dict` (save and load requests) and `_load_from_state_dict`
-    (receives the loaded tensors) do anything."""
+    """Child module of a Mix-LN layer holding norms of a target block that carries the scaler's
+    state of those norms in torch_dist checkpoints: only `sharded_state_dict` (save and load
+    requests) and `_load_from_state_dict` (receives the loaded tensors) do anything."""
 
     def __init__(self, scaler, layer):
         super().__init__()
@@ -98,7 +116,9 @@ class SpikeStateHolder(torch.nn.Module):
     def bind(self, scaler, layer) -> None:
         self.__dict__["_checkpoint"] = scaler.checkpoint  # a plain attribute, not a submodule
         self.__dict__["_pg_collection"] = getattr(layer, "pg_collection", None)
-        self.layer_number = int(layer.layer_number)
+        self.layer_number = int(layer.layer_number)  # the holding module's own (global) number
+        self.block_number = int(layer.block_number)  # the Mix-LN layer whose state it carries
+        self.hybrid_part = getattr(layer, "hybrid_part", None)
         norms = layer.norm_parameters()
         self.roles = [(role, p.numel()) for role, p in norms]
         # The tensors live where the parameters do when saved (collective checkpoint strategies
@@ -109,7 +129,16 @@ class SpikeStateHolder(torch.nn.Module):
         raise RuntimeError("SpikeStateHolder holds checkpoint state only")
 
     def extra_repr(self) -> str:
-        return f"layer={self.layer_number}"
+        if self.hybrid_part is None:
+            return f"layer={self.layer_number}"
+        return f"block={self.block_number}, layer={self.layer_number}"
+
+    @property
+    def where(self) -> str:
+        """How messages name the norms it holds: `layer N` (GPT), `block N (hybrid layer n)`."""
+        if self.hybrid_part is None:
+            return f"layer {self.block_number}"
+        return f"block {self.block_number} (hybrid layer {self.layer_number})"
 
     def _replica_id(self) -> tuple:
         from megatron.core import parallel_state
@@ -127,14 +156,15 @@ class SpikeStateHolder(torch.nn.Module):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-        # The layer's prefix (decoder.layers.<local index>.) is replaced by decoder.layers. for
-        # sharding, so the global layer number in the key keeps the layers apart (no layer axis).
-        key = f"{prefix}layer{self.layer_number}"
+        # GPT: the layer's prefix (decoder.layers.<local index>.) is replaced by decoder.layers. for
+        # sharding, so the global block number in the key keeps the layers apart (no layer axis).
+        # Hybrid: the prefix becomes decoder.layers.<global index>. (module doc).
+        key = f"{prefix}layer{self.block_number}"
         device = None if self._param is None else self._param.device
-        state = self._checkpoint.layer_state(self.layer_number, self.roles, device)
+        state = self._checkpoint.layer_state(self.block_number, self.roles, device)
         format1 = metadata.get(FORMAT1_METADATA_KEY) if isinstance(metadata, dict) else None
         if format1 is not None:  # a load of a format-1 checkpoint (module doc)
-            if self.layer_number not in [int(n) for n in format1.get("layers", ())]:
+            if self.block_number not in [int(n) for n in format1.get("layers", ())]:
                 return {}
             return {f"{prefix}state": ShardedObject(key, {}, (1,), (0,), replica_id=self._replica_id())}
         return {
@@ -155,8 +185,8 @@ class SpikeStateHolder(torch.nn.Module):
                     entry = format1.get("targets", {}).get(role) if isinstance(format1, dict) else None
                     momentum, step = (entry["momentum"], entry["step"]) if entry else (None, None)
                 if momentum is None or step is None:
-                    checkpoint.warn_missing(self.layer_number, role)
+                    checkpoint.warn_missing(self.block_number, role, self.where)
                 else:
-                    checkpoint.load(self.layer_number, role, numel, momentum, step)
+                    checkpoint.load(self.block_number, role, numel, momentum, step, self.where)
         except RuntimeError as exc:
             error_msgs.append(str(exc))

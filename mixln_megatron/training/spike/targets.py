@@ -1,9 +1,12 @@
 """Which gradients the spike scaler edits, which of their elements this rank owns, and the views
 through which one step reads and writes all of them at once.
 
-Targets: the two norms' parameters (MixLNTransformerLayer.norm_parameters()) of the target layers
-held by this pipeline stage, sorted by (layer, role). Multi-token-prediction layers are never
-targets.
+Targets: the two norms' parameters (MixLNTransformerLayer.norm_parameters()) of the target Mix-LN
+layers held by this pipeline stage, keyed and sorted by (block_number, role). A Mix-LN layer is a
+transformer block: a GPTModel layer (block_number == layer_number), or in a HybridModel the `*`
+layer 2k-1 (its norm: norm1) and the `-` layer 2k (norm2) of block k, which may sit on different
+pipeline stages; either way the targets, their names and their order are the same for the same
+network. Multi-token-prediction layers are never targets.
 
 Ownership (megatron DDP): under the all-reduce every element of main_grad is reduced on every
 rank. Under the distributed optimizer only this rank's shard of each bucket is reduced (the rest
@@ -29,9 +32,10 @@ from ..ddp_shards import owned_range
 
 
 def target_layers(targets: Union[str, Tuple[int, ...]], placement) -> Tuple[int, ...]:
-    """Global 1-based layer numbers whose norm parameters the scaler watches: "boundary" (the last
-    Post-LN and first Pre-LN layer; () when the model has none, and the scaler is then disabled),
-    "all" (every transformer layer; not the decoder's final norm), or the given layers."""
+    """Global 1-based Mix-LN layer (transformer block) numbers whose norm parameters the scaler
+    watches: "boundary" (the last Post-LN and first Pre-LN block; () when the model has none, and
+    the scaler is then disabled), "all" (every block; not the decoder's final norm), or the given
+    blocks. `placement` counts blocks (a HybridModel's `*-` pair is one)."""
     if targets == "boundary":
         return tuple(placement.boundary_layers)
     if targets == "all":
@@ -43,16 +47,24 @@ def target_layers(targets: Union[str, Tuple[int, ...]], placement) -> Tuple[int,
 
 
 class Target:
-    __slots__ = ("layer_number", "role", "param", "numel", "owned")
+    __slots__ = ("block_number", "role", "param", "numel", "owned")
 
-    def __init__(self, layer_number: int, role: str, param: torch.nn.Parameter):
-        self.layer_number, self.role, self.param = layer_number, role, param
+    def __init__(self, block_number: int, role: str, param: torch.nn.Parameter):
+        self.block_number, self.role, self.param = block_number, role, param
         self.numel = param.numel()
         self.owned = (0, self.numel)  # elements of main_grad this rank's optimizer reads
 
     @property
+    def layer_number(self) -> int:  # the Mix-LN layer: a GPT layer's number, a hybrid block's
+        return self.block_number
+
+    @property
+    def key(self) -> Tuple[int, str]:
+        return (self.block_number, self.role)
+
+    @property
     def name(self) -> str:
-        return f"layer{self.layer_number}.{self.role}"
+        return f"layer{self.block_number}.{self.role}"
 
 
 def mixln_layers(model_chunks) -> List[Tuple[torch.nn.Module, MixLNTransformerLayer]]:
@@ -61,21 +73,23 @@ def mixln_layers(model_chunks) -> List[Tuple[torch.nn.Module, MixLNTransformerLa
             if isinstance(module, MixLNTransformerLayer)]
 
 
-def is_target_layer(layer, layers: Sequence[int]) -> bool:
-    return layer.layer_number in layers and not getattr(layer, "is_mtp_layer", False)
+def is_target_layer(layer, blocks: Sequence[int]) -> bool:
+    """Whether `layer` holds norms of a target block (both hybrid layers of one block do)."""
+    return layer.block_number in blocks and not getattr(layer, "is_mtp_layer", False)
 
 
-def find_targets(model_chunks, layers: Sequence[int]) -> Tuple[List[Target], Dict[int, torch.nn.Module]]:
-    """The trainable norm parameters of the target layers on this rank, and each one's chunk (by id)."""
+def find_targets(model_chunks, blocks: Sequence[int]) -> Tuple[List[Target], Dict[int, torch.nn.Module]]:
+    """The trainable norm parameters of the target blocks on this rank, sorted by (block, role),
+    and each one's chunk (by id)."""
     targets, chunk_of = [], {}
     for chunk, layer in mixln_layers(model_chunks):
-        if not is_target_layer(layer, layers):
+        if not is_target_layer(layer, blocks):
             continue
         for role, param in layer.norm_parameters():
             if param.requires_grad:
-                targets.append(Target(layer.layer_number, role, param))
+                targets.append(Target(layer.block_number, role, param))
                 chunk_of[id(param)] = chunk
-    targets.sort(key=lambda t: (t.layer_number, t.role))
+    targets.sort(key=lambda t: t.key)
     return targets, chunk_of
 
 
