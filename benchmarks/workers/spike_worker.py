@@ -523,11 +523,8 @@ def run_layout(name: str, layout: dict, out_dir: str, steps: int) -> None:
 
 def _holder_states(scaler) -> dict:
     """The state each local target holds right after a load, before any step (from the holders)."""
-    out = {}
-    for layer_number, holder in scaler.checkpoint.holders.items():
-        for role, (momentum, step) in scaler.checkpoint.layer_state(layer_number, holder.roles).items():
-            out[f"layer{layer_number}.{role}"] = {"momentum": momentum, "step": step.to(torch.int64)}
-    return out
+    return {name: {"momentum": momentum, "step": step.to(torch.int64)}
+            for name, (momentum, step) in scaler.checkpoint.held_state().items()}
 
 
 class _ListHandler(logging.Handler):
