@@ -1,10 +1,11 @@
-"""`mixln-megatron pretrain` / `python -m mixln_megatron.training.pretrain`: GPT pretraining with Mix-LN.
+"""`mixln-megatron pretrain` / `python -m mixln_megatron.training.pretrain`: pretraining with Mix-LN.
 
 Megatron-LM's own training loop (`megatron.training.pretrain`, shipped in the megatron-core
 wheel) with this project's pieces plugged in. This module is the entry point: its arguments and
 main(). The rest lives beside it, one job each:
-  - providers.py: model (GPTModel over get_mixln_decoder_block_spec), batches, forward step,
-    loss and datasets, laid out like Megatron-LM's pretrain_gpt.py;
+  - providers.py: model (GPTModel over get_mixln_decoder_block_spec, or HybridModel over
+    get_mixln_hybrid_stack_spec), batches, forward step, loss and datasets, laid out like
+    Megatron-LM's pretrain_gpt.py;
   - loss_log.py: the per-iteration losses of --loss-log, one LossLog per run;
   - dataset_helpers.py: the compile_helpers workaround (named in the README).
 Arguments: every Megatron-LM flag, plus the --mixln-* flags (megatron_args.add_mixln_args,
@@ -15,6 +16,13 @@ this entry point (--cpu, --loss-log).
 Launch it like any Megatron-LM script, e.g.
     torchrun --nproc_per_node 8 -m mixln_megatron.training.pretrain --mixln-alpha 0.25 <megatron flags>
 A run without torchrun (no RANK in the environment) is a single process on a free local port.
+
+HybridModel (megatron-core 0.19+): Megatron-LM's `--hybrid-layer-pattern "*-*-..."` (L strictly
+alternating `*-` pairs, `|` pipeline splits allowed) trains HybridModel instead of GPTModel, with
+the same --mixln-* settings counted in transformer blocks (P = floor(alpha * L)); num_layers
+follows from the pattern (2L, as Megatron-LM derives it; --num-layers is not needed). A pattern
+Mix-LN does not define stops the run before anything is built: one `[mixln_megatron] ERROR:` line
+on rank 0, exit 2.
 
 CPU (development only): `--cpu` or MIXLN_CPU=1 calls mixln_megatron.dev.cpu.enable_training() before
 anything else and adds the Megatron flags a CPU run needs (cpu.CPU_MEGATRON_FLAGS: gloo, local
@@ -34,9 +42,9 @@ import time
 from functools import partial
 from typing import Optional, Sequence
 
-from ..errors import MixLNError, one_line
+from ..errors import PREFIX, MixLNError, one_line
 from ..megatron_args import add_mixln_args, backend_from_args, run_settings  # noqa: F401  (run_settings: part of this entry point's API)
-from ..model import settings as mixln_settings, support
+from ..model import hybrid_pattern, settings as mixln_settings, support
 from ..model.placement import resolve_placement
 from ..model.settings import MixLNSettings
 from .dataset_helpers import use_prebuilt_dataset_helpers
@@ -82,7 +90,8 @@ def with_cpu_flags(argv: Sequence[str]) -> list:
     return list(CPU_MEGATRON_FLAGS) + list(argv)
 
 
-MIXLN_SPECS = (["mixln_megatron.spec", "mixln_layer_spec"], ["mixln_megatron.spec", "mixln_local_layer_spec"])
+MIXLN_SPECS = tuple(["mixln_megatron.spec", name] for name in (
+    "mixln_layer_spec", "mixln_local_layer_spec", "mixln_hybrid_stack_spec", "mixln_hybrid_local_stack_spec"))
 
 
 def check_supported_args(args, spec_from_checkpoint: bool = False) -> None:
@@ -99,8 +108,57 @@ def check_supported_args(args, spec_from_checkpoint: bool = False) -> None:
             f"--spec {' '.join(args.spec)}: this entry point always builds the Mix-LN spec (configure it "
             "with --mixln-alpha / --mixln-post-ln-layers / --mixln-scheme and --transformer-impl); "
             "--spec is for Megatron-LM's own pretrain_gpt.py (--spec mixln_megatron.spec "
-            "mixln_layer_spec)"
+            "mixln_layer_spec) and pretrain_hybrid.py (--spec mixln_megatron.spec mixln_hybrid_stack_spec)"
         )
+
+
+# ------------------------------------------------------------------ HybridModel
+def hybrid_layer_pattern(args) -> Optional[str]:
+    """The HybridModel pattern a run asks for (--hybrid-layer-pattern, or Megatron-LM's deprecated
+    --hybrid-override-pattern, which validation renames), None for a GPT run."""
+    return getattr(args, "hybrid_layer_pattern", None) or getattr(args, "hybrid_override_pattern", None)
+
+
+class MixLNHybridUnsupported(MixLNPretrainUnsupported):
+    """A HybridModel run Mix-LN does not support: a pattern other than `*-*-...`, or a release
+    without HybridModel."""
+
+
+def check_hybrid_args(args) -> None:
+    """A hybrid run needs a release with HybridModel and a Mix-LN pattern (model.hybrid_pattern);
+    MixLNHybridUnsupported otherwise. A GPT run passes."""
+    pattern = hybrid_layer_pattern(args)
+    if pattern is None:
+        return
+    from .. import compat  # imports megatron: after the CPU harness
+
+    try:
+        compat.require_hybrid_model()
+    except MixLNError as error:
+        raise MixLNHybridUnsupported(str(error)) from None
+    problem = hybrid_pattern.pattern_problem(pattern)
+    if problem:
+        raise MixLNHybridUnsupported(problem)
+
+
+def transformer_blocks(args) -> int:
+    """L, the transformer blocks Mix-LN counts: num_layers for GPT, half the pattern for HybridModel."""
+    part = hybrid_pattern.ATTENTION if hybrid_layer_pattern(args) else None
+    return hybrid_pattern.num_blocks(args.num_layers, part)
+
+
+# How long the other ranks wait for rank 0 before exiting after the line. A launcher that stops
+# the job at the first failed worker (torchrun) would otherwise kill rank 0 before it printed.
+RANK_0_REPORT_WAIT_S = 10.0
+
+
+def _report_on_rank_0(error: BaseException) -> None:
+    """The stock path's one line (errors.PREFIX), printed by rank 0 only: every rank stops alike,
+    before any process group exists, so each would otherwise print it. Rank 0 exits first."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{PREFIX} {one_line(error)}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(RANK_0_REPORT_WAIT_S)
 
 
 def _single_process_defaults(environ=None) -> None:
@@ -135,10 +193,11 @@ def _write_loss_log(loss_log: Optional[LossLog], args, settings: MixLNSettings) 
     """--loss-log: the recorded losses with the run's placement and depth."""
     if loss_log is None:
         return
-    placement = resolve_placement(args.num_layers, settings)
+    placement = resolve_placement(transformer_blocks(args), settings)
     loss_log.write(args.loss_log, {
         "mixln": {**placement.record(), "post_ln_layer_numbers": placement.post_ln_layer_numbers},
         "num_layers": args.num_layers,
+        "hybrid_layer_pattern": hybrid_layer_pattern(args),
     })
 
 
@@ -158,7 +217,8 @@ def print_help(file=None) -> None:
 
     parser = argparse.ArgumentParser(
         prog="mixln-megatron pretrain", allow_abbrev=False,
-        description="Megatron-LM's pretraining loop with the Mix-LN GPT model. Takes every "
+        description="Megatron-LM's pretraining loop with the Mix-LN GPT model (or HybridModel with "
+        "--hybrid-layer-pattern '*-*-...', megatron-core 0.19+). Takes every "
         "Megatron-LM flag (see megatron/training/arguments.py; Megatron's own --help is broken in "
         "megatron-core 0.19.2) plus the flags below.",
     )
@@ -170,7 +230,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run pretraining with Megatron-LM's command-line flags (argv without the program name).
 
     Returns 0 on success and 2 for a configuration Mix-LN does not support (the message goes to
-    stderr on every rank, before any process group exists).
+    stderr on every rank, before any process group exists; a HybridModel pattern or release
+    Mix-LN does not support: one `[mixln_megatron] ERROR:` line on rank 0).
     """
     t0 = time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -195,13 +256,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sys.argv = [saved_argv[0] if saved_argv else "mixln-megatron-pretrain", *argv]
     try:
         # The unsupported configurations get a clear message before Megatron validates anything.
-        check_supported_args(parse_args(add_pretrain_args))
+        given = parse_args(add_pretrain_args)
+        check_supported_args(given)
+        check_hybrid_args(given)
         args = compat.parse_and_validate_args(add_pretrain_args)
         check_supported_args(args, spec_from_checkpoint=True)
+        check_hybrid_args(args)  # --use-checkpoint-args may bring the pattern
         checkpoint_args = _checkpoint_args(args)
         apply_resume_args(args, checkpoint_args, argv)  # the shape flags Megatron-LM does not copy
         settings = run_settings(args, checkpoint_args)
-        resolve_placement(args.num_layers, settings)  # a bad setting stops here, in one line
+        resolve_placement(transformer_blocks(args), settings)  # a bad setting stops here, in one line
+    except MixLNHybridUnsupported as error:
+        _report_on_rank_0(error)
+        return 2
     except MixLNError as error:
         print(f"mixln-megatron pretrain: error: {one_line(error)}", file=sys.stderr, flush=True)
         return 2
@@ -216,7 +283,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         compat.run_pretrain(
             args, argv,
             datasets_provider=providers.train_valid_test_datasets_provider,
-            model_provider=partial(providers.model_provider, settings=settings, backend=backend_from_args(args)),
+            model_provider=partial(
+                providers.hybrid_model_provider if hybrid_layer_pattern(args) else providers.model_provider,
+                settings=settings, backend=backend_from_args(args)),
             forward_step=partial(providers.forward_step, loss_log=loss_log),
             extra_args_provider=add_pretrain_args,
             non_loss_data_func=loss_log.close_eval_pass if loss_log else None,

@@ -5,6 +5,11 @@ short and shows the Mix-LN changes only:
   - model_provider builds GPTModel over get_mixln_decoder_block_spec (upstream: a layer spec
     from --spec or the stock GPT spec) and installs the spike scaler / telemetry the settings ask
     for on the config before the build;
+  - hybrid_model_provider (--hybrid-layer-pattern "*-*-...", megatron-core 0.19+) builds
+    HybridModel the way Megatron-LM's pretrain_hybrid.py does (hybrid_config_from_args, then
+    HybridModelBuilder), with get_mixln_hybrid_stack_spec as the stack spec; batches, forward
+    step, loss and datasets are the same for both models (pretrain_hybrid.py's, for a `*-`
+    decoder without packed sequences or MTP);
   - loss_func hands each micro-batch's (loss sum, tokens) to the run's LossLog, when it has one;
   - what Mix-LN rejects before the build (MoE, packed sequences / SFT, FIM, ModelOpt,
     distillation) is left out instead of carried as dead branches.
@@ -32,7 +37,7 @@ from .. import compat
 from ..compat import core_transformer_config_from_args  # its module differs by release
 from ..megatron_args import backend_from_args, run_settings
 from ..model.settings import MixLNSettings
-from ..model.specs import get_mixln_decoder_block_spec
+from ..model.specs import get_mixln_decoder_block_spec, get_mixln_hybrid_stack_spec
 from .hooks import install_training_hooks
 from .loss_log import LossLog
 
@@ -76,6 +81,37 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
+
+
+def hybrid_model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None,
+                          settings: Optional[MixLNSettings] = None, backend: Optional[str] = None):
+    """The same contract for HybridModel (--hybrid-layer-pattern, a `*-*-...` Mix-LN pattern).
+
+    Megatron-LM's own pieces build it: hybrid_config_from_args derives the model config from the
+    flags exactly as pretrain_hybrid.py does, HybridModelBuilder builds this stage; only the
+    stack spec is Mix-LN's. The hooks go on the transformer config before the build, once the
+    settings have been checked against the pattern (num_layers = the pattern's length, 2L).
+    """
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.argument_utils import hybrid_config_from_args
+    from megatron.training.models.hybrid import HybridModelBuilder
+
+    compat.require_hybrid_model()
+    args = get_args()
+    if settings is None or backend is None:
+        settings = settings if settings is not None else run_settings(args)
+        backend = backend or backend_from_args(args)
+    model_config = hybrid_config_from_args(args, config)  # args.spec is None: the entry point refuses --spec
+    model_config.hybrid_stack_spec = get_mixln_hybrid_stack_spec(
+        model_config.transformer, backend=backend, settings=settings,
+        hybrid_layer_pattern=args.hybrid_layer_pattern,
+    )
+    install_training_hooks(model_config.transformer, settings, hybrid=True)
+    print_rank_0(f"> building Mix-LN Hybrid model {args.hybrid_layer_pattern!r} (backend {backend}) ...")
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    return HybridModelBuilder(model_config).build_model(
+        pg_collection, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
 
 
 def get_batch(data_iterator, vp_stage: Optional[int] = None):
