@@ -22,7 +22,7 @@ from mixln_megatron.dev import testing as mu
 
 from test_pretrain import REPO, TINY, _env, finish, losses, start, train
 
-pytestmark = pytest.mark.skipif(not compat.HYBRID_MODEL, reason="Mix-LN on HybridModel needs megatron-core 0.19+")
+needs_hybrid = pytest.mark.skipif(not compat.HYBRID_MODEL, reason="Mix-LN on HybridModel needs megatron-core 0.19+")
 
 WORKER = os.path.join(REPO, "tests", "workers", "hybrid_pretrain_megatron_lm.py")
 
@@ -38,6 +38,7 @@ BUILD_LINE = "[mixln_megatron] scheme=mixln L=2 P=1 alpha=n/a (P given directly)
 
 
 # ------------------------------------------------------------------ the entry point: trains, equals GPT, resumes
+@needs_hybrid
 @pytest.mark.compat
 def test_hybrid_pretrain_equals_gpt_also_across_a_resume(tmp_path):
     """`*-*-` with P = 1 of L = 2 trains the GPTModel Mix-LN network: with the same seed and shape
@@ -105,6 +106,7 @@ def megatron_lm_pp2():
     return {record["rank"]: record for record in records}, proc.stdout + proc.stderr
 
 
+@needs_hybrid
 @pytest.mark.mp
 def test_megatron_lm_hybrid_path_builds_the_mixln_stack_and_trains(megatron_lm_pp2):
     """One build line across both ranks; each stage is the Mix-LN stack with its own blocks (block
@@ -128,6 +130,7 @@ def test_megatron_lm_hybrid_path_builds_the_mixln_stack_and_trains(megatron_lm_p
     assert all(math.isfinite(v) for v in trained.values()) and trained[6] < trained[1]
 
 
+@needs_hybrid
 @pytest.mark.slow
 @pytest.mark.mp
 def test_megatron_lm_hybrid_path_trains_like_the_entry_point(megatron_lm_pp2, tmp_path):
@@ -144,6 +147,10 @@ def test_megatron_lm_hybrid_path_trains_like_the_entry_point(megatron_lm_pp2, tm
 
 
 # ------------------------------------------------------------------ patterns Mix-LN does not define
+def _error_lines(out):
+    return [line for line in out.splitlines() if "[mixln_megatron] ERROR:" in line]
+
+
 BAD_PATTERNS = [
     ("*-M-", "layer 3 is 'M' (Mamba), which Mix-LN does not support yet"),
     ("**--", "layer 2 is '*' where '-' belongs"),
@@ -152,6 +159,7 @@ BAD_PATTERNS = [
 ]
 
 
+@needs_hybrid
 @pytest.mark.parametrize("pattern, why", BAD_PATTERNS)
 def test_check_hybrid_args_names_the_problem(pattern, why):
     from argparse import Namespace
@@ -176,10 +184,17 @@ def test_hybrid_needs_a_release_with_hybrid_model(monkeypatch):
         check_hybrid_args(Namespace(hybrid_layer_pattern="*-*-"))
 
 
-def _error_lines(out):
-    return [line for line in out.splitlines() if "[mixln_megatron] ERROR:" in line]
+@pytest.mark.compat
+@pytest.mark.skipif(compat.HYBRID_MODEL, reason="this release has HybridModel (the branch: test_hybrid_needs_a_release_with_hybrid_model)")
+def test_entry_point_on_a_release_without_hybrid_model_is_one_line():
+    out = finish(start(["--cpu", *HYBRID_TINY, "--hybrid-layer-pattern", "*-*-"], torchrun=False), timeout=200,
+                 expect_rc=2)
+    (line,) = _error_lines(out)
+    assert line.startswith("[mixln_megatron] ERROR: Mix-LN on HybridModel needs megatron-core 0.19 or newer")
+    assert "initializing torch distributed" not in out
 
 
+@needs_hybrid
 def test_bad_pattern_is_one_line_and_exit_2_before_anything_is_built():
     procs = [start(["--cpu", *HYBRID_TINY, "--hybrid-layer-pattern", pattern], torchrun=False)
              for pattern, _ in BAD_PATTERNS[:2]]
@@ -190,6 +205,7 @@ def test_bad_pattern_is_one_line_and_exit_2_before_anything_is_built():
         assert "initializing torch distributed" not in out and "building" not in out
 
 
+@needs_hybrid
 @pytest.mark.mp
 def test_bad_pattern_is_printed_once_across_ranks():
     proc = subprocess.run(
