@@ -2,6 +2,8 @@
 
     mixln-megatron convert to-hf   --load CKPT_DIR [--iteration N] --save HF_DIR [--dtype ...]
     mixln-megatron convert from-hf --load HF_DIR --save CKPT_DIR --tp N --pp M [--ckpt-format ...]
+    mixln-megatron convert gpt-to-hybrid SRC DST | hybrid-to-gpt SRC DST    (torch_dist, model weights)
+    mixln-megatron convert inspect CKPT_DIR
 
 Python API (same options as the command line, see cli.py):
 
@@ -20,6 +22,9 @@ Modules (one way each: reader -> role mapping -> writer)
                     (hf_config_dict, the one builder), the model code when P > 0
   from_hf           streaming import over hf_folder, hf_roles, megatron_writers, written_args
   staging           the temporary output directory renamed in at the end
+  hybrid_keys       a Mix-LN HybridModel's torch_dist keys next to a GPTModel's (pure Python)
+  gpt_hybrid        GPTModel <-> HybridModel checkpoints (keys renamed, every Mix-LN norm kept) over
+                    dcp_writer (the lazy torch.distributed.checkpoint writer from_hf uses too)
 
 Every pickle read from a checkpoint goes through mixln_megatron.safe_unpickle (one allow-list).
 Both directions write into a temporary directory next to the output and rename it at the end, so a
@@ -43,6 +48,20 @@ def convert_to_hf(load: str, save: str, **kwargs) -> dict:
     return run(load, save, **kwargs)
 
 
+def convert_gpt_to_hybrid(load: str, save: str, **kwargs) -> dict:
+    """GPTModel Mix-LN torch_dist checkpoint -> HybridModel (`*-` * L). See gpt_hybrid for the options."""
+    from .gpt_hybrid import convert_gpt_to_hybrid as run
+
+    return run(load, save, **kwargs)
+
+
+def convert_hybrid_to_gpt(load: str, save: str, **kwargs) -> dict:
+    """HybridModel Mix-LN (`*-` pairs) torch_dist checkpoint -> GPTModel. See gpt_hybrid for the options."""
+    from .gpt_hybrid import convert_hybrid_to_gpt as run
+
+    return run(load, save, **kwargs)
+
+
 def convert_from_hf(load: str, save: str, **kwargs) -> dict:
     """Hugging Face folder -> Megatron-LM checkpoint. See from_hf.convert_from_hf for the options."""
     from .from_hf import convert_from_hf as run
@@ -50,4 +69,5 @@ def convert_from_hf(load: str, save: str, **kwargs) -> dict:
     return run(load, save, **kwargs)
 
 
-__all__ = ["ConversionError", "UnsafeCheckpointError", "UnsupportedModelError", "convert_from_hf", "convert_to_hf", "prepare_output", "staged_output_dir"]
+__all__ = ["ConversionError", "UnsafeCheckpointError", "UnsupportedModelError", "convert_from_hf", "convert_gpt_to_hybrid",
+           "convert_hybrid_to_gpt", "convert_to_hf", "prepare_output", "staged_output_dir"]

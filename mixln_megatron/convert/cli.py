@@ -1,4 +1,5 @@
-"""`mixln-megatron convert to-hf | from-hf`: the command line of mixln_megatron.convert.
+"""`mixln-megatron convert to-hf | from-hf | gpt-to-hybrid | hybrid-to-gpt | inspect`: the command line of
+mixln_megatron.convert.
 
     mixln-megatron convert to-hf --load CKPT_DIR [--iteration N] --save HF_DIR
         [--dtype auto|bfloat16|float16|float32] [--tokenizer DIR] [--vocab-size N]
@@ -9,6 +10,13 @@
         [--dtype auto|...] [--make-vocab-size-divisible-by 128]
         [--post-ln-layers P | --mixln-alpha A] [--mixln-scheme S] [--tokenizer-model PATH]
         [--overwrite] [--no-progress]
+
+    mixln-megatron convert gpt-to-hybrid SRC DST [--iteration N] [--overwrite] [--no-progress]
+    mixln-megatron convert hybrid-to-gpt SRC DST [--iteration N] [--overwrite] [--no-progress]
+        (torch_dist model weights, Mix-LN norms and settings record kept; optimizer / RNG state
+        are not converted: resume with --no-load-optim --no-load-rng, or --finetune)
+
+    mixln-megatron convert inspect CKPT_DIR [--iteration N] [--json]
 
 Exit status: 0 on success, 2 when the conversion is refused or fails (the message says why; no
 output is left behind), 1 on an unexpected error, 128 + N when stopped by signal N (SIGINT,
@@ -32,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mixln-megatron convert",
         description="Convert checkpoints between Megatron-LM (torch_dist or legacy torch) and Hugging Face.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{to-hf,from-hf}")
+    sub = parser.add_subparsers(dest="command", metavar="{to-hf,from-hf,gpt-to-hybrid,hybrid-to-gpt,inspect}")
     sub.required = True
 
     to = _direction(
@@ -82,6 +90,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="stock Llama folders only: the scheme to convert as")
     fr.add_argument("--tokenizer-model", default=None,
                     help="tokenizer path recorded in the args (default: the HF folder when it has tokenizer files)")
+    for name, src, dst in (("gpt-to-hybrid", "GPTModel", "HybridModel"), ("hybrid-to-gpt", "HybridModel", "GPTModel")):
+        kind = sub.add_parser(
+            name, help=f"{src} Mix-LN checkpoint -> {dst} checkpoint of the same network",
+            description=f"Rewrite a {src} Mix-LN torch_dist checkpoint (any TP/PP) as the {dst} checkpoint of the "
+            "same network (HybridModel pattern '*-' x L), keeping every Mix-LN norm, the settings record and the "
+            "spike-scaler state, with Megatron-LM's args adjusted (num_layers, hybrid_layer_pattern, --spec). "
+            "Model weights only: optimizer and RNG state are NOT converted, so resume with --no-load-optim "
+            "--no-load-rng (or --finetune). Hybrid patterns other than '*-' pairs (Mamba, MoE, MLA, MTP) are refused.")
+        kind.add_argument("load", metavar="SRC", help="Megatron-LM --save directory (or one iter_*/release dir in it)")
+        kind.add_argument("save", metavar="DST", help="output Megatron-LM checkpoint directory (must not exist or be empty)")
+        kind.add_argument("--iteration", default=None, help="iteration to convert (default: the latest)")
+        kind.add_argument("--overwrite", action="store_true", help="replace a previous converted checkpoint in DST")
+        kind.add_argument("--no-progress", action="store_true", help="no progress bar")
+    show = sub.add_parser("inspect", help="describe a Megatron-LM checkpoint",
+                          description="What a checkpoint holds: format, model kind (GPTModel / HybridModel and "
+                          "its pattern), transformer blocks, the Mix-LN settings and where they come from, the shape.")
+    show.add_argument("load", metavar="CKPT_DIR", help="Megatron-LM --save directory (or one iter_*/release dir in it)")
+    show.add_argument("--iteration", default=None, help="iteration to inspect (default: the latest)")
+    show.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
@@ -106,13 +133,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except (KeyboardInterrupt, Interrupted) as e:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        where = f"; {args.save} is as it was before this run" if getattr(args, "save", None) else ""
         print(f"mixln-megatron convert {args.command}: stopped by {signal.Signals(signum).name}: the temporary "
-              f"output was removed; {args.save} is as it was before this run", file=sys.stderr)
+              f"output was removed{where}", file=sys.stderr)
         return 128 + signum
 
 
 def _run(args) -> int:
     """Run one sub-command; refusals raise ConversionError."""
+    if args.command in ("gpt-to-hybrid", "hybrid-to-gpt"):
+        from .gpt_hybrid import convert_gpt_to_hybrid, convert_hybrid_to_gpt
+
+        run = convert_gpt_to_hybrid if args.command == "gpt-to-hybrid" else convert_hybrid_to_gpt
+        summary = run(args.load, args.save, iteration=args.iteration, overwrite=args.overwrite,
+                      progress=not args.no_progress)
+        print(f"[mixln-megatron convert] {json.dumps(summary)}")
+        entry = "pretrain_hybrid.py" if summary["target_kind"] == "HybridModel" else "pretrain_gpt.py"
+        print(f"[mixln-megatron convert] {summary['source_kind']} -> {summary['target_kind']}: {summary['blocks']} "
+              f"blocks, scheme={summary['scheme']} P={summary['post_ln_layers']}; model weights only (optimizer and "
+              f"RNG state are not converted): resume with {entry} --load {summary['save']} --no-load-optim "
+              "--no-load-rng (or --finetune)"
+              + (f" --hybrid-layer-pattern '{summary['hybrid_pattern']}'" if entry == "pretrain_hybrid.py" else ""))
+        return 0
+    if args.command == "inspect":
+        from .inspect import describe_checkpoint
+
+        info = describe_checkpoint(args.load, args.iteration)
+        if args.json:
+            print(json.dumps(info))
+        else:
+            for key, value in info.items():
+                print(f"{key}: {value}")
+        return 0
     if args.command == "to-hf":
         from .to_hf import convert_to_hf
 

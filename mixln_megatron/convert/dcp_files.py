@@ -4,6 +4,7 @@
     files.tensors      {key: TensorStorageMetadata}  (global size, dtype, saved chunks)
     files.read({key: (offsets, dest)})   fills each preallocated `dest` with the box of `key` at `offsets`
     files.read_object(key)               a byte item (ShardedObject), through the allow-list
+    files.read_raw(key)                  a byte item's stored bytes (copied, never unpickled)
 
 Everything goes through DCP's public pieces: its FileSystemReader reads the chunks and
 `create_read_items_for_chunk_list` plans the sub-box reads (the resharding DCP itself uses);
@@ -134,6 +135,13 @@ class DCPFiles:
         """Fill each `dest` with the box of its key that starts at `offsets` (one pass over the files)."""
         if boxes:
             self._load(boxes)
+
+    def read_raw(self, key: str) -> bytes:
+        """The stored bytes of the byte item `key`, not unpickled (to copy it into another checkpoint)."""
+        raw = self._load({}, [key]).raw.get(key)
+        if raw is None:
+            raise ConversionError(f"{self.path}: no data was read for {key}")
+        return raw
 
     def read_object(self, key: str, what: str):
         """The value of the byte item `key` (a torch.save archive), through the allow-list."""

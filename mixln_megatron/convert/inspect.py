@@ -4,6 +4,7 @@ The one place that reads them, for conversion (to_hf) and analysis (analysis.mod
 
     info = inspect_checkpoint("runs/ckpt")         # CheckpointInfo
     info.shape.norm_epsilon, info.record["post_ln_layers"], info.reader.read_layer(...)
+    info.model_kind, info.hybrid_pattern    # GPTModel, or a HybridModel read as its GPT blocks
 
 Megatron 0.19 stores the norm epsilon as `layernorm_epsilon` (the TransformerConfig field behind
 --norm-epsilon); older tools wrote `norm_epsilon`. Both are read, the config field first.
@@ -18,9 +19,11 @@ keys existed). None of them: a stock Pre-LN checkpoint (P = 0).
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
-from ..errors import ConversionError
-from .shape import ArgsShape, args_shape  # noqa: F401  (ArgsShape, args_shape: part of this module's API)
+from ..errors import ConversionError, UnsupportedModelError
+from . import hybrid_keys
+from .shape import ArgsShape, args_hybrid_pattern, args_shape  # noqa: F401  (ArgsShape, args_shape: API)
 
 NO_RECORD = "no Mix-LN record (a stock Pre-LN checkpoint: P = 0)"
 
@@ -107,6 +110,13 @@ class CheckpointInfo:
     shape: ArgsShape
     record: dict  # Placement.record() of the checkpoint's Mix-LN settings
     record_source: str
+    model_kind: str = hybrid_keys.GPT  # or hybrid_keys.HYBRID (a HybridModel checkpoint)
+    hybrid_pattern: Optional[str] = None  # the args' --hybrid-layer-pattern, else the one the keys hold
+
+    @property
+    def num_blocks(self) -> int:
+        """Transformer blocks L (a hybrid checkpoint: its `*-` pairs; P counts blocks in both kinds)."""
+        return self.shape.num_layers
 
     @property
     def post_ln_layers(self) -> int:
@@ -123,10 +133,59 @@ def inspect_checkpoint(load: str, iteration=None) -> CheckpointInfo:
 
     reader = open_checkpoint(load, iteration)
     reader._require_args()
+    kind = _model_kind(reader)
+    if kind == hybrid_keys.HYBRID:  # before anything counts its layers as blocks
+        problem = hybrid_keys.pattern_problem(args_hybrid_pattern(reader.args), reader.hybrid_pattern)
+        if problem:
+            raise UnsupportedModelError(f"{reader.path} is not a Mix-LN model: {problem}")
     shape = args_shape(reader.args)
     record, source = mixln_record(reader, shape.num_layers)
+    pattern = args_hybrid_pattern(reader.args) or getattr(reader, "hybrid_pattern", None)
     return CheckpointInfo(reader=reader, path=reader.path, format=reader.format, iteration=reader.iteration,
-                          args=reader.args, shape=shape, record=record, record_source=source)
+                          args=reader.args, shape=shape, record=record, record_source=source, model_kind=kind,
+                          hybrid_pattern=pattern if kind == hybrid_keys.HYBRID else None)
+
+
+def describe_checkpoint(load: str, iteration=None) -> dict:
+    """What `mixln-megatron convert inspect` prints: format, model kind, blocks, Mix-LN settings, shape."""
+    info = inspect_checkpoint(load, iteration)
+    s = info.shape
+    hybrid = info.model_kind == hybrid_keys.HYBRID
+    out = {
+        "checkpoint": info.path, "format": info.format, "iteration": info.iteration,
+        "model": "HybridModel" if hybrid else "GPTModel",
+    }
+    if hybrid:
+        out["hybrid_pattern"] = info.hybrid_pattern
+        out["hybrid_layers"] = len(info.reader.hybrid_pattern)
+        out["blocks"] = "'*-' pairs: hybrid layers 2k-1 / 2k are transformer block k"
+    out.update({
+        "transformer_blocks": s.num_layers, "scheme": info.scheme, "post_ln_layers": info.post_ln_layers,
+        "post_ln_blocks": list(range(1, info.post_ln_layers + 1)), "alpha": info.record.get("alpha"),
+        "settings_source": info.record_source, "norm_keys": getattr(info.reader, "norm_layout", None),
+        "hidden_size": s.hidden_size, "ffn_hidden_size": s.ffn_hidden_size,
+        "num_attention_heads": s.num_attention_heads, "num_query_groups": s.num_query_groups,
+        "padded_vocab_size": info.reader.padded_vocab_size, "dtype": str(info.reader.dtype).replace("torch.", ""),
+        "norm_epsilon": s.norm_epsilon, "normalization": s.normalization,
+    })
+    return out
+
+
+def _model_kind(reader) -> str:
+    """GPT or HYBRID, from the tensor layout; the args' hybrid pattern (when there are args) must agree."""
+    kind = getattr(reader, "model_kind", hybrid_keys.GPT)
+    args_pattern = args_hybrid_pattern(reader.args)
+    if args_pattern and reader.format != "torch_dist":
+        raise UnsupportedModelError(
+            f"{reader.path} is a legacy ({reader.format}) HybridModel checkpoint; only torch_dist HybridModel "
+            "checkpoints are read (save with --ckpt-format torch_dist)")
+    if reader.args is not None and bool(args_pattern) != (kind == hybrid_keys.HYBRID):
+        raise ConversionError(
+            f"{reader.path}: its args " + (f"have hybrid_layer_pattern {args_pattern!r}" if args_pattern else
+                                           "have no hybrid_layer_pattern")
+            + f", but its tensors are laid out as a {'HybridModel' if kind == hybrid_keys.HYBRID else 'GPTModel'}'s"
+            ": the checkpoint was edited or converted incompletely")
+    return kind
 
 
 def apply_resume_args(args, checkpoint_args, argv) -> dict:

@@ -1,23 +1,18 @@
 """Megatron-LM checkpoint files written from an HFRoleSource: torch_dist or legacy per-rank torch.
 
-torch_dist is written with torch.distributed.checkpoint's own writer, but through a save planner
-whose tensors are produced only when the writer asks for them, so one chunk is in memory at a
-time. Legacy files are one torch.save per TP x PP rank, so one rank's state dict is resident.
+torch_dist is written with torch.distributed.checkpoint's own writer, through convert.dcp_writer
+(tensors are produced only when the writer asks for them), so one chunk is in memory at a time. Legacy files are one torch.save per TP x PP rank, so one rank's state dict is resident.
 """
 
 from __future__ import annotations
 
-import io
-import json
 import os
-import warnings
 from collections import OrderedDict
-from typing import Callable, Dict, List
 
 import torch
 
-from ..errors import ConversionError
 from . import mapping as M
+from .dcp_writer import LazyTorchDistWriter
 from .hf_roles import HFRoleSource
 from .layouts import megatron_row_chunks, split_tp_shard
 from .shape import ModelShape
@@ -25,68 +20,14 @@ from .shape import ModelShape
 PIECE_BYTES = 8 << 20  # largest piece converted / written at once
 
 
-def _lazy_planner_class():
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    class LazySavePlanner(DefaultSavePlanner):
-        """Save planner whose tensors are produced only when the storage writer asks for them."""
-
-        def __init__(self, items, producers, on_write):
-            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-            self._items, self._producers, self._on_write = items, producers, on_write
-
-        def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
-            self.state_dict = {}
-            self.is_coordinator = is_coordinator
-
-        def create_local_plan(self):
-            from torch.distributed.checkpoint.planner import SavePlan
-
-            self.plan = SavePlan(list(self._items))
-            return self.plan
-
-        def resolve_data(self, write_item):
-            offset = write_item.index.offset
-            key = (write_item.index.fqn, tuple(offset) if offset is not None else None)
-            data = self._producers.pop(key)()
-            self._on_write(data)
-            return data
-
-    return LazySavePlanner
-
-
-def _torch_save_bytes(obj) -> io.BytesIO:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return buf
-
-
 def write_torch_dist(out_dir: str, src: HFRoleSource, shape: ModelShape, padded_vocab: int, record: dict,
                      common: dict, stock: bool, bar) -> None:
     """A megatron-core torch_dist checkpoint in `out_dir`, one chunk in memory at a time."""
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint import save as dcp_save
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
     dtype = src.dtype
-    items: List = []
-    producers: Dict[tuple, Callable] = {}
+    plan = LazyTorchDistWriter()
 
     def tensor(key, global_shape, offsets, sizes, produce):
-        items.append(WriteItem(
-            index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
-                properties=TensorProperties(dtype=dtype), size=torch.Size(global_shape)),
-        ))
-        producers[(key, tuple(offsets))] = lambda: produce().contiguous()
-
-    def obj(unique_key, value):
-        items.append(WriteItem(index=MetadataIndex(unique_key), type=WriteItemType.BYTE_IO))
-        producers[(unique_key, None)] = lambda: _torch_save_bytes([value])
+        plan.tensor(key, global_shape, offsets, sizes, dtype, produce)
 
     h, L = shape.hidden_size, shape.num_layers
     block = max(1, PIECE_BYTES // (h * dtype.itemsize))
@@ -108,35 +49,20 @@ def write_torch_dist(out_dir: str, src: HFRoleSource, shape: ModelShape, padded_
                 tensor(M.TD_LAYER_PREFIX + M.td_layer_name(role, not stock), (L, *shp), (layer, a) + (0,) * (len(shp) - 1),
                        (1, b - a, *shp[1:]), lambda l=layer, r=role, a=a, b=b: src.role_rows(l, r, a, b).unsqueeze(0))
         for module in M.EXTRA_STATE_MODULES:
-            obj(f"{M.TD_LAYER_PREFIX}{module}._extra_state/shard_{layer}_{L}", None)
+            plan.object(f"{M.TD_LAYER_PREFIX}{module}._extra_state/shard_{layer}_{L}", None)
     tensor(M.TD_FINAL_NORM, (h,), (0,), (h,), lambda: src.hf_tensor(M.HF_FINAL_NORM))
-    obj("decoder.final_layernorm._extra_state/shard_0_1", None)
+    plan.object("decoder.final_layernorm._extra_state/shard_0_1", None)
     if not shape.tie_embeddings:
         vocab(M.TD_OUTPUT, M.HF_OUTPUT)
     if not stock:
-        obj(f"{M.TD_SETTINGS_RECORD}/shard_0_1", record)
-    obj("common_state/shard_0_1", common)
+        plan.object(f"{M.TD_SETTINGS_RECORD}/shard_0_1", record)
+    plan.object("common_state/shard_0_1", common)
 
     def on_write(data):
         if isinstance(data, torch.Tensor):
             bar.update(data.numel() * data.element_size())
 
-    planner = _lazy_planner_class()(items, producers, on_write)
-    writer = FileSystemWriter(out_dir, single_file_per_rank=True, thread_count=1, sync_files=True)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
-    except CheckpointException as e:
-        for failure in getattr(e, "failures", {}).values():
-            inner = failure[0] if isinstance(failure, tuple) else failure
-            if not isinstance(inner, Exception):
-                raise inner from None  # Ctrl-C / SIGTERM inside torch's writer: stop, not "failed"
-            if isinstance(inner, (ConversionError, OSError)):
-                raise inner from None  # e.g. an unreadable HF shard: the message says which
-        raise ConversionError(f"writing the torch_dist checkpoint failed: {e}") from None
-    with open(os.path.join(out_dir, "metadata.json"), "w") as f:
-        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
+    plan.save(out_dir, on_write)
     # The same common state as common.pt too: megatron-core 0.19 reads the object above, 0.17 /
     # 0.18 only common.pt; with both, every supported release loads the output.
     torch.save(common, os.path.join(out_dir, "common.pt"))

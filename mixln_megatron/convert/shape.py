@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Tuple
 
-from ..model import support
+from ..model import hybrid_pattern, support
 from ..errors import ConversionError, UnsupportedModelError
 from .mapping import HF_EMBEDDING, HF_FINAL_NORM, HF_OUTPUT, hf_layer_prefix, hf_norm_names
 
@@ -30,7 +30,7 @@ def _arg_set(args, *names, default=None):
 class ArgsShape:
     """The model a Megatron-LM checkpoint's args describe (any GPT, not only Llama)."""
 
-    num_layers: int
+    num_layers: int  # transformer blocks (a Mix-LN HybridModel's `*-` pairs)
     hidden_size: int
     num_attention_heads: int
     num_query_groups: int
@@ -55,6 +55,21 @@ class ArgsShape:
     rope_scaling_factor: float
 
 
+def args_hybrid_pattern(args) -> Optional[str]:
+    """Megatron-LM's --hybrid-layer-pattern (or the deprecated --hybrid-override-pattern), if any."""
+    return _arg_set(args, "hybrid_layer_pattern", "hybrid_override_pattern") or None
+
+
+def args_num_blocks(args) -> int:
+    """Transformer blocks L: GPT's num_layers; a Mix-LN hybrid pattern's `*-` pairs (its
+    num_layers is the pattern length 2L). A pattern that is not Mix-LN's keeps num_layers (the
+    support check refuses it, check_megatron_args_supported)."""
+    pattern = args_hybrid_pattern(args)
+    if pattern and hybrid_pattern.pattern_problem(pattern) is None:
+        return hybrid_pattern.check_pattern(pattern)
+    return int(args.num_layers)
+
+
 def args_shape(args) -> ArgsShape:
     """The ArgsShape of saved Megatron-LM args (argparse.Namespace or a stand-in with attributes)."""
     if args is None:
@@ -69,7 +84,7 @@ def args_shape(args) -> ArgsShape:
         add_bias = False
     padded = _arg_set(args, "padded_vocab_size")
     return ArgsShape(
-        num_layers=int(args.num_layers),
+        num_layers=args_num_blocks(args),
         hidden_size=hidden,
         num_attention_heads=heads,
         num_query_groups=groups,
@@ -206,6 +221,9 @@ def _arg(args, *names, default=None):
 def check_megatron_args_supported(args) -> None:
     """Raise UnsupportedModelError naming every feature of `args` that Llama cannot express."""
     problems = support.problems(args, support.CONVERT)  # the features in mixln_megatron.model.support.TABLE
+    pattern = args_hybrid_pattern(args)
+    if pattern and hybrid_pattern.pattern_problem(pattern):  # HybridModel: only Mix-LN's `*-` pairs
+        problems.append(hybrid_pattern.pattern_problem(pattern) + " [hybrid_layer_pattern]")
     normalization = _arg(args, "normalization", default="LayerNorm")
     if normalization != "RMSNorm":
         problems.append(f"normalization {normalization!r}: Llama uses RMSNorm [--normalization RMSNorm]")

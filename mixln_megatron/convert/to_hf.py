@@ -10,6 +10,9 @@ What is written (into a temporary directory renamed to --save at the end):
   generation_config.json
   tokenizer files            with --tokenizer DIR.
 
+A Mix-LN HybridModel checkpoint (`*-` pairs) exports as the GPT model its blocks are: the same
+config.json and tensors as the GPTModel checkpoint with the same weights.
+
 The model shape and the Mix-LN settings come from the checkpoint (args, settings record, content
 metadata); nothing about the model is taken from the command line except the true vocabulary
 size when the args do not record it.
@@ -358,6 +361,7 @@ def convert_to_hf(
         files = sorted(f for f in os.listdir(tmp) if not f.startswith("."))  # not the owner file
     return {
         "format": reader.format, "checkpoint": reader.path, "iteration": reader.iteration,
+        "model_kind": info.model_kind, "hybrid_pattern": info.hybrid_pattern,
         "post_ln_layers": post_ln, "scheme": scheme, "alpha": alpha, "settings_source": record_source,
         "architecture": "LlamaForCausalLM" if stock else "MixLNLlamaForCausalLM",
         "vocab_size": true_vocab, "vocab_source": vocab_source, "padded_vocab_size": reader.padded_vocab_size,

@@ -1,8 +1,9 @@
 """torch_dist checkpoints read without process groups and without megatron.
 
 <iter>/.metadata + *.distcp + metadata.json (megatron-core dist_checkpointing over
-torch.distributed.checkpoint). Per-layer tensors are stacked under one key with a leading layer
-axis ([L, ...]); every rank saved its own chunks (one per layer and TP slice). A layer is read as
+torch.distributed.checkpoint). A GPTModel's per-layer tensors are stacked under one key with a
+leading layer axis ([L, ...]); a HybridModel's `*-` layers have a key each and are read as the GPT
+blocks they are (convert.hybrid_keys). Every rank saved its own chunks (one per layer and TP slice). A layer is read as
 one box per role, in one pass of DCP's reader (convert.dcp_files); the vocabulary tensors in
 blocks of whole saved chunks, so every chunk is loaded once. Common state (args, iteration,
 content metadata) lives in common.pt (older megatron-core) or in the files as the object
@@ -18,6 +19,8 @@ import torch
 
 from ..errors import ConversionError, UnsupportedModelError
 from ..safe_unpickle import load_torch
+from ..model.hybrid_pattern import ATTENTION, MLP
+from . import hybrid_keys
 from . import mapping as M
 from .dcp_files import DCPFiles
 from .reader_base import ReaderBase
@@ -27,6 +30,7 @@ COMMON_STATE_KEY = "common_state/shard_0_1"
 # Largest block of embedding / output rows read at once: a block also holds its saved chunk while it
 # is read, so blocks much smaller than a chunk only add reads (benchmarks/convert.py).
 VOCAB_BLOCK_BYTES = 32 << 20
+_ROLE_PREFIX = {ATTENTION: ("qkv.", "proj."), MLP: ("fc1.", "fc2.")}  # which hybrid layer holds a role
 
 
 def _numel(shape) -> int:
@@ -49,7 +53,13 @@ class TorchDistCheckpoint(ReaderBase):
         self.args = self.common.get("args")
         self.iteration = self.common.get("iteration")
         self.content_metadata = self.common.get("content_metadata")
-        record_key = f"{M.TD_SETTINGS_RECORD}/shard_0_1"
+        # A HybridModel checkpoint keeps per-layer keys (convert.hybrid_keys); its `*-` pairs are
+        # read as the GPT blocks they are.
+        self.model_kind = hybrid_keys.model_kind(self._tensors)
+        self.hybrid_pattern = hybrid_keys.pattern_of_keys(self._tensors) if self.model_kind == hybrid_keys.HYBRID \
+            else None
+        record_key = f"{hybrid_keys.HYBRID_RECORD_KEY if self.hybrid_pattern is not None else M.TD_SETTINGS_RECORD}" \
+            "/shard_0_1"
         if record_key in self.files.objects:
             loaded = self.files.read_object(record_key, "the Mix-LN settings record")
             self.settings_record = loaded[0] if isinstance(loaded, list) and loaded else loaded
@@ -57,8 +67,9 @@ class TorchDistCheckpoint(ReaderBase):
         self.padded_vocab_size = int(emb.size[0])
         self.dtype = emb.properties.dtype
         self.has_output_layer = M.TD_OUTPUT in self._tensors
-        mixln_norm = M.TD_LAYER_PREFIX + M.MIXLN_NORM_NAMES["norm_a"]
-        self.norm_layout = "mixln" if mixln_norm in self._tensors else "stock"
+        mixln_norm = M.MIXLN_NORM_NAMES["norm_a"]
+        self.norm_layout = "mixln" if any(
+            k == M.TD_LAYER_PREFIX + mixln_norm or k.endswith("." + mixln_norm) for k in self._tensors) else "stock"
 
     # ---------------------------------------------------------------- validation
     def _check_files(self) -> None:
@@ -129,6 +140,8 @@ class TorchDistCheckpoint(ReaderBase):
     # ---------------------------------------------------------------- model tensors
     def _layer_key(self, layer: int, role: str) -> Tuple[str, bool]:
         name = M.td_layer_name(role, self.norm_layout == "mixln")
+        if self.hybrid_pattern is not None:
+            return self._hybrid_layer_key(layer, role, name), False
         stacked = M.TD_LAYER_PREFIX + name
         if stacked in self._tensors:
             return stacked, True
@@ -138,6 +151,19 @@ class TorchDistCheckpoint(ReaderBase):
         raise ConversionError(
             f"{self.path} has no {stacked} (nor per-layer {single}): the model lacks '{role}'"
         )
+
+    def _hybrid_layer_key(self, block: int, role: str, name: str) -> str:
+        """Block `block`'s tensor of `role` in a HybridModel checkpoint: in its `*` or `-` layer
+        (a norm in either, depending on the layer kind: look in both)."""
+        candidates = [hybrid_keys.hybrid_index(block, part) for part in (ATTENTION, MLP)
+                      if role.startswith(("norm_",) + _ROLE_PREFIX[part])]
+        keys = [f"{M.TD_LAYER_PREFIX}{j}.{name}" for j in candidates]
+        found = [k for k in keys if k in self._tensors]
+        if len(found) != 1:
+            raise ConversionError(
+                f"{self.path}: block {block + 1}'s '{role}' should be in exactly one of {', '.join(keys)}; "
+                f"found {len(found)}: the checkpoint is incomplete or was edited")
+        return found[0]
 
     def read_layer(self, layer: int, roles: Iterable[str]) -> Dict[str, torch.Tensor]:
         """Every role's tensor of one layer (global layout), read in one pass."""
@@ -156,6 +182,16 @@ class TorchDistCheckpoint(ReaderBase):
         key = M.TD_LAYER_PREFIX + M.LAYER_ROLE_NAMES["qkv.weight"]
         return self.global_shape(key)[0] if key in self._tensors else None
 
+    def num_blocks(self) -> Optional[int]:
+        """Transformer blocks the layer tensors hold (GPT: the stacked layer axis; hybrid: pairs)."""
+        if self.hybrid_pattern is not None:
+            return len(self.hybrid_pattern) // 2
+        return self.num_stacked_layers()
+
+    @property
+    def final_norm_key(self) -> str:
+        return hybrid_keys.HYBRID_FINAL_NORM + "weight" if self.hybrid_pattern is not None else M.TD_FINAL_NORM
+
     def vocab_blocks(self, which: str, rows: int):
         """(start, stop) row blocks of the embedding / output layer: none straddles two saved chunks
         (each block loads the chunks it touches whole) and none exceeds VOCAB_BLOCK_BYTES."""
@@ -173,9 +209,10 @@ class TorchDistCheckpoint(ReaderBase):
         return self.read(key, (start, 0), (stop - start, h))
 
     def read_final_norm(self) -> torch.Tensor:
-        if M.TD_FINAL_NORM not in self._tensors:
-            raise ConversionError(f"{self.path} has no {M.TD_FINAL_NORM}")
-        return self.read(M.TD_FINAL_NORM, (0,), self.global_shape(M.TD_FINAL_NORM))
+        key = self.final_norm_key
+        if key not in self._tensors:
+            raise ConversionError(f"{self.path} has no {key}")
+        return self.read(key, (0,), self.global_shape(key))
 
     def model_tensor_bytes(self) -> int:
         return sum(_numel(md.size) * md.properties.dtype.itemsize for key, md in self._tensors.items()
@@ -183,16 +220,20 @@ class TorchDistCheckpoint(ReaderBase):
 
     def check_shapes(self, shape) -> None:
         """The stacked tensors have the shapes the args describe."""
-        n = self.num_stacked_layers()
+        n = self.num_blocks()
         if n is not None and n != shape.num_layers:
-            raise ConversionError(f"the checkpoint stacks {n} layers but its args say num_layers={shape.num_layers}")
+            what = f"holds {len(self.hybrid_pattern)} hybrid layers ({n} blocks)" if self.hybrid_pattern is not None \
+                else f"stacks {n} layers"
+            raise ConversionError(f"the checkpoint {what} but its args describe {shape.num_layers} blocks")
         for role, want in shape.megatron_layer_shapes().items():
             key, stacked = self._layer_key(0, role)
             got = self.global_shape(key)[1:] if stacked else self.global_shape(key)
             if tuple(got) != tuple(want):
                 raise ConversionError(f"{key} has shape {tuple(got)}, the args imply {tuple(want)}")
         if shape.add_bias_linear is False:
-            extra = [r for r in ("qkv.bias", "fc1.bias") if (M.TD_LAYER_PREFIX + M.LAYER_ROLE_NAMES[r]) in self._tensors]
+            extra = [r for r in ("qkv.bias", "fc1.bias") if any(
+                k == M.TD_LAYER_PREFIX + M.LAYER_ROLE_NAMES[r] or k.endswith("." + M.LAYER_ROLE_NAMES[r])
+                for k in self._tensors)]
             if extra:
                 raise ConversionError(f"the checkpoint has biases ({extra}) but its args say add_bias_linear=False")
         emb = self.global_shape(M.TD_EMBEDDING)

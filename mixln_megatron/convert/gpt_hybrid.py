@@ -1,0 +1,360 @@
+"""GPTModel <-> HybridModel torch_dist checkpoints of one Mix-LN network, every norm kept.
+
+    mixln-megatron convert gpt-to-hybrid SRC DST [--iteration N] [--overwrite]
+    mixln-megatron convert hybrid-to-gpt SRC DST [--iteration N] [--overwrite]
+
+A GPTModel of L Mix-LN blocks and a HybridModel of the pattern `*-` * L with the same weights are
+the same network (mixln_megatron.model.hybrid), so converting is renaming keys: GPT's stacked
+`decoder.layers.<name>` [L, ...] <-> the hybrid's `decoder.layers.<j>.<name>` (convert.hybrid_keys
+says which of a block's two layers holds each tensor, the Mix-LN norms and the settings record
+included; Megatron's own GPT -> Hybrid mapping keeps only the stock attention / MLP keys).
+
+Input: a torch_dist checkpoint as Megatron-LM writes it (the --save directory with
+latest_checkpointed_iteration.txt, or one iter_XXXXXXX / release directory in it), at any TP / PP:
+tensors are read as global boxes, so the saved layout does not matter. Output: DST/<the same
+iteration directory> + DST/latest_checkpointed_iteration.txt, loadable at any TP / PP into the other
+model kind. What is converted: the model's tensors and objects (the Mix-LN settings record, the
+spike scaler's state, the layers' `_extra_state`), and the common state with Megatron-LM's args
+adjusted (num_layers 2L <-> L, hybrid_layer_pattern `*-` * L set <-> removed, the Mix-LN --spec
+name of the other model kind, the pipeline layout arguments cleared: the pattern has no `|`).
+Optimizer and RNG state are NOT converted: resume with --no-load-optim --no-load-rng (or
+--finetune). Hybrid patterns other than Mix-LN's `*-` pairs (Mamba, MoE, MLA, MTP, ...) are refused
+with the reason. Every pickle read goes through mixln_megatron.safe_unpickle; objects copied from
+the input (e.g. `_extra_state`) are copied as bytes, never unpickled.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..errors import ConversionError, UnsupportedModelError
+from ..model import hybrid_pattern
+from . import hybrid_keys as K
+from .dcp_writer import LazyTorchDistWriter
+from .inspect import _model_kind, mixln_record
+from .locate import TRACKER, detect_format, resolve_checkpoint_dir
+from .shape import args_hybrid_pattern
+from .staging import prepare_output, staged_output_dir
+
+PIECE_BYTES = 64 << 20  # largest tensor piece read and written at once
+MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+COMMON_STATE = "common_state/shard_0_1"
+OUTPUT_EXTRA_STATE = "output_layer._extra_state/shard_0_1"  # HybridModel saves it, GPTModel drops it
+# Megatron-LM --spec objects of the two model kinds (mixln_megatron.spec), TE and local.
+SPEC_OF_KIND = {
+    K.GPT: {"transformer_engine": "mixln_layer_spec", "local": "mixln_local_layer_spec"},
+    K.HYBRID: {"transformer_engine": "mixln_hybrid_stack_spec", "local": "mixln_hybrid_local_stack_spec"},
+}
+# Pipeline layout arguments that count GPT layers or contradict a `|`-free pattern: the run that
+# loads the checkpoint sets its own layout (torch_dist is layout-free).
+LAYOUT_ARGS = ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+               "num_virtual_stages_per_pipeline_rank", "pipeline_model_parallel_layout",
+               "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+KIND_NAME = {K.GPT: "GPTModel", K.HYBRID: "HybridModel"}
+
+
+def convert_gpt_to_hybrid(load: str, save: str, **kwargs) -> dict:
+    """A GPTModel Mix-LN torch_dist checkpoint -> the HybridModel (`*-` * L) checkpoint of the same network."""
+    return convert_model_kind(load, save, K.HYBRID, **kwargs)
+
+
+def convert_hybrid_to_gpt(load: str, save: str, **kwargs) -> dict:
+    """A HybridModel Mix-LN (`*-` pairs) torch_dist checkpoint -> the GPTModel checkpoint of the same network."""
+    return convert_model_kind(load, save, K.GPT, **kwargs)
+
+
+def convert_model_kind(load: str, save: str, target: str, *, iteration=None, overwrite: bool = False,
+                       progress: bool = False) -> dict:
+    """Write `save` as the `target` kind's checkpoint of the model in `load`; returns a summary."""
+    from ..safe_output import MEGATRON_FOLDER
+    from .to_hf import _progress
+    from .torch_dist_reader import TorchDistCheckpoint
+
+    t0 = time.time()
+    prepare_output(load, save, MEGATRON_FOLDER, overwrite)  # before any work: never lose the input
+    path, label = resolve_checkpoint_dir(load, iteration)
+    fmt = detect_format(path)
+    if fmt != "torch_dist":
+        raise UnsupportedModelError(
+            f"{path} is {'a legacy (torch)' if fmt else 'not a'} Megatron-LM checkpoint: GPT <-> hybrid conversion "
+            "reads torch_dist checkpoints (--ckpt-format torch_dist)")
+    reader = TorchDistCheckpoint(path)
+    source = _model_kind(reader)
+    if source == target:
+        raise ConversionError(f"{path} already is a {KIND_NAME[target]} checkpoint: nothing to convert")
+    if source == K.HYBRID:
+        problem = K.pattern_problem(args_hybrid_pattern(reader.args), reader.hybrid_pattern)
+        if problem:
+            raise UnsupportedModelError(f"{path} is not a Mix-LN HybridModel checkpoint: {problem}")
+    blocks = reader.num_blocks()
+    if not blocks:
+        raise ConversionError(f"{path} holds no transformer layers (decoder.layers.*)")
+    record, record_source = mixln_record(reader, blocks)
+    post_ln = int(record["post_ln_layers"])
+
+    plan = LazyTorchDistWriter()
+    mapper = _KeyMap(reader, source, blocks, post_ln)
+    not_converted = mapper.plan(plan)
+    common = dict(reader.common)
+    notes = []
+    if common.get("args") is not None:
+        common["args"], notes = converted_args(common["args"], target, blocks)
+    plan.object(COMMON_STATE, common)
+
+    total = sum(_numel(i.tensor_data.chunk.sizes) * i.tensor_data.properties.dtype.itemsize
+                for i in plan.items if i.tensor_data is not None)
+    bar = _progress(progress, total, f"{source}-to-{target} {os.path.basename(os.path.abspath(save))}")
+
+    def on_write(data):
+        if isinstance(data, torch.Tensor):
+            bar.update(data.numel() * data.element_size())
+
+    label = _output_label(label, reader.iteration)
+    with staged_output_dir(save, overwrite, MEGATRON_FOLDER) as tmp:
+        out_dir = os.path.join(tmp, label)
+        os.makedirs(out_dir)
+        try:
+            plan.save(out_dir, on_write, metadata=_source_metadata(path))
+        finally:
+            bar.close()
+        # Megatron-core 0.19 reads the common_state object, 0.17 / 0.18 only common.pt: both.
+        torch.save(common, os.path.join(out_dir, "common.pt"))
+        with open(os.path.join(tmp, TRACKER), "w") as f:
+            f.write("release" if label == "release" else str(int(label[len("iter_"):])))
+    return {
+        "source_kind": KIND_NAME[source], "target_kind": KIND_NAME[target], "checkpoint": path,
+        "save": os.path.abspath(save), "iteration": label, "blocks": blocks, "post_ln_layers": post_ln,
+        "scheme": record["scheme"], "settings_source": record_source,
+        "hybrid_pattern": hybrid_pattern.pattern_for(blocks) if target == K.HYBRID else reader.hybrid_pattern,
+        "tensors": len(mapper.tensor_keys), "objects": len(mapper.object_keys), "bytes": total,
+        "not_converted": not_converted, "args": common.get("args") is not None, "notes": notes,
+        "seconds": round(time.time() - t0, 2),
+    }
+
+
+# ------------------------------------------------------------------------------------ args
+def converted_args(args, target: str, blocks: int) -> Tuple[object, List[str]]:
+    """A copy of Megatron-LM's saved args for the `target` model kind, and notes on what changed."""
+    ns = copy.copy(args)
+    notes = []
+    if target == K.HYBRID:
+        ns.num_layers = 2 * blocks
+        ns.hybrid_layer_pattern = hybrid_pattern.pattern_for(blocks)
+    else:
+        ns.num_layers = blocks
+        ns.hybrid_layer_pattern = None
+    if hasattr(ns, "hybrid_override_pattern"):
+        ns.hybrid_override_pattern = None
+    for name in LAYOUT_ARGS:
+        if getattr(ns, name, None) is not None:
+            notes.append(f"{name}={getattr(ns, name)!r} cleared (set the layout when loading)")
+            setattr(ns, name, None)
+    spec = getattr(ns, "spec", None)
+    if spec:
+        source_specs = {v: impl for kind, names in SPEC_OF_KIND.items() if kind != target for impl, v in names.items()}
+        module, name = (list(spec) + [None, None])[:2]
+        if module == "mixln_megatron.spec" and name in source_specs:
+            ns.spec = [module, SPEC_OF_KIND[target][source_specs[name]]]
+        elif not (module == "mixln_megatron.spec" and name in SPEC_OF_KIND[target].values()):
+            notes.append(f"--spec {' '.join(map(str, spec))} kept: pass the {KIND_NAME[target]} spec when loading")
+    # Honest about what the output holds: no optimizer or RNG state.
+    ns.no_save_optim, ns.no_save_rng = True, True
+    return ns, notes
+
+
+def _output_label(label: str, iteration) -> str:
+    """The iteration directory to write: the source's iter_XXXXXXX / release, else one named after the
+    saved iteration (a bare checkpoint directory), else release."""
+    if label == "release" or (label.startswith("iter_") and label[len("iter_"):].isdigit()):
+        return label
+    return f"iter_{int(iteration):07d}" if isinstance(iteration, int) else "release"
+
+
+def _source_metadata(path: str) -> Optional[dict]:
+    import json
+
+    try:
+        with open(os.path.join(path, "metadata.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and meta.get("sharded_backend") == "torch_dist" else None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+# ------------------------------------------------------------------------------------ keys
+class _KeyMap:
+    """Plans every model tensor and object of the source under its key in the other model kind."""
+
+    def __init__(self, reader, source: str, blocks: int, post_ln: int):
+        self.reader, self.source, self.blocks, self.post_ln = reader, source, blocks, post_ln
+        self.tensor_keys: List[str] = []
+        self.object_keys: List[str] = []
+
+    def is_post_ln(self, block: int) -> bool:
+        return block < self.post_ln
+
+    def plan(self, out: LazyTorchDistWriter) -> Dict[str, int]:
+        """Add every converted tensor and object to `out`; {what: count} of what is not converted."""
+        tensors = self.reader.files.tensors
+        dropped_tensors = [k for k in tensors if not k.startswith(MODEL_PREFIXES)]
+        model = [k for k in tensors if k.startswith(MODEL_PREFIXES)]
+        if self.source == K.GPT:
+            self._gpt_tensors(out, model)
+        else:
+            self._hybrid_tensors(out, model)
+        dropped_objects = self._objects(out)
+        return {"training state tensors (optimizer, ...)": len(dropped_tensors),
+                "training state objects (RNG, ...)": dropped_objects}
+
+    # ---------------------------------------------------------------- tensors
+    def _copy(self, out, dst: str, src: str, dst_lead=(), src_lead=()):
+        """Plan `dst` from `src` in row pieces; `*_lead` are leading indices (the GPT layer axis)
+        that one side has and the other does not."""
+        md = self.reader.files.tensors[src]
+        shape = tuple(int(s) for s in md.size)[len(src_lead):]
+        dtype = md.properties.dtype
+        rows = shape[0] if shape else 1
+        row_bytes = max(1, _numel(shape[1:]) * dtype.itemsize)
+        step = max(1, PIECE_BYTES // row_bytes)
+        dst_shape = self._dst_shape(dst, shape, dst_lead)
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            inner_off = (a,) + (0,) * (len(shape) - 1) if shape else ()
+            inner_size = (b - a,) + shape[1:] if shape else ()
+            src_off = tuple(src_lead) + inner_off
+            src_size = (1,) * len(src_lead) + inner_size
+            dst_size = (1,) * len(dst_lead) + inner_size
+            out.tensor(dst, dst_shape, tuple(dst_lead) + inner_off, dst_size, dtype,
+                       lambda k=src, o=src_off, s=src_size, d=dst_size: self.reader.read(k, o, s).reshape(d))
+        self.tensor_keys.append(dst)
+
+    def _dst_shape(self, dst, shape, dst_lead):
+        return ((self.blocks,) if dst_lead else ()) + tuple(shape)
+
+    def _gpt_tensors(self, out, keys):
+        for key in keys:
+            if key.startswith(K.GPT_FINAL_NORM):
+                self._copy(out, K.HYBRID_FINAL_NORM + key[len(K.GPT_FINAL_NORM):], key)
+                continue
+            if not key.startswith(K.LAYERS):
+                self._copy(out, key, key)  # embedding, output layer
+                continue
+            name = key[len(K.LAYERS):]
+            spike = K.SPIKE.match(name)
+            if spike:  # per block, no layer axis
+                block = int(spike.group(1)) - 1
+                self._copy(out, f"{K.LAYERS}{K.hybrid_index(block, self._part(name, block, key))}.{name}", key)
+                continue
+            layers = int(self.reader.files.tensors[key].size[0])
+            if layers != self.blocks:
+                raise ConversionError(f"{key} stacks {layers} layers, the checkpoint has {self.blocks}")
+            for block in range(self.blocks):
+                self._copy(out, f"{K.LAYERS}{K.hybrid_index(block, self._part(name, block, key))}.{name}", key,
+                           src_lead=(block,))
+
+    def _hybrid_tensors(self, out, keys):
+        stacked: Dict[str, Dict[int, str]] = {}
+        for key in keys:
+            if key.startswith(K.HYBRID_FINAL_NORM):
+                self._copy(out, K.GPT_FINAL_NORM + key[len(K.HYBRID_FINAL_NORM):], key)
+                continue
+            m = K.HYBRID_LAYER.match(key)
+            if not m:
+                self._copy(out, key, key)
+                continue
+            index, name = int(m.group(1)), m.group(2)
+            block = index // 2
+            if K.hybrid_index(block, self._part(name, block, key)) != index:
+                raise ConversionError(
+                    f"{key} sits in hybrid layer {index + 1}, but block {block + 1}'s "
+                    f"{'Post' if self.is_post_ln(block) else 'Pre'}-LN layers keep it in layer "
+                    f"{K.hybrid_index(block, self._part(name, block, key)) + 1}: the checkpoint's Mix-LN "
+                    "settings do not match its tensors")
+            if K.SPIKE.match(name):
+                self._copy(out, K.LAYERS + name, key)
+                continue
+            stacked.setdefault(name, {})[block] = key
+        for name, by_block in sorted(stacked.items()):
+            missing = [b + 1 for b in range(self.blocks) if b not in by_block]
+            if missing:
+                raise ConversionError(f"decoder.layers.*.{name} is missing in block(s) {missing[:8]} of "
+                                      f"{self.blocks}: the checkpoint is incomplete")
+            shapes = {tuple(self.reader.global_shape(k)) for k in by_block.values()}
+            dtypes = {self.reader.files.tensors[k].properties.dtype for k in by_block.values()}
+            if len(shapes) > 1 or len(dtypes) > 1:
+                raise ConversionError(f"decoder.layers.*.{name} differs between blocks ({shapes}, {dtypes}): "
+                                      "cannot stack it into a GPTModel checkpoint")
+            for block in range(self.blocks):
+                self._copy(out, K.LAYERS + name, by_block[block], dst_lead=(block,))
+
+    def _part(self, name: str, block: int, key: str) -> str:
+        part = K.part_of_name(name, self.is_post_ln(block))
+        if part is None:
+            raise ConversionError(
+                f"{key}: a layer tensor that is neither attention's nor the MLP's; GPT <-> hybrid conversion "
+                "knows the Mix-LN layer's tensors only")
+        return part
+
+    # ---------------------------------------------------------------- objects
+    def _objects(self, out) -> int:
+        dropped = 0
+        have_output_extra = False
+        for unique in sorted(self.reader.files.objects):
+            if unique == COMMON_STATE:
+                continue  # rewritten with the converted args
+            m = K.OBJECT_SHARD.match(unique)
+            if not m or not m.group(1).startswith(MODEL_PREFIXES):
+                dropped += 1
+                continue
+            base, offsets, shape = m.group(1), m.group(2), m.group(3)
+            dst = self._object_key(unique, base, offsets, shape)
+            if dst is None:
+                continue
+            have_output_extra |= dst == OUTPUT_EXTRA_STATE
+            out.raw_object(dst, lambda k=unique: self.reader.files.read_raw(k))  # bytes as stored
+            self.object_keys.append(dst)
+        if self.source == K.GPT and not have_output_extra:
+            out.object(OUTPUT_EXTRA_STATE, None)  # HybridModel asks for it (empty, as GPTModel checks)
+            self.object_keys.append(OUTPUT_EXTRA_STATE)
+        return dropped
+
+    def _object_key(self, unique: str, base: str, offsets: str, shape: str) -> Optional[str]:
+        if self.source == K.GPT:
+            if base == K.GPT_RECORD_KEY:
+                return f"{K.HYBRID_RECORD_KEY}/shard_0_1"
+            if base.startswith(K.GPT_FINAL_NORM):
+                return f"{K.HYBRID_FINAL_NORM}{base[len(K.GPT_FINAL_NORM):]}/shard_{offsets}_{shape}"
+            if not base.startswith(K.LAYERS):
+                return unique
+            name = base[len(K.LAYERS):]
+            if name.startswith("mixln_spike_scaler."):
+                raise UnsupportedModelError(
+                    f"{unique}: spike-scaler state in the old object format; load and save the checkpoint once "
+                    "with this mixln_megatron (it writes tensors), then convert")
+            if not (offsets.isdigit() and shape == str(self.blocks)):
+                raise ConversionError(f"{unique}: a layer object that is not one per layer of {self.blocks}")
+            block = int(offsets)
+            return f"{K.LAYERS}{K.hybrid_index(block, self._part(name, block, unique))}.{name}/shard_0_1"
+        if base == OUTPUT_EXTRA_STATE.split("/")[0]:
+            return None  # GPTModel does not save the output layer's (empty) extra state
+        if base.startswith(K.HYBRID_FINAL_NORM):
+            return f"{K.GPT_FINAL_NORM}{base[len(K.HYBRID_FINAL_NORM):]}/shard_{offsets}_{shape}"
+        m = K.HYBRID_LAYER.match(base)
+        if not m:
+            return unique
+        index, name = int(m.group(1)), m.group(2)
+        if name == K.RECORD:
+            return f"{K.GPT_RECORD_KEY}/shard_0_1"
+        return f"{K.LAYERS}{name}/shard_{index // 2}_{self.blocks}"
