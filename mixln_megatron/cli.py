@@ -2,7 +2,8 @@
 
     mixln-megatron pretrain  [Megatron-LM args] [--mixln-*]   Megatron-LM training loop with Mix-LN
     mixln-megatron preprocess ...                              corpus -> Megatron indexed dataset
-    mixln-megatron convert to-hf | from-hf ...                 Megatron checkpoint <-> Hugging Face
+    mixln-megatron convert to-hf | from-hf | gpt-to-hybrid | hybrid-to-gpt | inspect ...
+                                                               checkpoints: Megatron <-> HF, GPT <-> Hybrid
     mixln-megatron analyze grad-norms | angular-distance | layer-drop | train-health ...
     mixln-megatron placement --num-layers L [--alpha A | --post-ln-layers P]
 
@@ -21,7 +22,7 @@ from .errors import MixLNError, one_line
 COMMANDS = {
     "pretrain": ("mixln_megatron.training.pretrain", "Pretrain with Megatron-LM's training loop (Mix-LN spec, --mixln-* flags)."),
     "preprocess": ("mixln_megatron.data.preprocess", "Turn JSONL / text into a Megatron indexed dataset (offline)."),
-    "convert": ("mixln_megatron.convert.cli", "Convert checkpoints: to-hf, from-hf."),
+    "convert": ("mixln_megatron.convert.cli", "Convert checkpoints: to-hf, from-hf, gpt-to-hybrid, hybrid-to-gpt, inspect."),
     "analyze": ("mixln_megatron.analysis.cli", "Diagnostics: grad-norms, angular-distance, layer-drop, train-health."),
     "placement": ("mixln_megatron.cli", "Print which layers are Post-LN for a model shape."),
 }

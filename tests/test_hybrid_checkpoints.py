@@ -189,11 +189,11 @@ def test_refusals_are_one_line_and_leave_nothing(work, tmp_path, capsys, monkeyp
 
     d, _ = work
     out = tmp_path / "out"
-    assert main(["gpt-to-hybrid", f"{d}/hyb_tp2", str(out), "--no-progress"]) == 2
+    assert main(["gpt-to-hybrid", "--load", f"{d}/hyb_tp2", "--save", str(out), "--no-progress"]) == 2
     assert "already is a HybridModel checkpoint" in capsys.readouterr().err
-    assert main(["hybrid-to-gpt", f"{d}/gpt2_tp1", str(out), "--no-progress"]) == 2
+    assert main(["hybrid-to-gpt", "--load", f"{d}/gpt2_tp1", "--save", str(out), "--no-progress"]) == 2
     assert "already is a GPTModel checkpoint" in capsys.readouterr().err
-    assert main(["gpt-to-hybrid", f"{d}/gpt2_tp1", f"{d}/gpt0_tp1", "--no-progress"]) == 2  # not empty
+    assert main(["gpt-to-hybrid", "--load", f"{d}/gpt2_tp1", "--save", f"{d}/gpt0_tp1", "--no-progress"]) == 2  # not empty
     assert "--overwrite" in capsys.readouterr().err
     # a non-Mix-LN pattern in the args (MoE, MTP, Mamba) is refused with the reason
     real = TorchDistCheckpoint._read_common
@@ -204,7 +204,7 @@ def test_refusals_are_one_line_and_leave_nothing(work, tmp_path, capsys, monkeyp
             return common
 
         monkeypatch.setattr(TorchDistCheckpoint, "_read_common", patched)
-        for command in (["hybrid-to-gpt", f"{d}/hyb_tp2", str(out), "--no-progress"],
+        for command in (["hybrid-to-gpt", "--load", f"{d}/hyb_tp2", "--save", str(out), "--no-progress"],
                         ["to-hf", "--load", f"{d}/hyb_tp2", "--save", str(out), "--no-progress"]):
             assert main(command) == 2
             err = capsys.readouterr().err
@@ -238,11 +238,11 @@ def test_inspect_describes_a_hybrid_checkpoint(work, capsys):
     from mixln_megatron.convert.cli import main
 
     d, _ = work
-    assert main(["inspect", f"{d}/hyb_tp2", "--json"]) == 0
+    assert main(["inspect", "--load", f"{d}/hyb_tp2", "--json"]) == 0
     info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert info["model"] == "HybridModel" and info["hybrid_pattern"] == "*-*-*-*-"
     assert info["hybrid_layers"] == 8 and info["transformer_blocks"] == 4
     assert info["post_ln_layers"] == 2 and info["post_ln_blocks"] == [1, 2] and info["norm_keys"] == "mixln"
-    assert main(["inspect", f"{d}/gpt0_tp1"]) == 0
+    assert main(["inspect", "--load", f"{d}/gpt0_tp1"]) == 0
     text = capsys.readouterr().out
     assert "model: GPTModel" in text and "post_ln_layers: 0" in text

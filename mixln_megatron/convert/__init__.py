@@ -2,7 +2,7 @@
 
     mixln-megatron convert to-hf   --load CKPT_DIR [--iteration N] --save HF_DIR [--dtype ...]
     mixln-megatron convert from-hf --load HF_DIR --save CKPT_DIR --tp N --pp M [--ckpt-format ...]
-    mixln-megatron convert gpt-to-hybrid SRC DST | hybrid-to-gpt SRC DST    (torch_dist, model weights)
+    mixln-megatron convert gpt-to-hybrid | hybrid-to-gpt --load CKPT --save CKPT  (torch_dist, model weights)
     mixln-megatron convert inspect CKPT_DIR
 
 Python API (same options as the command line, see cli.py):

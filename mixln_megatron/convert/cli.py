@@ -11,12 +11,12 @@ mixln_megatron.convert.
         [--post-ln-layers P | --mixln-alpha A] [--mixln-scheme S] [--tokenizer-model PATH]
         [--overwrite] [--no-progress]
 
-    mixln-megatron convert gpt-to-hybrid SRC DST [--iteration N] [--overwrite] [--no-progress]
-    mixln-megatron convert hybrid-to-gpt SRC DST [--iteration N] [--overwrite] [--no-progress]
+    mixln-megatron convert gpt-to-hybrid --load CKPT_DIR --save CKPT_DIR [--iteration N] [--overwrite]
+    mixln-megatron convert hybrid-to-gpt --load CKPT_DIR --save CKPT_DIR [--iteration N] [--overwrite]
         (torch_dist model weights, Mix-LN norms and settings record kept; optimizer / RNG state
         are not converted: resume with --no-load-optim --no-load-rng, or --finetune)
 
-    mixln-megatron convert inspect CKPT_DIR [--iteration N] [--json]
+    mixln-megatron convert inspect --load CKPT_DIR [--iteration N] [--json]
 
 Exit status: 0 on success, 2 when the conversion is refused or fails (the message says why; no
 output is left behind), 1 on an unexpected error, 128 + N when stopped by signal N (SIGINT,
@@ -98,15 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
             "spike-scaler state, with Megatron-LM's args adjusted (num_layers, hybrid_layer_pattern, --spec). "
             "Model weights only: optimizer and RNG state are NOT converted, so resume with --no-load-optim "
             "--no-load-rng (or --finetune). Hybrid patterns other than '*-' pairs (Mamba, MoE, MLA, MTP) are refused.")
-        kind.add_argument("load", metavar="SRC", help="Megatron-LM --save directory (or one iter_*/release dir in it)")
-        kind.add_argument("save", metavar="DST", help="output Megatron-LM checkpoint directory (must not exist or be empty)")
+        kind.add_argument("--load", required=True, help="Megatron-LM --save directory (or one iter_*/release dir in it)")
+        kind.add_argument("--save", required=True,
+                          help="output Megatron-LM checkpoint directory (must not exist or be empty)")
         kind.add_argument("--iteration", default=None, help="iteration to convert (default: the latest)")
-        kind.add_argument("--overwrite", action="store_true", help="replace a previous converted checkpoint in DST")
+        kind.add_argument("--overwrite", action="store_true", help="replace a non-empty --save directory")
         kind.add_argument("--no-progress", action="store_true", help="no progress bar")
     show = sub.add_parser("inspect", help="describe a Megatron-LM checkpoint",
                           description="What a checkpoint holds: format, model kind (GPTModel / HybridModel and "
                           "its pattern), transformer blocks, the Mix-LN settings and where they come from, the shape.")
-    show.add_argument("load", metavar="CKPT_DIR", help="Megatron-LM --save directory (or one iter_*/release dir in it)")
+    show.add_argument("--load", required=True, help="Megatron-LM --save directory (or one iter_*/release dir in it)")
     show.add_argument("--iteration", default=None, help="iteration to inspect (default: the latest)")
     show.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
