@@ -246,3 +246,22 @@ def test_inspect_describes_a_hybrid_checkpoint(work, capsys):
     assert main(["inspect", "--load", f"{d}/gpt0_tp1"]) == 0
     text = capsys.readouterr().out
     assert "model: GPTModel" in text and "post_ln_layers: 0" in text
+
+
+# ------------------------------------------------------------------------------ analysis
+def test_analysis_reads_a_hybrid_checkpoint_as_its_gpt_network(work, mcore_single):
+    """The analysis loader reads a HybridModel checkpoint through convert's reader into the GPT
+    model of the same network: the same weights and losses as its hybrid-to-gpt conversion."""
+    from mixln_megatron.analysis.models import load_megatron_checkpoint
+
+    d, _ = work
+    hybrid, gpt = load_megatron_checkpoint(f"{d}/hyb_tp2"), load_megatron_checkpoint(f"{d}/hyb_tp2_g")
+    assert hybrid.placement.post_ln_layers == gpt.placement.post_ln_layers == 2
+    assert hybrid.placement.num_layers == gpt.placement.num_layers == 4
+    a, b = hybrid.module.state_dict(), gpt.module.state_dict()
+    tensors = [k for k in a if torch.is_tensor(a[k]) and not k.endswith("_extra_state")]
+    assert tensors and all(torch.equal(a[k], b[k]) for k in tensors)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    labels = torch.roll(ids, -1, dims=1)
+    with torch.no_grad():
+        assert torch.equal(hybrid.token_losses(ids, labels), gpt.token_losses(ids, labels))

@@ -386,13 +386,16 @@ def _inspect(path: str, iteration: Optional[int]):
     return info
 
 
-def _config_from_shape(a):
-    """The model to build (FreshShape) + TransformerConfig for CPU inference from convert's ArgsShape."""
-    if a.padded_vocab_size is None:
+def _config_from_shape(a, embedding_rows: Optional[int] = None):
+    """The model to build (FreshShape) + TransformerConfig for CPU inference from convert's ArgsShape.
+    The vocabulary is the args' padded_vocab_size, else the saved embedding's rows (args saved
+    before Megatron-LM built its tokenizer have none)."""
+    vocab = a.padded_vocab_size if a.padded_vocab_size is not None else embedding_rows
+    if vocab is None:
         raise CheckpointError("the checkpoint's saved args have no padded_vocab_size")
     shape = FreshShape(
         num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
-        ffn_hidden_size=a.ffn_hidden_size, vocab_size=a.padded_vocab_size, seq_length=a.max_position_embeddings,
+        ffn_hidden_size=a.ffn_hidden_size, vocab_size=vocab, seq_length=a.max_position_embeddings,
         num_query_groups=a.num_query_groups, untie_embeddings=a.untie_embeddings,
     )
     overrides = {"kv_channels": a.kv_channels}
@@ -477,7 +480,7 @@ def load_megatron_checkpoint(
         settings.update(post_ln_layers=int(post_ln_layers), source="command line")
     if scheme is not None:
         settings.update(scheme=scheme)
-    shape, config = _config_from_shape(a)
+    shape, config = _config_from_shape(a, getattr(info.reader, "padded_vocab_size", None))
     spec = get_mixln_decoder_block_spec(config, backend="local", post_ln_layers=settings["post_ln_layers"],
                                         scheme=settings["scheme"])
     with _quiet_gpt_deprecation():

@@ -87,11 +87,9 @@ TABLE: tuple = (
          "the entry point and the converter build and map the decoder only", {PRETRAIN, CONVERT}),
     _row("use_megatron_fsdp", "Megatron-FSDP (--use-megatron-fsdp)",
          "use Megatron's DDP, optionally with --use-distributed-optimizer", {PRETRAIN}),
-    # Conversion reads Mix-LN HybridModel checkpoints (`*-` pairs) and refuses other patterns
-    # with hybrid_pattern.pattern_problem (convert.shape); the analysis tools load GPT models only.
-    _row("hybrid_layer_pattern hybrid_override_pattern", "a HybridModel checkpoint (--hybrid-layer-pattern)",
-         "the analysis tools load GPTModel checkpoints; convert it first with "
-         "`mixln-megatron convert hybrid-to-gpt`", {ANALYSIS}, off=(None, False, 0, "")),
+    # HybridModel checkpoints: conversion and analysis read Mix-LN `*-` patterns as the GPT network
+    # they are (convert's reader) and refuse other patterns with hybrid_pattern.pattern_problem
+    # (convert.shape), so no row here.
     # Features the Mix-LN layer handles but the Llama export cannot express.
     _row("qk_layernorm", "QK layernorm (--qk-layernorm)", "Llama has no q/k norms", {CONVERT}),
     _row("qk_l2_norm", "QK L2 norm (--qk-l2-norm)", "Llama has no q/k norms", {CONVERT}),
