@@ -183,6 +183,7 @@ def signal_id(v):
 CASES = [  # direction, point, signal (the full grid runs with the slow tests)
     ("to-hf", "read", signal.SIGTERM), ("to-hf", "write", signal.SIGKILL), ("to-hf", "write", signal.SIGHUP),
     ("from-hf", "write", signal.SIGTERM), ("from-hf", "rename", signal.SIGKILL),
+    ("gpt-to-hybrid", "write", signal.SIGTERM), ("gpt-to-hybrid", "rename", signal.SIGKILL),
 ]
 SLOW_CASES = [("to-hf", "read", signal.SIGKILL), ("to-hf", "rename", signal.SIGKILL), ("to-hf", "rename", signal.SIGTERM),
               ("from-hf", "read", signal.SIGTERM), ("from-hf", "read", signal.SIGKILL),
@@ -192,14 +193,17 @@ SLOW_CASES = [("to-hf", "read", signal.SIGKILL), ("to-hf", "rename", signal.SIGK
 @pytest.mark.parametrize("direction,point,sig", CASES + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW_CASES],
                          ids=signal_id)
 def test_killed_conversion_leaves_nothing_and_next_run_cleans_up(tmp_path, sources, direction, point, sig, capfd):
-    src = sources["mg"] if direction == "to-hf" else sources["hf"]
+    from mixln_megatron.convert.gpt_hybrid import convert_gpt_to_hybrid
+
+    source = "hf" if direction == "from-hf" else "mg"
+    src = sources[source]
     out = tmp_path / "out"
     proc = start(tmp_path, point, "convert", direction, "--load", src, "--save", out, "--no-progress")
     left = temporaries(out)
     assert len(left) == 1 and left[0].startswith(".out.tmp-"), left  # the paused run is writing here
     rc, err = signal_and_wait(proc, sig)
     assert not out.exists()
-    assert tree_hash(src) == sources["hash"]["mg" if direction == "to-hf" else "hf"]
+    assert tree_hash(src) == sources["hash"][source]
     if sig == signal.SIGKILL:
         assert rc == -signal.SIGKILL and temporaries(out) == left  # nothing could clean up
     else:
@@ -209,7 +213,8 @@ def test_killed_conversion_leaves_nothing_and_next_run_cleans_up(tmp_path, sourc
                          f"removed; {out} is as it was before this run"], err
         assert temporaries(out) == []
     capfd.readouterr()
-    (convert_to_hf if direction == "to-hf" else convert_from_hf)(str(src), str(out), progress=False)
+    run = {"to-hf": convert_to_hf, "from-hf": convert_from_hf, "gpt-to-hybrid": convert_gpt_to_hybrid}[direction]
+    run(str(src), str(out), progress=False)
     said = [line for line in capfd.readouterr().err.splitlines() if "stale" in line]
     if sig == signal.SIGKILL:
         assert said == [f"[mixln_megatron] out: removed 1 stale temporary entry of an interrupted run ({left[0]}) "
