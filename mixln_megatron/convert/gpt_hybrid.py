@@ -26,6 +26,7 @@ the input (e.g. `_extra_state`) are copied as bytes, never unpickled.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import time
 from typing import Dict, List, Optional, Tuple
@@ -106,7 +107,7 @@ def convert_model_kind(load: str, save: str, target: str, *, iteration=None, ove
         common["args"], notes = converted_args(common["args"], target, blocks)
     plan.object(COMMON_STATE, common)
 
-    total = sum(_numel(i.tensor_data.chunk.sizes) * i.tensor_data.properties.dtype.itemsize
+    total = sum(math.prod(i.tensor_data.chunk.sizes) * i.tensor_data.properties.dtype.itemsize
                 for i in plan.items if i.tensor_data is not None)
     bar = _progress(progress, total, f"{source}-to-{target} {os.path.basename(os.path.abspath(save))}")
 
@@ -186,13 +187,6 @@ def _source_metadata(path: str) -> Optional[dict]:
     return meta if isinstance(meta, dict) and meta.get("sharded_backend") == "torch_dist" else None
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
 # ------------------------------------------------------------------------------------ keys
 class _KeyMap:
     """Plans every model tensor and object of the source under its key in the other model kind."""
@@ -226,7 +220,7 @@ class _KeyMap:
         shape = tuple(int(s) for s in md.size)[len(src_lead):]
         dtype = md.properties.dtype
         rows = shape[0] if shape else 1
-        row_bytes = max(1, _numel(shape[1:]) * dtype.itemsize)
+        row_bytes = max(1, math.prod(shape[1:]) * dtype.itemsize)
         step = max(1, PIECE_BYTES // row_bytes)
         dst_shape = self._dst_shape(dst, shape, dst_lead)
         for a in range(0, rows, step):

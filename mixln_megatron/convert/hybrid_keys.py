@@ -62,7 +62,8 @@ def part_of_name(name: str, post_ln: bool) -> Optional[str]:
 
 def hybrid_index(block: int, part: str) -> int:
     """The global 0-based hybrid layer of 0-based block `block`'s `part`."""
-    return 2 * block + (0 if part == hybrid_pattern.ATTENTION else 1)
+    attention, mlp = hybrid_pattern.layer_numbers_of_block(block + 1)
+    return (attention if part == hybrid_pattern.ATTENTION else mlp) - 1
 
 
 def model_kind(tensor_keys: Iterable[str]) -> str:

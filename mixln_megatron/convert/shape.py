@@ -55,9 +55,7 @@ class ArgsShape:
     rope_scaling_factor: float
 
 
-def args_hybrid_pattern(args) -> Optional[str]:
-    """Megatron-LM's --hybrid-layer-pattern (or the deprecated --hybrid-override-pattern), if any."""
-    return _arg_set(args, "hybrid_layer_pattern", "hybrid_override_pattern") or None
+args_hybrid_pattern = hybrid_pattern.pattern_of_args  # Megatron-LM's saved args -> the pattern, if any
 
 
 def args_num_blocks(args) -> int:

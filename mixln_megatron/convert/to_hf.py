@@ -25,6 +25,7 @@ shapes, so no shard is ever held in memory; the embedding and output layer go in
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -101,7 +102,7 @@ class StreamingSafetensorsWriter:
         shards: List[list] = [[]]
         size = 0
         for name, shape, dtype in plan:
-            nbytes = _numel(shape) * dtype.itemsize
+            nbytes = math.prod(shape) * dtype.itemsize
             if shards[-1] and size + nbytes > max_shard_bytes:
                 shards.append([])
                 size = 0
@@ -182,13 +183,6 @@ class StreamingSafetensorsWriter:
         if self._f is not None:
             self._f.close()
             self._f = None
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 # --------------------------------------------------------------------------- config files

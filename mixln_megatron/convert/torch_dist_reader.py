@@ -12,6 +12,7 @@ content metadata) lives in common.pt (older megatron-core) or in the files as th
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Dict, Iterable, Optional, Sequence, Tuple
 
@@ -31,13 +32,6 @@ COMMON_STATE_KEY = "common_state/shard_0_1"
 # is read, so blocks much smaller than a chunk only add reads (benchmarks/convert.py).
 VOCAB_BLOCK_BYTES = 32 << 20
 _ROLE_PREFIX = {ATTENTION: ("qkv.", "proj."), MLP: ("fc1.", "fc2.")}  # which hybrid layer holds a role
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 class TorchDistCheckpoint(ReaderBase):
@@ -197,7 +191,7 @@ class TorchDistCheckpoint(ReaderBase):
         (each block loads the chunks it touches whole) and none exceeds VOCAB_BLOCK_BYTES."""
         key = M.TD_EMBEDDING if which == "embedding" else M.TD_OUTPUT
         md = self._tensors[key]
-        step = max(1, VOCAB_BLOCK_BYTES // (_numel(md.size[1:]) * md.properties.dtype.itemsize))
+        step = max(1, VOCAB_BLOCK_BYTES // (math.prod(md.size[1:]) * md.properties.dtype.itemsize))
         starts = sorted({int(c.offsets[0]) for c in md.chunks} | {0})
         bounds = [s for s in starts if s < rows] + [rows]
         return [(a, min(b, a + step)) for lo, hi in zip(bounds[:-1], bounds[1:]) for a, b in
@@ -215,7 +209,7 @@ class TorchDistCheckpoint(ReaderBase):
         return self.read(key, (0,), self.global_shape(key))
 
     def model_tensor_bytes(self) -> int:
-        return sum(_numel(md.size) * md.properties.dtype.itemsize for key, md in self._tensors.items()
+        return sum(math.prod(md.size) * md.properties.dtype.itemsize for key, md in self._tensors.items()
                    if key.startswith(("decoder.", "embedding.", "output_layer.")))
 
     def check_shapes(self, shape) -> None:

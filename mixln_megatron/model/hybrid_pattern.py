@@ -108,6 +108,12 @@ def check_segment(layer_types: Sequence[str], pp_layer_offset: int) -> None:
             raise MixLNUnsupportedError(f"the hybrid pattern: {problem}")
 
 
+def pattern_of_args(args) -> Optional[str]:
+    """The pattern Megatron-LM's arguments (parsed or saved) ask for: --hybrid-layer-pattern, or the
+    deprecated --hybrid-override-pattern its validation renames; None for a GPT model."""
+    return getattr(args, "hybrid_layer_pattern", None) or getattr(args, "hybrid_override_pattern", None) or None
+
+
 def pattern_for(num_blocks: int, stage_blocks: Optional[Sequence[int]] = None) -> str:
     """`*-` * num_blocks, split into pipeline stages of `stage_blocks` blocks each when given."""
     if stage_blocks is None:

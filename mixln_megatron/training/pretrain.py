@@ -113,10 +113,7 @@ def check_supported_args(args, spec_from_checkpoint: bool = False) -> None:
 
 
 # ------------------------------------------------------------------ HybridModel
-def hybrid_layer_pattern(args) -> Optional[str]:
-    """The HybridModel pattern a run asks for (--hybrid-layer-pattern, or Megatron-LM's deprecated
-    --hybrid-override-pattern, which validation renames), None for a GPT run."""
-    return getattr(args, "hybrid_layer_pattern", None) or getattr(args, "hybrid_override_pattern", None)
+hybrid_layer_pattern = hybrid_pattern.pattern_of_args  # the HybridModel pattern a run asks for, None for GPT
 
 
 class MixLNHybridUnsupported(MixLNPretrainUnsupported):
