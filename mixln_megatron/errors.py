@@ -63,3 +63,7 @@ class UnsupportedModelError(ConversionError):
 
 class UnsafeCheckpointError(ConversionError):
     """A checkpoint file names a global that is not on the allow-list, or is not a readable pickle."""
+
+
+class UnsafeInputError(ConversionError):
+    """A file an input names lies outside the input, is not a regular file, or exceeds its size bound."""
