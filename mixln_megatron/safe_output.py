@@ -75,6 +75,14 @@ def _real(path: str) -> str:
     return os.path.realpath(os.path.abspath(os.fspath(path)))
 
 
+def output_path(save: str) -> str:
+    """Where an output really goes: `save` itself, or the folder a `save` symlink points to (a link
+    to a scratch disk is the user's way of putting the output there). Staging then happens next to
+    that folder, so the link stays a link and nothing is left beside it."""
+    save = os.path.abspath(os.fspath(save))
+    return os.path.realpath(save) if os.path.islink(save) else save
+
+
 def _inside(child: str, parent: str) -> bool:
     return os.path.commonpath([child, parent]) == parent
 
@@ -170,7 +178,7 @@ def sweep_stale(save: str, suffixes: Sequence[str] = ("",), log: Callable[[str],
     """Remove `.<name>.tmp-*` / `.<name>.old-*` entries next to `save` whose process is gone; put an
     orphaned `.old-` output back when `save` is missing. Returns the entries handled."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    save = os.path.abspath(save)
+    save = output_path(save)
     parent, base = os.path.dirname(save), os.path.basename(save)
     if not os.path.isdir(parent):
         return []
@@ -220,8 +228,9 @@ def new_temp_name(save: str, suffix: str = "", kind: str = "tmp") -> str:
 @contextlib.contextmanager
 def staged_dir(save: str, kind: Optional[OutputKind], overwrite: bool, error: Type[Exception]):
     """Yield a fresh temporary folder next to `save`; on success it becomes `save`, the previous
-    output (checked again, it may have changed meanwhile) being deleted only after the rename."""
-    save = os.path.abspath(save)
+    output (checked again, it may have changed meanwhile) being deleted only after the rename. A
+    `save` that is a symlink to a folder is written through: the folder it names is replaced."""
+    save = output_path(save)
     parent = os.path.dirname(save)
     created = None  # the topmost parent directory this call creates (removed again on failure)
     probe = parent

@@ -151,6 +151,26 @@ def test_old_output_is_back_when_the_replacement_fails(tmp_path, sources, monkey
     assert tree_hash(out) == old and not no_leftovers(out)
 
 
+@pytest.mark.parametrize("existing", ["empty", "previous export"])
+def test_save_given_as_a_symlink_writes_through_it_and_leaves_nothing_beside(tmp_path, sources, existing):
+    """--save as a link to a folder elsewhere (a scratch disk): the export lands in that folder, the
+    link stays a link, and no `.<name>.old-*` / `.tmp-*` entry is left beside either (issue 27 item 6)."""
+    target = tmp_path / "scratch" / "export"
+    target.mkdir(parents=True)
+    if existing == "previous export":
+        convert_to_hf(str(sources["mg"]), str(target), overwrite=True, progress=False)
+    link = tmp_path / "work" / "out"
+    link.parent.mkdir()
+    os.symlink(target, link)
+    r = cli("convert", "to-hf", "--load", sources["mg"], "--save", link, "--overwrite", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert os.path.islink(link) and os.path.realpath(link) == str(target)
+    assert (target / "config.json").is_file()
+    assert sorted(os.listdir(link.parent)) == ["out"]
+    assert sorted(os.listdir(target.parent)) == ["export"]
+    assert tree_hash(sources["mg"]) == sources["hash"]["mg"]
+
+
 # ----------------------------------------------------------------------------------------- item 2: real signals
 def start(tmp_path, point, *args):
     marker = tmp_path / f"paused-{point}"
