@@ -6,8 +6,10 @@ this project reads from a checkpoint (torch_dist `.metadata`, `common.pt`, the b
 
   load_torch(src, what)    a torch.save archive: torch.load(weights_only=True), with the
                            allow-listed classes the file names (and only those) made loadable
-  load_pickle(src, what)   a plain pickle (DCP's `.metadata`): pickle.Unpickler whose find_class
-                           answers only for the allow-list
+  load_pickle(src, what)   a plain pickle (DCP's `.metadata`): a pure-Python unpickler whose
+                           find_class answers only for the allow-list and whose state-changing
+                           opcodes (BUILD, SETITEM(S), APPEND(S), ADDITEMS) only touch objects the
+                           file itself created, never a class, module, function or shared constant
 
 ALLOWED is the allow-list: the classes Megatron-LM and torch.distributed.checkpoint really put in
 checkpoints (argparse args with megatron enums, numpy RNG state, DCP metadata dataclasses), named
@@ -16,6 +18,15 @@ them. Anything else is refused before it is called, with one line naming the fil
 (UnsafeCheckpointError, exit 2 from the commands); garbage, truncated and empty files are refused
 the same way. The pattern is megatron-core's `safe_globals.py`; torch's own weights-only
 unpickler does the work for torch.save archives.
+
+Costs are bounded before anything is unpickled (issue 27): a plain pickle is at most
+LIMITS[kind] bytes and may not number a memo slot beyond the memo writes it has made (CPython's C
+unpickler grows its memo array to any index a 9-byte prefix asks for); a torch.save archive is
+checked with zipfile first (every entry stored, as torch.save writes them, sizes consistent with
+the file, data.pkl at most LIMITS["pickle"]), so a deflate bomb is refused before it is inflated.
+The refusal names the globals a static scan of the pickle finds (`_archive_globals`), never text
+parsed out of another library's error message. torch dtypes/layouts (`torch float32`) are looked
+up in `vars(torch)` only: a name such as `torch _dynamo` is refused without importing anything.
 """
 
 from __future__ import annotations
@@ -25,12 +36,13 @@ import io
 import os
 import pickle
 import pickletools
-import re
+import sys
 import struct
 import zipfile
 from typing import Iterable, Union
 
 from .errors import UnsafeCheckpointError
+from .input_root import LIMITS
 
 _DCP = "torch.distributed.checkpoint"
 # `module.qualname` as pickle writes it -> importable (module, attribute path).
@@ -80,7 +92,6 @@ ALLOWED = (
     "collections.OrderedDict",
 )
 _ALLOWED = frozenset(ALLOWED)
-_NOT_ALLOWED = re.compile(r"GLOBAL (\S+) was not an allowed global")
 _HINT = ("a checkpoint holds data only; this file names code to run, so it may have been crafted to run "
          "it: do not load it with plain torch.load / pickle either")
 
@@ -95,10 +106,25 @@ def _resolve(name: str):
 
 
 def _is_torch_constant(module: str, name: str) -> bool:
-    """torch dtypes and layouts pickle as globals of the torch module (`torch float32`)."""
-    import torch
+    """torch dtypes and layouts pickle as globals of the torch module (`torch float32`).
 
-    return module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))
+    Looked up in `vars(torch)` only: `getattr(torch, name)` would run torch's lazy submodule
+    import (`torch _dynamo` imports torch._dynamo), which a file must never trigger. torch is not
+    imported here either: a file read before torch is imported names no torch constant we need."""
+    torch = sys.modules.get("torch")
+    if module != "torch" or torch is None or not isinstance(name, str):
+        return False
+    return isinstance(vars(torch).get(name), (torch.dtype, torch.layout))
+
+
+def _torch_safe_names() -> frozenset:
+    """The globals torch's weights-only unpickler allows by itself (tensor rebuilders, storages, dtypes)."""
+    try:
+        from torch import _weights_only_unpickler as w
+
+        return frozenset(w._get_allowed_globals())
+    except Exception:  # noqa: BLE001 - a torch without it: only our allow-list and torch constants count
+        return frozenset()
 
 
 def _refusal(what: str, names: Iterable[str]) -> UnsafeCheckpointError:
@@ -108,110 +134,353 @@ def _refusal(what: str, names: Iterable[str]) -> UnsafeCheckpointError:
                                  f"classes ({_HINT})")
 
 
-def _unreadable(what: str, error: BaseException) -> UnsafeCheckpointError:
+def _unreadable(what: str, error) -> UnsafeCheckpointError:
     detail = " ".join(str(error).split())[:200] or type(error).__name__
     return UnsafeCheckpointError(f"{what} is unreadable (empty, truncated or not a checkpoint file?): {detail}")
+
+
+def _unsafe(what: str, why: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(f"{what}: refused to unpickle: {why} (a damaged or crafted file?)")
 
 
 Source = Union[str, os.PathLike, bytes, bytearray]
 
 
+# ------------------------------------------------------------------------------ torch.save archives
+def _check_archive(source: Source, what: str) -> bytes:
+    """Check a torch.save zip without inflating anything; returns its data.pkl (at most LIMITS["pickle"]).
+
+    torch.save writes every entry stored (uncompressed), each once, inside the file: anything else
+    (a deflate bomb, sizes beyond the file, a huge pickle) is refused here, before torch reads it."""
+    try:
+        size = len(source) if isinstance(source, (bytes, bytearray)) else os.path.getsize(source)
+        stream = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else open(source, "rb")
+    except OSError as e:
+        raise _unreadable(what, e) from None
+    try:
+        with stream, zipfile.ZipFile(stream) as archive:
+            entries = archive.infolist()
+            total = 0
+            pkl = [i for i in entries if i.filename.endswith("data.pkl")]
+            if len(pkl) != 1:
+                raise _unreadable(what, f"a torch.save archive holds one data.pkl, this one {len(pkl)}")
+            for info in entries:
+                if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+                    raise _unsafe(what, f"its archive entry {info.filename!r} is compressed ({info.file_size} "
+                                        f"bytes stored in {info.compress_size}); torch.save never compresses")
+                total += info.file_size
+                if info.header_offset < 0 or info.header_offset + info.file_size > size or total > size:
+                    raise _unsafe(what, f"its archive entry {info.filename!r} claims more bytes than the "
+                                        f"file holds ({size})")
+            if pkl[0].file_size > LIMITS["pickle"]:
+                raise _unsafe(what, f"its pickle holds {pkl[0].file_size} bytes, more than any real checkpoint "
+                                    f"pickle ({LIMITS['pickle']} bytes)")
+            data = archive.read(pkl[0])
+    except UnsafeCheckpointError:
+        raise
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, KeyError, IndexError,
+            struct.error, NotImplementedError, RuntimeError, OverflowError) as e:
+        raise _unreadable(what, e) from None
+    if len(data) > LIMITS["pickle"]:
+        raise _unsafe(what, "its pickle is larger than its archive entry says")
+    return data
+
+
 def load_torch(source: Source, what: str, *, mmap: bool = False):
     """A torch.save archive (a path or its bytes), loaded with torch's weights-only unpickler.
 
-    The globals the file needs beyond torch's own safe set are read first without running
-    anything (torch.serialization.get_unsafe_globals_in_checkpoint); any not in ALLOWED refuses
-    the file; the allowed ones are made loadable for this call only.
+    The archive is checked first (_check_archive); the globals its pickle names are read by a
+    static scan without running anything (_archive_globals); any that is neither on ALLOWED nor
+    one torch's weights-only unpickler allows by itself refuses the file, naming it; the allowed
+    ones are made loadable for this call only.
     """
     import torch
+
+    data = _check_archive(source, what)
+    names = _archive_globals(data)
+    torch_safe = _torch_safe_names()
+    forbidden = [n for n in names if n not in _ALLOWED and n not in torch_safe
+                 and not _is_torch_constant(*n.rsplit(".", 1) if "." in n else ("", n))]
+    if forbidden:
+        raise _refusal(what, forbidden)
+    needed = sorted({n for n in names if n in _ALLOWED and n not in torch_safe})
+    classes = [_resolve(n) for n in needed]
+    missing = [n for n, c in zip(needed, classes) if c is None]
+    if missing:
+        raise _refusal(what, missing)
 
     def opened():
         return io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
 
     try:
-        needed = torch.serialization.get_unsafe_globals_in_checkpoint(opened())
-    except (ValueError, RuntimeError, OSError, EOFError, KeyError, zipfile.BadZipFile, pickle.UnpicklingError,
-            IndexError, struct.error) as e:
-        # torch's scan reads the protocol torch.save writes; name what another protocol asks for
-        forbidden = [n for n in _archive_globals(opened()) if n not in _ALLOWED and not n.startswith("torch.")]
-        raise (_refusal(what, forbidden) if forbidden else _unreadable(what, e)) from None
-    forbidden = [n for n in needed if n not in _ALLOWED]
-    classes = [_resolve(n) for n in needed]
-    forbidden += [n for n, c in zip(needed, classes) if c is None and n not in forbidden]
-    if forbidden:
-        raise _refusal(what, forbidden)
-    try:
         with torch.serialization.safe_globals(classes):
             return torch.load(opened(), map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as e:
-        match = _NOT_ALLOWED.search(str(e))  # a global the static scan could not see
-        if match:
-            raise _refusal(what, [match.group(1)]) from None
-        raise _unreadable(what, e) from None
-    except (RuntimeError, ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile, IndexError, TypeError,
-            AttributeError, struct.error) as e:
+    except (pickle.UnpicklingError, RuntimeError, ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile,
+            IndexError, TypeError, AttributeError, struct.error, MemoryError, OverflowError) as e:
+        # torch refused or failed where the scan saw nothing forbidden: unreadable, in its own words
         raise _unreadable(what, e) from None
 
 
-def _archive_globals(source) -> list:
-    """The globals the data.pkl of a torch.save zip names, by a static scan (nothing is run); [] if unreadable."""
+_STRING_OPS = frozenset(("UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "STRING", "BINSTRING",
+                         "SHORT_BINSTRING"))
+
+
+def _archive_globals(data: bytes) -> list:
+    """The globals a pickle names (`module.name`, in order), by a static scan: nothing is run.
+
+    A small model of the unpickler's stack (strings and "something else") and memo is enough to
+    name STACK_GLOBAL's operands: every memo write (PUT/BINPUT/LONG_BINPUT at their index,
+    MEMOIZE at the next one) stores whatever is on top, string or not; GET/BINGET/LONG_BINGET push
+    it back. A damaged stream is scanned up to the damage."""
+    names, stack, marks, memo = [], [], [], {}
+
+    def pop(n: int):
+        for _ in range(n):
+            if stack:
+                stack.pop()
+
     try:
-        with zipfile.ZipFile(source) as archive:
-            name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
-            data = archive.read(name)
-        names, strings, memo = [], [], {}
         for op, arg, _ in pickletools.genops(data):
-            if isinstance(arg, str) and "UNICODE" in op.name or op.name == "STRING":
-                strings.append(arg)
-            elif op.name in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE") and strings:
-                memo[len(memo) if op.name == "MEMOIZE" else arg] = strings[-1]
-            elif op.name in ("BINGET", "LONG_BINGET", "GET") and arg in memo:
-                strings.append(memo[arg])
-            elif op.name == "GLOBAL":
-                names.append(arg.replace(" ", "."))
-            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
-                names.append(f"{strings[-2]}.{strings[-1]}")
-        return names
-    except Exception:  # noqa: BLE001 - only used to word a refusal
-        return []
+            name = op.name
+            if name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+                memo[len(memo) if name == "MEMOIZE" else arg] = stack[-1] if stack else None
+                continue
+            if name in ("GET", "BINGET", "LONG_BINGET"):
+                stack.append(memo.get(arg))
+                continue
+            if name == "MARK":
+                marks.append(len(stack))
+                continue
+            if name == "DUP":
+                stack.append(stack[-1] if stack else None)
+                continue
+            if name == "GLOBAL":
+                names.append(str(arg).replace(" ", "."))
+                stack.append(None)
+                continue
+            if name == "STACK_GLOBAL":
+                module, attr = (stack[-2], stack[-1]) if len(stack) >= 2 else (None, None)
+                names.append(f"{module if isinstance(module, str) else '?'}.{attr if isinstance(attr, str) else '?'}")
+                pop(2)
+                stack.append(None)
+                continue
+            before = op.stack_before
+            if pickletools.stackslice in before:  # pops to the last MARK, then what lies under it
+                del stack[marks.pop() if marks else 0:]
+                pop(len(before) - 2)
+            else:
+                pop(len(before))
+            if name in _STRING_OPS:
+                stack.append(arg if isinstance(arg, str) else None)
+            else:
+                stack.extend([None] * len(op.stack_after))
+    except Exception:  # noqa: BLE001 - damaged or truncated: what was seen so far
+        pass
+    return names
 
 
-class _AllowListUnpickler(pickle.Unpickler):
-    """pickle.Unpickler that resolves only allow-listed globals; nothing else can be called."""
+# ------------------------------------------------------------------------------ plain pickles
+_SHARED = (type, type(sys), type(len), type(_resolve), type(str.join), type("".join), staticmethod, classmethod,
+           property)
+
+
+class _AllowListUnpickler(pickle._Unpickler):
+    """The pure-Python unpickler, resolving only allow-listed globals, whose state-changing opcodes
+    touch only objects this file created (never a class, module, function, enum member or torch
+    constant: a BUILD on the class argparse.Namespace would change it process-wide), and whose
+    memo indices follow the memo writes made so far (a real pickler numbers them 0, 1, 2, ...)."""
 
     what = "pickle"
+    dispatch = dict(pickle._Unpickler.dispatch)
 
+    def __init__(self, file, what: str):
+        super().__init__(file)
+        self.what = what
+        self._globals = set()  # ids of what find_class returned (callable by REDUCE / NEWOBJ)
+        self._created = {}  # id -> object this file built (kept alive, so no id is reused)
+        self._memo_writes = 0
+
+    # ---------------------------------------------------------------- globals
     def find_class(self, module: str, name: str):
         full = f"{module}.{name}"
+        found = None
         if full in _ALLOWED:
             found = _resolve(full)
-            if found is not None:
-                return found
         elif _is_torch_constant(module, name):
-            import torch
-
-            return getattr(torch, name)
-        raise _refusal(self.what, [full])
+            found = vars(sys.modules["torch"])[name]
+        if found is None:
+            raise _refusal(self.what, [full])
+        self._globals.add(id(found))
+        return found
 
     def persistent_load(self, pid):
         raise pickle.UnpicklingError("persistent ids are not used by plain checkpoint pickles")
 
+    # ---------------------------------------------------------------- what the file created
+    def _mark_created(self) -> None:
+        import enum
 
-def load_pickle(source: Source, what: str):
-    """A plain pickle (a path or its bytes), e.g. a torch_dist `.metadata`, through the allow-list."""
+        obj = self.stack[-1]
+        if isinstance(obj, _SHARED) or isinstance(obj, enum.Enum) or id(obj) in self._globals:
+            return
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, (torch.dtype, torch.layout)):
+            return
+        self._created[id(obj)] = obj
+
+    def _target(self, op: str, under=None):
+        target = (self.stack[-1] if self.stack else None) if under is None else (under[-1] if under else None)
+        if id(target) not in self._created:
+            kind = type(target).__name__ if not isinstance(target, type) else f"the class {target.__qualname__}"
+            raise _unsafe(self.what, f"its {op} opcode would change {kind}, which the file did not create "
+                                     "(only objects built by the pickle itself may be filled in)")
+        return target
+
+    def _creating(op):  # noqa: N805 - a decorator used in the class body
+        base = pickle._Unpickler.dispatch[op[0]]
+
+        def load(self):
+            base(self)
+            self._mark_created()
+        return load
+
+    def _refusing(name):  # noqa: N805
+        def load(self):
+            raise _unsafe(self.what, f"it uses the {name} opcode, which checkpoint pickles never need")
+        return load
+
+    def _checked_callable(self, func, op: str):
+        if id(func) not in self._globals:
+            raise _unsafe(self.what, f"its {op} opcode calls {type(func).__name__}, not an allow-listed class")
+
+    def load_reduce(self):
+        self._checked_callable(self.stack[-2] if len(self.stack) >= 2 else None, "REDUCE")
+        pickle._Unpickler.load_reduce(self)
+        self._mark_created()
+
+    def load_newobj(self):
+        self._checked_callable(self.stack[-2] if len(self.stack) >= 2 else None, "NEWOBJ")
+        pickle._Unpickler.load_newobj(self)
+        self._mark_created()
+
+    def load_newobj_ex(self):
+        self._checked_callable(self.stack[-3] if len(self.stack) >= 3 else None, "NEWOBJ_EX")
+        pickle._Unpickler.load_newobj_ex(self)
+        self._mark_created()
+
+    def load_build(self):
+        if len(self.stack) < 2:
+            raise pickle.UnpicklingError("BUILD with an empty stack")
+        state = self.stack.pop()
+        try:
+            self._target("BUILD")
+        finally:
+            self.stack.append(state)
+        pickle._Unpickler.load_build(self)
+
+    def load_setitem(self):
+        if len(self.stack) < 3:
+            raise pickle.UnpicklingError("SETITEM with a short stack")
+        value, key = self.stack.pop(), self.stack.pop()
+        try:
+            self._target("SETITEM")
+        finally:
+            self.stack += [key, value]
+        pickle._Unpickler.load_setitem(self)
+
+    def load_append(self):
+        if len(self.stack) < 2:
+            raise pickle.UnpicklingError("APPEND with a short stack")
+        value = self.stack.pop()
+        try:
+            self._target("APPEND")
+        finally:
+            self.stack.append(value)
+        pickle._Unpickler.load_append(self)
+
+    def _marked(name, base):  # noqa: N805
+        """SETITEMS / APPENDS / ADDITEMS: check the object under the mark, then let the base fill it."""
+        def load(self):
+            self._target(name, under=self.metastack[-1] if self.metastack else [])
+            base(self)
+        return load
+
+    # ---------------------------------------------------------------- memo
+    def _memo_index(self, i: int, op: str) -> None:
+        if i > self._memo_writes:
+            raise _unsafe(self.what, f"its {op} opcode numbers memo slot {i} after {self._memo_writes} memo "
+                                     "writes (a real pickler numbers them 0, 1, 2, ...)")
+        self._memo_writes += 1
+
+    def load_put(self):
+        line = self.readline()
+        try:
+            i = int(line[:-1])
+        except ValueError:
+            raise pickle.UnpicklingError("PUT with a bad index") from None
+        self._memo_index(i, "PUT")
+        if i < 0 or not self.stack:
+            raise pickle.UnpicklingError("bad PUT")
+        self.memo[i] = self.stack[-1]
+
+    def load_binput(self):
+        i = self.read(1)[0]
+        self._memo_index(i, "BINPUT")
+        self.memo[i] = self.stack[-1]
+
+    def load_long_binput(self):
+        i, = struct.unpack("<I", self.read(4))
+        self._memo_index(i, "LONG_BINPUT")
+        self.memo[i] = self.stack[-1]
+
+    def load_memoize(self):
+        self._memo_index(len(self.memo), "MEMOIZE")
+        self.memo[len(self.memo)] = self.stack[-1]
+
+
+for _code, _fn in (
+        (pickle.REDUCE, _AllowListUnpickler.load_reduce), (pickle.NEWOBJ, _AllowListUnpickler.load_newobj),
+        (pickle.NEWOBJ_EX, _AllowListUnpickler.load_newobj_ex), (pickle.BUILD, _AllowListUnpickler.load_build),
+        (pickle.SETITEM, _AllowListUnpickler.load_setitem), (pickle.APPEND, _AllowListUnpickler.load_append),
+        (pickle.SETITEMS, _AllowListUnpickler._marked("SETITEMS", pickle._Unpickler.load_setitems)),
+        (pickle.APPENDS, _AllowListUnpickler._marked("APPENDS", pickle._Unpickler.load_appends)),
+        (pickle.ADDITEMS, _AllowListUnpickler._marked("ADDITEMS", pickle._Unpickler.load_additems)),
+        (pickle.PUT, _AllowListUnpickler.load_put), (pickle.BINPUT, _AllowListUnpickler.load_binput),
+        (pickle.LONG_BINPUT, _AllowListUnpickler.load_long_binput),
+        (pickle.MEMOIZE, _AllowListUnpickler.load_memoize),
+        (pickle.INST, _AllowListUnpickler._refusing("INST")), (pickle.OBJ, _AllowListUnpickler._refusing("OBJ")),
+        (pickle.EXT1, _AllowListUnpickler._refusing("EXT1")), (pickle.EXT2, _AllowListUnpickler._refusing("EXT2")),
+        (pickle.EXT4, _AllowListUnpickler._refusing("EXT4")),
+        (pickle.PERSID, _AllowListUnpickler._refusing("PERSID")),
+        (pickle.BINPERSID, _AllowListUnpickler._refusing("BINPERSID"))):
+    _AllowListUnpickler.dispatch[_code[0]] = _fn
+for _code in (pickle.EMPTY_DICT, pickle.DICT, pickle.EMPTY_LIST, pickle.LIST, pickle.EMPTY_SET):
+    _AllowListUnpickler.dispatch[_code[0]] = _AllowListUnpickler._creating(_code)
+del _code, _fn
+
+
+def load_pickle(source: Source, what: str, kind: str = ".metadata"):
+    """A plain pickle (a path or its bytes, at most LIMITS[kind]), e.g. a torch_dist `.metadata`,
+    through the allow-list."""
+    limit = LIMITS[kind]
     try:
         if isinstance(source, (bytes, bytearray)):
             data = bytes(source)
         else:
-            with open(source, "rb") as f:
-                data = f.read()
+            from .input_root import InputRoot
+
+            folder, name = os.path.split(os.path.abspath(os.fspath(source)))
+            data = InputRoot(folder, "checkpoint").read_bytes(name, kind)
     except OSError as e:
         raise _unreadable(what, e) from None
-    unpickler = _AllowListUnpickler(io.BytesIO(data))
-    unpickler.what = what
+    if len(data) > limit:
+        raise _unsafe(what, f"it holds {len(data)} bytes, more than any real {kind} ({limit} bytes)")
+    unpickler = _AllowListUnpickler(io.BytesIO(data), what)
     try:
         return unpickler.load()
     except UnsafeCheckpointError:
         raise
+    except RecursionError:
+        raise _unsafe(what, "it nests deeper than any real checkpoint pickle") from None
     except Exception as e:  # noqa: BLE001 - any other failure of a damaged pickle is "unreadable"
         raise _unreadable(what, e) from None
