@@ -29,6 +29,12 @@ padded_vocab_size / make_vocab_size_divisible_by, the tokenizer (HuggingFaceToke
 folder when it holds tokenizer files), params dtype, TP / PP, the --spec of the Mix-LN layer when
 the model is not stock, and the integer P as mixln_post_ln_layers (alpha is only informational).
 Reading: hf_folder, hf_roles; writing: megatron_writers (one chunk or one rank file in memory).
+
+The folder is untrusted input (issue 27): hf_folder confines every read to it and validates the
+index and every safetensors header, shape.shape_from_hf_config checks each config field's type and
+range, and the config is checked against the files (the layers the weight names show, then every
+tensor's shape in the headers, hf_roles.HFRoleSource.check) before any plan is built, so a
+config.json claiming 10**9 layers is one line at bounded memory, never a 10**9-layer plan.
 """
 
 from __future__ import annotations
@@ -55,6 +61,43 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
+# --------------------------------------------------------------------------- checks
+def check_layers_against_files(hf: HFCheckpoint, shape: ModelShape) -> None:
+    """The decoder layers the weight names show (model.layers.<i>.) must be exactly 0..L-1 of the
+    config's num_hidden_layers: one ConversionError otherwise, before anything is planned."""
+    found = hf.layer_indices()
+    if found == list(range(shape.num_layers)):
+        return
+    config = os.path.join(hf.path, "config.json")
+    if not found:
+        raise ConversionError(f"{config} says num_hidden_layers {shape.num_layers}, but the weights of {hf.path} "
+                              "hold no decoder layer (no model.layers.<i>. tensor)")
+    gaps = sorted(set(range(found[-1] + 1)) - set(found))
+    detail = f"layers 0..{found[-1]}" + (f" without {gaps[:5]}" if gaps else "")
+    raise ConversionError(f"{config} says num_hidden_layers {shape.num_layers}, but the weights of {hf.path} hold "
+                          f"{len(found)} decoder layers ({detail}); the config does not match the files")
+
+
+def _mixln_fields(config: dict):
+    """(post_ln_layers, scheme, alpha) of a mixln_llama config.json, type-checked."""
+    p = config.get("post_ln_layers", 0)
+    if p is None:
+        p = 0
+    if not isinstance(p, int) or isinstance(p, bool) or p < 0:
+        raise ConversionError(f"invalid Mix-LN fields in config.json: post_ln_layers must be a non-negative "
+                              f"integer, got {p!r:.60}")
+    scheme = config.get("mixln_scheme", "mixln")
+    if scheme is None:
+        scheme = "mixln"
+    if not isinstance(scheme, str):
+        raise ConversionError(f"invalid Mix-LN fields in config.json: mixln_scheme must be a string, got {scheme!r:.60}")
+    alpha = config.get("mixln_alpha")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))):
+        raise ConversionError(f"invalid Mix-LN fields in config.json: mixln_alpha must be a number or null, got "
+                              f"{alpha!r:.60}")
+    return p, scheme, alpha
+
+
 # --------------------------------------------------------------------------- settings
 def resolve_settings(config: dict, num_layers: int, post_ln_layers=None, alpha=None, scheme=None) -> Tuple[dict, str, bool]:
     """(placement record, description, whether a stock folder is turned into Mix-LN)."""
@@ -69,8 +112,7 @@ def resolve_settings(config: dict, num_layers: int, post_ln_layers=None, alpha=N
         raise ConversionError(str(e)) from None
     if config.get("model_type") == "mixln_llama":
         try:
-            folder = Placement(num_layers, int(config.get("post_ln_layers", 0)), config.get("mixln_scheme", "mixln"),
-                               config.get("mixln_alpha"))
+            folder = Placement(num_layers, *_mixln_fields(config))
         except MixLNConfigError as e:
             raise ConversionError(f"invalid Mix-LN fields in config.json: {e}") from None
         if explicit:
@@ -124,8 +166,9 @@ def convert_from_hf(
         raise ConversionError(f"--transformer-impl must be transformer_engine or local, got {transformer_impl!r}")
     if tp < 1 or pp < 1:
         raise ConversionError("--tp and --pp must be >= 1")
-    hf = HFCheckpoint(load)
-    shape = shape_from_hf_config(hf.config)
+    hf = HFCheckpoint(load)  # config.json, index and every header: confined to the folder, validated
+    shape = shape_from_hf_config(hf.config, os.path.join(hf.path, "config.json"))
+    check_layers_against_files(hf, shape)  # before anything is planned: the config must match the files
     check_tp_divisibility(shape, tp)
     if ckpt_format == "torch" and shape.num_layers % pp:
         raise ConversionError(

@@ -4,6 +4,17 @@ ModelShape is what both directions agree on: it decides every tensor's shape and
 pass. Reading it is also where we refuse what Llama (or Megatron) cannot express, with one message
 naming every problem, before anything is written. Megatron pads the vocabulary to a multiple of
 make_vocab_size_divisible_by x TP; export trims to the true vocabulary, import pads with zero rows.
+
+Both sources are untrusted input (issue 27): every field read is checked for its type and range
+here, at the reader, one ConversionError each (`config.json: hidden_size must be an integer in
+[1, 131072], got 'abc'`). Integers must be JSON / Python integers (not booleans, strings, null or
+floats such as 1e9); the bounds (BOUNDS) lie far above any real model and far below what a
+conversion plan or a model build could afford from a tiny crafted file. Megatron-LM's args are read
+through one reader, `_arg`, whatever the field: a field Megatron-LM leaves None is one it computes
+(kv_channels, ffn_hidden_size, num_query_groups, padded_vocab_size, ...) and reads as its default;
+a boolean flag that is None reads False, as Megatron-LM itself uses it (by truthiness) and as
+model.support's rows count None as "off" -- so `add_bias_linear=None` is no bias in the shape and
+in the support check alike.
 """
 
 from __future__ import annotations
@@ -16,14 +27,98 @@ from ..model import hybrid_pattern, support
 from ..errors import ConversionError, UnsupportedModelError
 from .mapping import HF_EMBEDDING, HF_FINAL_NORM, HF_OUTPUT, hf_layer_prefix, hf_norm_names
 
+# Upper bounds of what a checkpoint or config.json may say. Real models for comparison: Llama 3.1
+# 405B has 126 layers, hidden 16384, 128 heads (8 KV), FFN 53248, vocabulary 128256; the largest
+# public vocabularies are ~256k, the deepest trained transformers (DeepNet) 1000 layers.
+BOUNDS = {
+    "layers": 4096,
+    "hidden": 131072,  # 2 x 65536
+    "heads": 16384,
+    "head_dim": 65536,
+    "ffn": 1 << 20,
+    "vocab": 1 << 24,
+    "padded_vocab": 1 << 25,
+    "positions": 1 << 30,
+}
+_MISSING = object()
 
-def _arg_set(args, *names, default=None):
-    """The first of `names` that args has and that is not None."""
+
+def _shown(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _int_value(where: str, name: str, value, hi: int, lo: int = 1) -> int:
+    """`value` if it is an integer (not a bool, str, None or float) in [lo, hi]; one ConversionError otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        kind = "a positive integer" if lo == 1 else f"an integer >= {lo}"
+        raise ConversionError(f"{where}: {name} must be {kind} (at most {hi}, far above any real model), "
+                              f"got {_shown(value)}")
+    return value
+
+
+def _float_value(where: str, name: str, value, hi: Optional[float] = None, lo_inclusive: bool = False) -> float:
+    """A finite positive number (an int or float, not a bool or str), below `hi` when given."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value >= 0 if lo_inclusive else value > 0) and (hi is None or value <= hi)
+    if not ok:
+        rng = f"in {'[' if lo_inclusive else '('}0, {hi}]" if hi is not None else "positive and finite"
+        raise ConversionError(f"{where}: {name} must be a number {rng}, got {_shown(value)}")
+    return float(value)
+
+
+def _bool_value(where: str, name: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ConversionError(f"{where}: {name} must be true or false, got {_shown(value)}")
+
+
+def _str_value(where: str, name: str, value) -> str:
+    if not isinstance(value, str):
+        raise ConversionError(f"{where}: {name} must be a string, got {_shown(value)}")
+    return value
+
+
+# ------------------------------------------------------------------- Megatron args: one reader
+ARGS = "the checkpoint's Megatron args"
+
+
+def _arg(args, *names, default=None):
+    """The one reader of Megatron-LM's saved args: the first of `names` that args has with a value
+    other than None, else `default` (Megatron-LM leaves None what it computes)."""
     for name in names:
         value = getattr(args, name, None)
         if value is not None:
             return value
     return default
+
+
+def _flag(args, *names, default: bool = False) -> bool:
+    """A boolean field: absent -> `default` (Megatron-LM's own default); None -> False (Megatron-LM
+    uses these fields by truthiness, and model.support counts None as off); a bool (or 0 / 1);
+    anything else is refused."""
+    for name in names:
+        if hasattr(args, name):
+            value = getattr(args, name)
+            return False if value is None else _bool_value(ARGS, name, value)
+    return default
+
+
+def _int_arg(args, name: str, hi: int, default=_MISSING, *more) -> int:
+    value = _arg(args, name, *more, default=default)
+    if value is _MISSING:
+        raise ConversionError(f"{ARGS}: {name} is missing: the model shape cannot be read")
+    return _int_value(ARGS, name, value, hi)
+
+
+def _float_arg(args, name: str, default, *more, hi=None, lo_inclusive=False) -> float:
+    return _float_value(ARGS, name, _arg(args, name, *more, default=default), hi, lo_inclusive)
+
+
+def _str_arg(args, name: str, default: str) -> str:
+    return _str_value(ARGS, name, _arg(args, name, default=default))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,49 +158,59 @@ def args_num_blocks(args) -> int:
     num_layers is the pattern length 2L). A pattern that is not Mix-LN's keeps num_layers (the
     support check refuses it, check_megatron_args_supported)."""
     pattern = args_hybrid_pattern(args)
+    if pattern is not None and not isinstance(pattern, str):
+        raise ConversionError(f"{ARGS}: hybrid_layer_pattern must be a string, got {_shown(pattern)}")
     if pattern and hybrid_pattern.pattern_problem(pattern) is None:
-        return hybrid_pattern.check_pattern(pattern)
-    return int(args.num_layers)
+        return _int_value(ARGS, "the hybrid pattern's blocks", hybrid_pattern.check_pattern(pattern),
+                          BOUNDS["layers"])
+    return _int_arg(args, "num_layers", BOUNDS["layers"])
 
 
 def args_shape(args) -> ArgsShape:
-    """The ArgsShape of saved Megatron-LM args (argparse.Namespace or a stand-in with attributes)."""
+    """The ArgsShape of saved Megatron-LM args (argparse.Namespace or a stand-in with attributes),
+    every field checked for its type and range (one ConversionError naming the field)."""
     if args is None:
         raise ConversionError("the checkpoint carries no Megatron args (saved without them?): the model shape "
                               "cannot be read")
-    hidden = int(args.hidden_size)
-    heads = int(args.num_attention_heads)
-    groups = int(_arg_set(args, "num_query_groups", default=heads)) if _arg_set(
-        args, "group_query_attention", default=False) else heads
-    add_bias = bool(_arg_set(args, "add_bias_linear", default=True))
-    if _arg_set(args, "disable_bias_linear", default=None) is True:
+    hidden = _int_arg(args, "hidden_size", BOUNDS["hidden"])
+    heads = _int_arg(args, "num_attention_heads", min(BOUNDS["heads"], hidden))
+    groups = _int_arg(args, "num_query_groups", heads, heads) if _flag(args, "group_query_attention") else heads
+    if heads % groups:
+        raise ConversionError(f"{ARGS}: num_attention_heads {heads} is not a multiple of num_query_groups {groups}")
+    if _arg(args, "kv_channels") is None and hidden % heads:
+        raise ConversionError(f"{ARGS}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
+                              "(and kv_channels is not given)")
+    add_bias = _flag(args, "add_bias_linear", default=True)
+    if _flag(args, "disable_bias_linear"):
         add_bias = False
-    padded = _arg_set(args, "padded_vocab_size")
+    padded = _arg(args, "padded_vocab_size")
+    factor = _arg(args, "rotary_seq_len_interpolation_factor")
     return ArgsShape(
         num_layers=args_num_blocks(args),
         hidden_size=hidden,
         num_attention_heads=heads,
         num_query_groups=groups,
-        kv_channels=int(_arg_set(args, "kv_channels", default=hidden // heads)),
-        ffn_hidden_size=int(_arg_set(args, "ffn_hidden_size", default=4 * hidden)),
-        padded_vocab_size=int(padded) if padded is not None else None,
-        max_position_embeddings=int(_arg_set(args, "max_position_embeddings", "seq_length", default=2048)),
-        norm_epsilon=float(_arg_set(args, "layernorm_epsilon", "norm_epsilon", default=1e-5)),
-        normalization=str(_arg_set(args, "normalization", default="LayerNorm")),
-        zero_centered_gamma=bool(_arg_set(args, "layernorm_zero_centered_gamma", default=False)
-                                 or _arg_set(args, "apply_layernorm_1p", default=False)),
-        swiglu=bool(_arg_set(args, "swiglu", default=False)),
+        kv_channels=_int_arg(args, "kv_channels", BOUNDS["head_dim"], hidden // heads),
+        ffn_hidden_size=_int_arg(args, "ffn_hidden_size", BOUNDS["ffn"], 4 * hidden),
+        padded_vocab_size=None if padded is None else _int_value(ARGS, "padded_vocab_size", padded,
+                                                                  BOUNDS["padded_vocab"]),
+        max_position_embeddings=_int_arg(args, "max_position_embeddings", BOUNDS["positions"], 2048, "seq_length"),
+        norm_epsilon=_float_arg(args, "layernorm_epsilon", 1e-5, "norm_epsilon", hi=1.0),
+        normalization=_str_arg(args, "normalization", "LayerNorm"),
+        zero_centered_gamma=_flag(args, "layernorm_zero_centered_gamma") or _flag(args, "apply_layernorm_1p"),
+        swiglu=_flag(args, "swiglu"),
         add_bias_linear=add_bias,
-        add_qkv_bias=bool(_arg_set(args, "add_qkv_bias", default=False)),
-        qk_layernorm=bool(_arg_set(args, "qk_layernorm", default=False)),
-        untie_embeddings=bool(_arg_set(args, "untie_embeddings_and_output_weights", default=False)),
-        position_embedding_type=str(_arg_set(args, "position_embedding_type", default="learned_absolute")),
-        rotary_base=float(_arg_set(args, "rotary_base", default=10000)),
-        rotary_percent=float(_arg_set(args, "rotary_percent", default=1.0)),
-        rotary_interleaved=bool(_arg_set(args, "rotary_interleaved", default=False)),
-        rotary_seq_len_interpolation_factor=_arg_set(args, "rotary_seq_len_interpolation_factor"),
-        use_rope_scaling=bool(_arg_set(args, "use_rope_scaling", default=False)),
-        rope_scaling_factor=float(_arg_set(args, "rope_scaling_factor", default=8.0)),
+        add_qkv_bias=_flag(args, "add_qkv_bias"),
+        qk_layernorm=_flag(args, "qk_layernorm"),
+        untie_embeddings=_flag(args, "untie_embeddings_and_output_weights"),
+        position_embedding_type=_str_arg(args, "position_embedding_type", "learned_absolute"),
+        rotary_base=_float_arg(args, "rotary_base", 10000),
+        rotary_percent=_float_arg(args, "rotary_percent", 1.0, hi=1.0),
+        rotary_interleaved=_flag(args, "rotary_interleaved"),
+        rotary_seq_len_interpolation_factor=None if factor is None else _float_value(
+            ARGS, "rotary_seq_len_interpolation_factor", factor),
+        use_rope_scaling=_flag(args, "use_rope_scaling"),
+        rope_scaling_factor=_float_arg(args, "rope_scaling_factor", 8.0),
     )
 
 
@@ -209,42 +314,38 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: in
 
 
 # ------------------------------------------------------------------- Megatron args -> shape
-def _arg(args, *names, default=None):
-    for name in names:
-        if hasattr(args, name):
-            return getattr(args, name)
-    return default
-
-
 def check_megatron_args_supported(args) -> None:
-    """Raise UnsupportedModelError naming every feature of `args` that Llama cannot express."""
+    """Raise UnsupportedModelError naming every feature of `args` that Llama cannot express (fields
+    read through the same readers as args_shape: one answer per field)."""
     problems = support.problems(args, support.CONVERT)  # the features in mixln_megatron.model.support.TABLE
     pattern = args_hybrid_pattern(args)
+    if pattern is not None and not isinstance(pattern, str):
+        raise ConversionError(f"{ARGS}: hybrid_layer_pattern must be a string, got {_shown(pattern)}")
     if pattern and hybrid_pattern.pattern_problem(pattern):  # HybridModel: only Mix-LN's `*-` pairs
         problems.append(hybrid_pattern.pattern_problem(pattern) + " [hybrid_layer_pattern]")
-    normalization = _arg(args, "normalization", default="LayerNorm")
+    normalization = _str_arg(args, "normalization", "LayerNorm")
     if normalization != "RMSNorm":
         problems.append(f"normalization {normalization!r}: Llama uses RMSNorm [--normalization RMSNorm]")
-    if not _arg(args, "swiglu", default=False):
+    if not _flag(args, "swiglu"):
         problems.append("a non-gated MLP: Llama uses SwiGLU [--swiglu]")
-    pos = _arg(args, "position_embedding_type", default="learned_absolute")
+    pos = _str_arg(args, "position_embedding_type", "learned_absolute")
     if pos != "rope":
         problems.append(f"position_embedding_type {pos!r}: Llama uses RoPE [--position-embedding-type rope]")
-    rotary_percent = float(_arg(args, "rotary_percent", default=1.0) or 1.0)
+    rotary_percent = _float_arg(args, "rotary_percent", 1.0, hi=1.0)
     if rotary_percent != 1.0:
         problems.append(f"partial rotary embeddings (rotary_percent={rotary_percent}): Llama rotates every dimension")
-    rope_type = _arg(args, "rope_type", default=None)
+    rope_type = _arg(args, "rope_type")
     if rope_type not in (None, "rope"):
-        problems.append(f"rope_type {rope_type!r}")
-    add_bias = bool(_arg(args, "add_bias_linear", default=True))
-    if _arg(args, "disable_bias_linear", default=None) is True:
+        problems.append(f"rope_type {_shown(rope_type)}")
+    add_bias = _flag(args, "add_bias_linear", default=True)
+    if _flag(args, "disable_bias_linear"):
         add_bias = False
-    if _arg(args, "add_qkv_bias", default=False) and not add_bias:
+    if _flag(args, "add_qkv_bias") and not add_bias:
         problems.append(
             "a bias on the QKV projection only (--add-qkv-bias without biases on the other linears): "
             "Llama's attention_bias also puts a bias on o_proj (qkv-only bias)"
         )
-    if _arg(args, "use_rope_scaling", default=False) and _arg(args, "rotary_seq_len_interpolation_factor"):
+    if _flag(args, "use_rope_scaling") and _arg(args, "rotary_seq_len_interpolation_factor"):
         problems.append("both --use-rope-scaling and --rotary-seq-len-interpolation-factor")
     if problems:
         raise UnsupportedModelError(
@@ -307,80 +408,129 @@ def v4_rope_keys(shape: ModelShape) -> dict:
 HF_MODEL_TYPES = ("llama", "mixln_llama")
 
 
-def shape_from_hf_config(config: dict) -> ModelShape:
-    """The model shape of an HF config.json dict; raises UnsupportedModelError naming what is not Llama."""
-    problems = []
+def _cfg_int(config: dict, where: str, name: str, hi: int, default=_MISSING, lo: int = 1) -> int:
+    value = config.get(name, _MISSING)
+    if value is None or value is _MISSING:
+        if default is _MISSING:
+            raise ConversionError(f"{where}: {name} must be a positive integer, got "
+                                  f"{'nothing (the field is missing)' if value is _MISSING else 'null'}")
+        return default
+    return _int_value(where, name, value, hi, lo)
+
+
+def _cfg_bool(config: dict, where: str, name: str, default: bool = False) -> bool:
+    value = config.get(name)
+    return default if value is None else _bool_value(where, name, value)
+
+
+def hf_config_shape(config: dict, source: str = "config.json", megatron: bool = True) -> ModelShape:
+    """The model shape of an HF config.json dict, every field checked for its type and range (one
+    ConversionError naming `source` and the field). With `megatron`, also refuse (one
+    UnsupportedModelError naming every problem) what Megatron's Llama model cannot express."""
+    where = source
+    if not isinstance(config, dict):
+        raise ConversionError(f"{where} must hold a JSON object, got {_shown(config)}")
     model_type = config.get("model_type")
-    if model_type not in HF_MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in HF_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported: from-hf reads Llama ('llama') and Mix-LN Llama "
+            f"model_type {_shown(model_type)} is not supported: from-hf reads Llama ('llama') and Mix-LN Llama "
             "('mixln_llama') folders"
         )
+    hidden = _cfg_int(config, where, "hidden_size", BOUNDS["hidden"])
+    layers = _cfg_int(config, where, "num_hidden_layers", BOUNDS["layers"])
+    heads = _cfg_int(config, where, "num_attention_heads", min(BOUNDS["heads"], hidden))
+    groups = _cfg_int(config, where, "num_key_value_heads", heads, heads)
+    if heads % groups:
+        raise ConversionError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}")
+    if config.get("head_dim") is None and hidden % heads:
+        raise ConversionError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
+                              "(and head_dim is not given)")
+    head_dim = _cfg_int(config, where, "head_dim", BOUNDS["head_dim"], hidden // heads)
+    ffn = _cfg_int(config, where, "intermediate_size", BOUNDS["ffn"])
+    vocab = _cfg_int(config, where, "vocab_size", BOUNDS["vocab"])
+    positions = _cfg_int(config, where, "max_position_embeddings", BOUNDS["positions"], 2048)
+    eps = config.get("rms_norm_eps")
+    eps = 1e-6 if eps is None else _float_value(where, "rms_norm_eps", eps, hi=1.0)
+    attention_bias = _cfg_bool(config, where, "attention_bias")
+    mlp_bias = _cfg_bool(config, where, "mlp_bias")
+    tie = _cfg_bool(config, where, "tie_word_embeddings")
+    act = config.get("hidden_act")
+    act = "silu" if act is None else _str_value(where, "hidden_act", act)
+    theta, scaling = _hf_rope(config, where)
+    rope_type = "default"
+    if scaling is not None:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        rope_type = _str_value(where, "rope_scaling.rope_type", rope_type)
+    problems, rope_scaling = [], None
+    if rope_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": _float_value(where, "rope factor", scaling.get("factor"))}
+    elif rope_type == "llama3":
+        want = llama3_rope_scaling(_float_value(where, "rope factor", scaling.get("factor")))
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            got = scaling.get(key, want[key])
+            if _float_value(where, f"rope {key}", got) != float(want[key]):
+                problems.append(
+                    f"llama3 rope scaling with {key}={got}: Megatron's --use-rope-scaling fixes it to {want[key]}"
+                )
+        rope_scaling = want
+    elif rope_type != "default":
+        problems.append(f"rope type {rope_type!r}: Megatron supports default, linear and llama3 RoPE")
     if config.get("quantization_config"):
         problems.append("a quantized checkpoint (quantization_config): convert the full-precision weights")
-    act = config.get("hidden_act", "silu")
     if act != "silu":
         problems.append(f"hidden_act {act!r}: Megatron's --swiglu is SiLU-gated")
-    attention_bias = bool(config.get("attention_bias", False))
-    mlp_bias = bool(config.get("mlp_bias", False))
     if attention_bias != mlp_bias:
         problems.append(
             f"attention_bias={attention_bias} with mlp_bias={mlp_bias}: Megatron's add_bias_linear puts "
             "biases on all linears or none"
         )
-    theta, scaling = _hf_rope(config)
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")) if scaling else "default"
-    rope_scaling = None
-    if rope_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(scaling["factor"])}
-    elif rope_type == "llama3":
-        want = llama3_rope_scaling(float(scaling["factor"]))
-        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            if float(scaling.get(key, want[key])) != float(want[key]):
-                problems.append(
-                    f"llama3 rope scaling with {key}={scaling.get(key)}: Megatron's --use-rope-scaling fixes "
-                    f"it to {want[key]}"
-                )
-        rope_scaling = want
-    elif rope_type != "default":
-        problems.append(f"rope type {rope_type!r}: Megatron supports default, linear and llama3 RoPE")
     if config.get("sliding_window"):
         problems.append("sliding-window attention")
-    if problems:
+    if problems and megatron:
         raise UnsupportedModelError("this Hugging Face model cannot be converted to Megatron: " + "; ".join(problems))
-    hidden = int(config["hidden_size"])
-    heads = int(config["num_attention_heads"])
     return ModelShape(
-        num_layers=int(config["num_hidden_layers"]),
+        num_layers=layers,
         hidden_size=hidden,
-        ffn_hidden_size=int(config["intermediate_size"]),
+        ffn_hidden_size=ffn,
         num_attention_heads=heads,
-        num_query_groups=int(config.get("num_key_value_heads") or heads),
-        kv_channels=int(config.get("head_dim") or hidden // heads),
-        vocab_size=int(config["vocab_size"]),
-        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-        norm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
-        rotary_base=float(theta),
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        vocab_size=vocab,
+        max_position_embeddings=positions,
+        norm_epsilon=eps,
+        rotary_base=theta,
         rope_scaling=rope_scaling,
         add_bias_linear=attention_bias,
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tie_embeddings=tie,
     )
 
 
-def _hf_rope(config: dict):
-    """(rope_theta, scaling dict or None) from a v5 (rope_parameters) or v4 (rope_theta/rope_scaling) config."""
+def shape_from_hf_config(config: dict, source: str = "config.json") -> ModelShape:
+    """The model shape of an HF config.json dict; ConversionError for a field of the wrong type or
+    range, UnsupportedModelError naming what Megatron's Llama cannot express."""
+    return hf_config_shape(config, source, megatron=True)
+
+
+def _hf_rope(config: dict, where: str = "config.json"):
+    """(rope_theta, scaling dict or None) from a v5 (rope_parameters) or v4 (rope_theta/rope_scaling)
+    config, checked: theta a positive number, scaling an object or null."""
     params = config.get("rope_parameters")
-    if isinstance(params, dict) and params:
-        if "rope_theta" in params or "rope_type" in params:
-            theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-            if scaling.get("rope_type", "default") == "default":
-                scaling = None
-            return theta, scaling
-    scaling = config.get("rope_scaling")
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    return config.get("rope_theta", 10000.0), scaling or None
+    if params is not None and not isinstance(params, dict):
+        raise ConversionError(f"{where}: rope_parameters must be an object or null, got {_shown(params)}")
+    theta, scaling = config.get("rope_theta"), None
+    if params and ("rope_theta" in params or "rope_type" in params):
+        theta = params.get("rope_theta", theta)
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        if scaling.get("rope_type", "default") == "default":
+            scaling = None
+    else:
+        scaling = config.get("rope_scaling")
+        if scaling is not None and not isinstance(scaling, dict):
+            raise ConversionError(f"{where}: rope_scaling must be an object or null, got {_shown(scaling)}")
+        if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+    theta = 10000.0 if theta is None else _float_value(where, "rope_theta", theta)
+    return theta, scaling or None
 
 
 def check_tp_divisibility(shape: ModelShape, tp: int) -> None:
