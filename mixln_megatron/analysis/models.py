@@ -12,7 +12,8 @@ Three ways in, one interface out (`LanguageModel`):
         the model arguments stored in the checkpoint; Mix-LN settings as convert.inspect reads
         them (record, content metadata, saved --mixln-* arguments). No conversion to HF.
   load_hf_model(path)                                           a Hugging Face folder (stock LLaMA
-        or our mixln_llama export), via AutoModelForCausalLM.
+        or our mixln_llama export): read and validated by convert's HFCheckpoint (confined to the
+        folder, safetensors or allow-listed .bin), built from its checked config.
 
 LanguageModel gives the analyses what they need and nothing else:
   token_losses(ids, labels) -> [b, s] per-token cross-entropy (nats)
@@ -350,18 +351,63 @@ class HFLM(LanguageModel):
 
 
 # ----------------------------------------------------------------------------------- loading
+def _hf_classes(model_type: str):
+    if model_type == "mixln_llama":
+        from ..hf import MixLNLlamaConfig, MixLNLlamaForCausalLM
+
+        return MixLNLlamaConfig, MixLNLlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaConfig, LlamaForCausalLM
+
+
 def load_hf_model(path: str) -> HFLM:
-    """A Hugging Face folder: stock LLaMA, or our mixln_llama export (registered, no remote code)."""
-    from transformers import AutoModelForCausalLM
+    """A Hugging Face folder: stock LLaMA, or our mixln_llama export (never remote code).
 
-    from ..hf import register_auto_classes
+    The folder is untrusted input (issue 27): it is read by convert's HFCheckpoint (every file
+    confined to the folder; config.json, the index and every safetensors header validated; a .bin
+    through the allow-listed unpickler), its config fields checked for type and range, and every
+    tensor the model needs checked by name and shape against the headers, all before the model is
+    built. transformers never opens a weight file here: the model is built from the validated
+    config and its parameters are filled from HFCheckpoint, tensor by tensor.
+    """
+    import os
 
-    register_auto_classes()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    from ..convert.from_hf import check_layers_against_files
+    from ..convert.hf_folder import HFCheckpoint
+    from ..convert.shape import hf_config_shape
+
+    hf = HFCheckpoint(path)
+    hf.check_listing()  # transformers' tokenizer loader may read any file of the folder later
+    config_path = os.path.join(hf.path, "config.json")
+    shape = hf_config_shape(hf.config, config_path, megatron=False)
+    check_layers_against_files(hf, shape)
+    config_class, model_class = _hf_classes(hf.config["model_type"])
+    try:
+        config = config_class.from_dict(dict(hf.config))
+        with torch.device("meta"):  # names and shapes only: no memory
+            expected = {k: tuple(v.shape) for k, v in model_class(config).state_dict().items()}
+    except (ValueError, TypeError, KeyError, AttributeError, AssertionError, RuntimeError) as e:
+        raise ConversionError(f"{config_path} does not describe a model transformers can build: {one_line(e)}") from None
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    problems = []
+    for name, want in expected.items():
+        if not hf.has(name):
+            if name not in tied:
+                problems.append(f"missing {name}")
+        elif tuple(hf.shape(name)) != want:
+            problems.append(f"{name} has shape {tuple(hf.shape(name))}, config.json implies {want}")
+        if len(problems) > 8:
+            break
+    if problems:
+        raise ConversionError(f"{hf.path} does not match its config.json: " + "; ".join(problems))
+    model = model_class(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.state_dict().items():
+            if hf.has(name):
+                param.copy_(hf.get(name))
     model.eval()
-    if not hasattr(getattr(model, "model", None), "layers"):
-        raise ValueError(f"{path}: expected a LLaMA-family model with model.model.layers, got {type(model).__name__}")
-    return HFLM(model, source=path)
+    return HFLM(model, source=hf.path)
 
 
 from ..errors import ConversionError, MixLNError, one_line  # noqa: E402  (cli.main prints it in one line, exit 2)

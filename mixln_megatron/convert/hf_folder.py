@@ -262,6 +262,15 @@ class HFCheckpoint:
             return FLOAT_DTYPES[code]
         return self.get(name).dtype
 
+    def check_listing(self) -> None:
+        """Every entry of the folder stays inside it (no symlink out) and every non-directory is a
+        regular file: for readers that open files of the folder by themselves (transformers'
+        tokenizer loader), which cannot be confined file by file."""
+        for name in self.root.listdir():
+            real = self.root.path(name)
+            if not os.path.isdir(real):
+                self.root.check_file(name)
+
     def tokenizer_files(self) -> bool:
         """Whether the folder holds tokenizer files (each must be a regular file inside the folder:
         whoever loads the tokenizer later reads them)."""
