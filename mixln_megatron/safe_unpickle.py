@@ -147,40 +147,51 @@ Source = Union[str, os.PathLike, bytes, bytearray]
 
 
 # ------------------------------------------------------------------------------ torch.save archives
-def _check_archive(source: Source, what: str) -> bytes:
-    """Check a torch.save zip without inflating anything; returns its data.pkl (at most LIMITS["pickle"]).
+def check_archive(stream, size: int, what: str):
+    """Check an open torch.save zip of `size` bytes without inflating anything; returns
+    (ZipFile, ZipInfo of its data.pkl). torch.save writes every entry stored (uncompressed), each
+    once, inside the file: anything else (a deflate bomb, sizes beyond the file, a pickle larger
+    than LIMITS["pickle"]) is refused here, before torch reads it."""
+    try:
+        archive = zipfile.ZipFile(stream)
+        entries = archive.infolist()
+        total = 0
+        pkl = [i for i in entries if i.filename.endswith("data.pkl")]
+        if len(pkl) != 1:
+            raise _unreadable(what, f"a torch.save archive holds one data.pkl, this one {len(pkl)}")
+        for info in entries:
+            if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+                raise _unsafe(what, f"its archive entry {info.filename[:80]!r} is compressed ({info.file_size} "
+                                    f"bytes stored in {info.compress_size}); torch.save never compresses")
+            total += info.file_size
+            if info.header_offset < 0 or info.header_offset + info.file_size > size or total > size:
+                raise _unsafe(what, f"its archive entry {info.filename[:80]!r} claims more bytes than the "
+                                    f"file holds ({size})")
+        if pkl[0].file_size > LIMITS["pickle"]:
+            raise _unsafe(what, f"its pickle holds {pkl[0].file_size} bytes, more than any real checkpoint "
+                                f"pickle ({LIMITS['pickle']} bytes)")
+        return archive, pkl[0]
+    except UnsafeCheckpointError:
+        raise
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, KeyError, IndexError,
+            struct.error, NotImplementedError, RuntimeError, OverflowError, UnicodeDecodeError) as e:
+        raise _unreadable(what, e) from None
 
-    torch.save writes every entry stored (uncompressed), each once, inside the file: anything else
-    (a deflate bomb, sizes beyond the file, a huge pickle) is refused here, before torch reads it."""
+
+def _check_archive(source: Source, what: str) -> bytes:
+    """check_archive of a path or bytes; returns its data.pkl (at most LIMITS["pickle"] bytes)."""
     try:
         size = len(source) if isinstance(source, (bytes, bytearray)) else os.path.getsize(source)
         stream = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else open(source, "rb")
     except OSError as e:
         raise _unreadable(what, e) from None
-    try:
-        with stream, zipfile.ZipFile(stream) as archive:
-            entries = archive.infolist()
-            total = 0
-            pkl = [i for i in entries if i.filename.endswith("data.pkl")]
-            if len(pkl) != 1:
-                raise _unreadable(what, f"a torch.save archive holds one data.pkl, this one {len(pkl)}")
-            for info in entries:
-                if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-                    raise _unsafe(what, f"its archive entry {info.filename!r} is compressed ({info.file_size} "
-                                        f"bytes stored in {info.compress_size}); torch.save never compresses")
-                total += info.file_size
-                if info.header_offset < 0 or info.header_offset + info.file_size > size or total > size:
-                    raise _unsafe(what, f"its archive entry {info.filename!r} claims more bytes than the "
-                                        f"file holds ({size})")
-            if pkl[0].file_size > LIMITS["pickle"]:
-                raise _unsafe(what, f"its pickle holds {pkl[0].file_size} bytes, more than any real checkpoint "
-                                    f"pickle ({LIMITS['pickle']} bytes)")
-            data = archive.read(pkl[0])
-    except UnsafeCheckpointError:
-        raise
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, KeyError, IndexError,
-            struct.error, NotImplementedError, RuntimeError, OverflowError) as e:
-        raise _unreadable(what, e) from None
+    with stream:
+        archive, pkl = check_archive(stream, size, what)
+        try:
+            with archive:
+                data = archive.read(pkl)
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, KeyError, struct.error, RuntimeError) as e:
+            raise _unreadable(what, e) from None
     if len(data) > LIMITS["pickle"]:
         raise _unsafe(what, "its pickle is larger than its archive entry says")
     return data

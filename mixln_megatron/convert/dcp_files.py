@@ -13,50 +13,218 @@ without an allow-list: FileSystemReader.read_metadata is plain `pickle.load`, an
 planner's load_bytes is `torch.load(weights_only=False)`. Here the `.metadata` and every byte
 item go through mixln_megatron.safe_unpickle instead; tensors are loaded by DCP with
 `torch.load(weights_only=True)`.
+
+The iteration folder is untrusted input (mixln_megatron.input_root): SafeFileSystemReader is DCP's
+FileSystemReader confined to it. `.metadata` is read as a bounded regular file; before anything
+is read through it, every storage entry must name a plain file of the folder (no '/', no '..',
+not absolute, not a link out, a regular file) with an offset and length inside that file, items
+of one file may not overlap, a byte item is at most LIMITS["byte item"] bytes, and every tensor
+entry is well formed (a torch.Size global size, chunks of the same rank inside it). DCP then
+opens files only through the folder (a confined FileSystem), and every torch.save slice it hands
+torch is checked as a stored zip first (no deflate bomb). Every refusal is one ConversionError
+line that names the file; DCP's own failure text (a traceback) never reaches the user.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
 import warnings
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   StorageMeta, TensorStorageMetadata)
+                                                   MetadataIndex, StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..errors import ConversionError, UnsafeCheckpointError
-from ..safe_unpickle import load_pickle, load_torch
+from ..errors import ConversionError, MixLNError, UnsafeCheckpointError
+from ..input_root import LIMITS, InputRoot
+from ..safe_unpickle import check_archive, load_pickle, load_torch
 
 METADATA = ".metadata"
 Box = Tuple[Sequence[int], torch.Tensor]
 
 
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's FileSystemReader with its `.metadata` read through the allow-list (once, then kept)."""
+class _ConfinedFileSystem(FileSystem):
+    """DCP's FileSystem for reading only, every file opened through the folder's InputRoot."""
 
-    def __init__(self, path: str):
+    def __init__(self, root: InputRoot):
+        super().__init__()
+        self.root = root
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        path = Path(path)
+        if mode != "rb" or str(path.parent) != self.root.given:
+            raise UnsafeCheckpointError(f"{self.root.given}: refused to open {path} ({mode}): only files of the "
+                                        "checkpoint folder are read")
+        with self.root.open(path.name) as stream:
+            yield stream
+
+
+class _Window(io.RawIOBase):
+    """[offset, offset + length) of an open file as a seekable file of its own (for zipfile)."""
+
+    def __init__(self, base, offset: int, length: int):
+        super().__init__()
+        self.base, self.offset, self.length, self.pos = base, offset, length, 0
+
+    def seekable(self):
+        return True
+
+    def readable(self):
+        return True
+
+    def seek(self, pos, whence=os.SEEK_SET):
+        self.pos = max(0, {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.length}[whence] + pos)
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def readinto(self, b):
+        n = max(0, min(len(b), self.length - self.pos))
+        self.base.seek(self.offset + self.pos)
+        data = self.base.read(n)
+        b[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's FileSystemReader confined to one iteration folder: its `.metadata` read as a bounded
+    file through the allow-list and checked (check_metadata) once, then kept; files opened only
+    inside the folder; torch.save slices checked as stored zips before torch reads them."""
+
+    def __init__(self, path: str, root: Optional[InputRoot] = None):
         super().__init__(path)
+        self.root = root or InputRoot(path, "checkpoint folder")
+        self.path = Path(self.root.given)
+        self.fs = _ConfinedFileSystem(self.root)
         self._metadata: Optional[Metadata] = None
+        self._checked_slices = set()
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         if self._metadata is None:
-            path = os.path.join(str(self.path), METADATA)
-            md = load_pickle(path, what=path)
-            if not isinstance(md, Metadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict) \
-                    or not isinstance(getattr(md, "storage_data", None), dict):
-                raise UnsafeCheckpointError(f"{path} is unreadable: it holds a {type(md).__name__}, not "
-                                            "torch.distributed.checkpoint metadata")
+            path = os.path.join(self.root.given, METADATA)
+            md = load_pickle(self.root.read_bytes(METADATA, ".metadata"), what=path)
+            check_metadata(md, self.root)
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
             self._metadata = md
         self._metadata.storage_meta.load_id = self.load_id
         return self._metadata
+
+    def _slice_file(self, file, sinfo):
+        view = super()._slice_file(file, sinfo)
+        key = (sinfo.relative_path, sinfo.offset, sinfo.length)
+        if key not in self._checked_slices and sinfo.length >= 4:
+            file.seek(sinfo.offset)
+            if file.read(4) == b"PK\x03\x04":  # a torch.save zip: stored entries only, inside the slice
+                what = f"{os.path.join(self.root.given, sinfo.relative_path)} (bytes {sinfo.offset}.." \
+                       f"{sinfo.offset + sinfo.length})"
+                check_archive(_Window(file, sinfo.offset, sinfo.length), sinfo.length, what)[0].close()
+            self._checked_slices.add(key)
+            view.seek(0)
+        return view
+
+
+def _bad(root: InputRoot, problem: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(f"{os.path.join(root.given, METADATA)} is unreadable: {problem} (a damaged or "
+                                 "crafted checkpoint?)")
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _shape(value, rank: Optional[int] = None) -> bool:
+    return isinstance(value, torch.Size) and all(_count(v) for v in value) and (rank is None or len(value) == rank)
+
+
+def check_metadata(md, root: InputRoot) -> None:
+    """Every entry of DCP metadata well formed and every storage entry inside the folder and its file;
+    one UnsafeCheckpointError naming the first problem otherwise."""
+    if not isinstance(md, Metadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict) \
+            or not isinstance(getattr(md, "storage_data", None), dict):
+        raise UnsafeCheckpointError(f"{os.path.join(root.given, METADATA)} is unreadable: it holds a "
+                                    f"{type(md).__name__}, not torch.distributed.checkpoint metadata")
+    byte_keys = set()
+    for key, entry in md.state_dict_metadata.items():
+        if not isinstance(key, str):
+            raise _bad(root, f"a state dict key is a {type(key).__name__}, not a string")
+        shown = key[:120]
+        if isinstance(entry, BytesStorageMetadata):
+            byte_keys.add(key)
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            raise _bad(root, f"{shown} is described by a {type(entry).__name__}, not tensor or bytes metadata")
+        if not isinstance(entry.properties, TensorProperties) or not isinstance(entry.properties.dtype, torch.dtype):
+            raise _bad(root, f"{shown} has no tensor dtype")
+        if not _shape(entry.size):
+            raise _bad(root, f"{shown} has the size {entry.size!r}, not a torch.Size of non-negative integers")
+        if not isinstance(entry.chunks, list):
+            raise _bad(root, f"{shown} has no list of chunks")
+        for chunk in entry.chunks:
+            if not isinstance(chunk, ChunkStorageMetadata) or not _shape(chunk.offsets, len(entry.size)) \
+                    or not _shape(chunk.sizes, len(entry.size)):
+                raise _bad(root, f"{shown} has a chunk that is not offsets and sizes of rank {len(entry.size)}")
+            if any(o + s > g for o, s, g in zip(chunk.offsets, chunk.sizes, entry.size)):
+                raise _bad(root, f"{shown} has a chunk at {tuple(chunk.offsets)} of {tuple(chunk.sizes)} outside its "
+                                 f"size {tuple(entry.size)}")
+    per_file: Dict[str, list] = {}
+    for index, info in md.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str) \
+                or not (index.offset is None or _shape(index.offset)) \
+                or not (index.index is None or _count(index.index)):
+            raise _bad(root, f"a storage key is not a well-formed index ({type(index).__name__})")
+        if not isinstance(info, _StorageInfo):
+            raise _bad(root, f"the storage of {index.fqn[:120]} is a {type(info).__name__}, not a file location")
+        rel = info.relative_path
+        if not isinstance(rel, str) or not rel or rel in (".", "..") or "/" in rel or "\\" in rel \
+                or "\x00" in rel or os.path.isabs(rel):
+            raise UnsafeCheckpointError(
+                f"{os.path.join(root.given, METADATA)}: {index.fqn[:120]} is stored in {str(rel)[:200]!r}, which is not "
+                "a file of the checkpoint folder; only files inside the folder are read (a crafted checkpoint?)")
+        if not _count(info.offset) or not _count(info.length):
+            raise _bad(root, f"{index.fqn[:120]} has the storage offset {info.offset!r} and length {info.length!r}, "
+                             "not non-negative integers")
+        if info.transform_descriptors:
+            raise _bad(root, f"{index.fqn[:120]} is stored with transforms {list(info.transform_descriptors)[:4]!r}, "
+                             "which torch_dist checkpoints do not use")
+        if index.fqn in byte_keys and info.length > LIMITS["byte item"]:
+            raise _bad(root, f"the byte item {index.fqn[:120]} holds {info.length} bytes, more than any real one "
+                             f"({LIMITS['byte item']} bytes)")
+        per_file.setdefault(rel, []).append((info.offset, info.length, index.fqn))
+    for rel, spans in sorted(per_file.items()):
+        real = root.check_file(rel)  # inside the folder (no link out), a regular file
+        size = os.path.getsize(real)
+        full = os.path.join(root.given, rel)
+        end = max(o + n for o, n, _ in spans)
+        if end > size:
+            raise ConversionError(f"checkpoint shard {full} is truncated: {size} bytes, the .metadata needs {end}")
+        spans.sort()
+        for (o1, n1, k1), (o2, n2, k2) in zip(spans, spans[1:]):
+            if o2 < o1 + n1:
+                raise _bad(root, f"items {k1[:80]} and {k2[:80]} overlap in {full} (bytes {o1}..{o1 + n1} and "
+                                 f"{o2}..{o2 + n2})")
+
+
+def tensor_volume_problem(entry: TensorStorageMetadata) -> Optional[str]:
+    """Why reading the tensor `entry` describes could cost more than its saved chunks hold, or None."""
+    total = math.prod(entry.size)
+    saved = sum(math.prod(c.sizes) for c in entry.chunks)
+    if saved < total:
+        return f"its chunks hold {saved} of its {total} elements"
+    return None
 
 
 class _BoxPlanner(LoadPlanner):
@@ -97,11 +265,16 @@ class _BoxPlanner(LoadPlanner):
 
 
 class DCPFiles:
-    """One saved iteration of a torch_dist checkpoint: its metadata, tensor boxes and byte items."""
+    """One saved iteration of a torch_dist checkpoint: its metadata, tensor boxes and byte items.
 
-    def __init__(self, path: str):
+    Opening it checks the metadata and every file it names (SafeFileSystemReader, check_metadata):
+    missing, truncated, outside or overlapping storage is refused before anything is read, for every
+    user (the readers and gpt-to-hybrid's copy path alike)."""
+
+    def __init__(self, path: str, root: Optional[InputRoot] = None):
         self.path = path
-        self._reader = SafeFileSystemReader(path)
+        self._reader = SafeFileSystemReader(path, root)
+        self.root = self._reader.root
         md = self._reader.read_metadata()
         self.tensors: Dict[str, TensorStorageMetadata] = {}
         self.objects = set()
@@ -112,23 +285,44 @@ class DCPFiles:
                 self.objects.add(key)
         self.storage = md.storage_data
 
+    def check_tensor(self, key: str) -> TensorStorageMetadata:
+        """The metadata of tensor `key`, refused when its chunks do not hold all of it (reading it
+        would allocate more than the files hold)."""
+        entry = self.tensors.get(key)
+        if entry is None:
+            raise ConversionError(f"{self.path} has no tensor {key}")
+        problem = tensor_volume_problem(entry)
+        if problem:
+            raise _bad(self.root, f"the tensor {key[:120]} of size {tuple(entry.size)} cannot be read: {problem}")
+        return entry
+
     def _load(self, boxes: Dict[str, Box], byte_keys: Sequence[str] = ()) -> _BoxPlanner:
+        for key in boxes:
+            self.check_tensor(key)
         planner = _BoxPlanner(boxes, byte_keys)
         try:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.load({}, storage_reader=self._reader, planner=planner, no_dist=True)
-        except UnsafeCheckpointError:
+        except MixLNError:
             raise
         except BaseException as e:  # noqa: BLE001 - DCP wraps failures in CheckpointException (a BaseException)
             inner = [exc for exc, _ in getattr(e, "failures", {}).values()] or [e]
             for cause in inner:  # a signal (safe_output.Interrupted, Ctrl-C) stays a signal, even when wrapped
                 if not isinstance(cause, Exception):
                     raise cause from None
-            keys = ", ".join(sorted(list(boxes) + list(byte_keys))[:3])
-            detail = " ".join(str(e).split())[-300:]
-            raise ConversionError(f"cannot read {keys} from {self.path} (truncated or corrupt shard?): {detail}") \
-                from None
+            for cause in inner:  # our own refusal (a bomb in a slice, a file outside), raised inside DCP
+                if isinstance(cause, MixLNError):
+                    raise cause from None
+            keys = sorted(list(boxes) + list(byte_keys))
+            shown = ", ".join(k[:120] for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            files = sorted({info.relative_path for index, info in self.storage.items() if index.fqn in set(keys)})
+            where = ", ".join(os.path.join(self.path, f) for f in files[:3]) or self.path
+            cause = inner[0]
+            detail = " ".join(str(cause).splitlines()[0].split())[:160] if str(cause).strip() else ""
+            raise ConversionError(
+                f"cannot read {shown} from {where}: the stored bytes are not the saved data (truncated, corrupt or "
+                f"overlapping shard?): {type(cause).__name__}" + (f": {detail}" if detail else "")) from None
         return planner
 
     def read(self, boxes: Dict[str, Box]) -> None:
@@ -136,17 +330,20 @@ class DCPFiles:
         if boxes:
             self._load(boxes)
 
+    def _item_file(self, key: str) -> str:
+        files = sorted({info.relative_path for index, info in self.storage.items() if index.fqn == key})
+        return os.path.join(self.path, files[0]) if files else self.path
+
     def read_raw(self, key: str) -> bytes:
         """The stored bytes of the byte item `key`, not unpickled (to copy it into another checkpoint)."""
         raw = self._load({}, [key]).raw.get(key)
         if raw is None:
-            raise ConversionError(f"{self.path}: no data was read for {key}")
+            raise ConversionError(f"{self._item_file(key)}: no data was read for {key}")
         return raw
 
     def read_object(self, key: str, what: str):
         """The value of the byte item `key` (a torch.save archive), through the allow-list."""
-        files = sorted({info.relative_path for index, info in self.storage.items() if index.fqn == key})
-        where = os.path.join(self.path, files[0]) if files else self.path
+        where = self._item_file(key)
         raw = self._load({}, [key]).raw.get(key)
         if raw is None:
             raise ConversionError(f"{where}: no data was read for {key}")

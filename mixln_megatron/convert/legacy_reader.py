@@ -2,9 +2,14 @@
 
 <iter>/mp_rank_TT[_PPP]/model_optim_rng.pt: one torch.save per TP x PP rank, state_dict['model']
 (or model0, model1, ... with virtual pipelining) with layer-local module names
-(decoder.layers.<local>.*). Files are opened memory-mapped and re-opened per layer, so only the
-tensors of one layer are ever resident. The Mix-LN record is `decoder.layers.0.mixln_settings` in
-the first stage's state dict.
+(decoder.layers.<local>.*). Each file is opened once, memory-mapped (its pickle checked and
+unpickled once through the allow-list, its tensors left on disk), so only the tensors being
+read are resident. The Mix-LN record is `decoder.layers.0.mixln_settings` in the first stage's
+state dict.
+
+The folder is untrusted input: every rank file is a regular file inside it (InputRoot.check_file;
+no size bound, its pickle bounded by safe_unpickle), and what it holds is checked for shape (a
+dict of state dicts of tensors, args, an int iteration, the record) before use.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 from ..errors import ConversionError, UnsupportedModelError
+from ..input_root import InputRoot
 from . import mapping as M
 from .layouts import merge_tp_shards
 from .locate import LEGACY_DIR
@@ -31,8 +37,10 @@ class LegacyCheckpoint(ReaderBase):
 
     def __init__(self, path: str):
         self.path = path
+        self.root = InputRoot(path, "checkpoint folder")
+        self._states: Dict[Tuple[int, int], dict] = {}
         ranks = {}
-        for entry in os.listdir(path):
+        for entry in self.root.listdir():
             m = LEGACY_DIR.match(entry)
             if not m:
                 continue
@@ -46,7 +54,7 @@ class LegacyCheckpoint(ReaderBase):
         for t in range(self.tp):
             for p in range(self.pp):
                 f = ranks.get((t, p))
-                if f is None or not os.path.isfile(f):
+                if f is None or not self.root.exists(os.path.relpath(f, path)):
                     name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if self.pp > 1 else "")
                     raise ConversionError(
                         f"checkpoint shard {os.path.join(path, name, LEGACY_FILE)} is missing "
@@ -65,19 +73,22 @@ class LegacyCheckpoint(ReaderBase):
                         raise ConversionError(f"{self._files[(t, p)]} has no 'model' state dict")
                     per_stage[p] = [(k, _count_local_layers(sd[k])) for k in keys]
                     if p == 0:
+                        from .inspect import check_common_state, check_record
+
+                        check_common_state({k: sd.get(k) for k in ("args", "iteration")}, self._files[(t, p)])
                         self.args = sd.get("args")
                         self.iteration = sd.get("iteration")
                         first = sd[keys[0]]
-                        self.settings_record = first.get("decoder.layers.0.mixln_settings")
+                        record = first.get("decoder.layers.0.mixln_settings")
+                        self.settings_record = None if record is None else check_record(record, self._files[(t, p)])
                         emb = first.get(M.TD_EMBEDDING)
-                        if emb is None:
+                        if not isinstance(emb, torch.Tensor) or emb.dim() != 2:
                             raise ConversionError(f"{self._files[(0, 0)]} has no {M.TD_EMBEDDING}")
                         self.dtype = emb.dtype
                         self.padded_vocab_size = int(emb.shape[0]) * self.tp
                     if p == self.pp - 1:
                         last = sd[keys[-1]]
                         self.has_output_layer = M.TD_OUTPUT in last
-                del sd
         nchunks = {len(v) for v in per_stage.values()}
         if len(nchunks) != 1:
             raise ConversionError(f"{path}: pipeline stages hold different numbers of model chunks")
@@ -92,8 +103,22 @@ class LegacyCheckpoint(ReaderBase):
         self.num_layers_found = len(self._layer_index)
 
     def _load(self, t: int, p: int) -> dict:
-        path = self._files[(t, p)]
-        return load_torch(path, what=f"checkpoint shard {path}", mmap=True)
+        """The state dict of rank (t, p): read once (memory-mapped), checked, then kept."""
+        sd = self._states.get((t, p))
+        if sd is None:
+            path = self._files[(t, p)]
+            real = self.root.check_file(os.path.relpath(path, self.path))  # inside the folder, a regular file
+            sd = load_torch(real, what=f"checkpoint shard {path}", mmap=True)
+            if not isinstance(sd, dict):
+                raise ConversionError(f"checkpoint shard {path} holds a {type(sd).__name__}, not a state dict "
+                                      "(a damaged or crafted checkpoint?)")
+            for key, model in sd.items():
+                if isinstance(key, str) and re.fullmatch(r"model\d*", key) and (
+                        not isinstance(model, dict) or not all(isinstance(k, str) for k in model)):
+                    raise ConversionError(f"checkpoint shard {path}: its {key} is a {type(model).__name__}, not a "
+                                          "state dict of named tensors (a damaged or crafted checkpoint?)")
+            self._states[(t, p)] = sd
+        return sd
 
     def _model(self, sd: dict, key: str) -> dict:
         return sd[key]
@@ -143,7 +168,7 @@ class LegacyCheckpoint(ReaderBase):
                                           f"({found[role]} and {rest})")
                 found[role] = rest
                 if role in shards:
-                    shards[role].append(value.detach().clone())
+                    shards[role].append(self._tensor(value, t, p, name).detach().clone())
             missing = [r for r in roles if r not in found]
             if missing:
                 raise ConversionError(
@@ -161,9 +186,15 @@ class LegacyCheckpoint(ReaderBase):
             model = sd[keys[key_index]]
             if name not in model:
                 raise ConversionError(f"{self._files[(t, p)]} has no {name}")
-            parts.append(model[name].detach().clone())
+            parts.append(self._tensor(model[name], t, p, name).detach().clone())
             del model, sd
         return parts[0] if dim is None else torch.cat(parts, dim=dim)
+
+    def _tensor(self, value, t: int, p: int, name: str) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor):
+            raise ConversionError(f"checkpoint shard {self._files[(t, p)]}: {name} is a {type(value).__name__}, not "
+                                  "a tensor (a damaged or crafted checkpoint?)")
+        return value
 
     def read_vocab_rows(self, which: str, start: int, stop: int) -> torch.Tensor:
         if which == "embedding":

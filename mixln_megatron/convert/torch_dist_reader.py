@@ -8,6 +8,10 @@ one box per role, in one pass of DCP's reader (convert.dcp_files); the vocabular
 blocks of whole saved chunks, so every chunk is loaded once. Common state (args, iteration,
 content metadata) lives in common.pt (older megatron-core) or in the files as the object
 `common_state` (0.19+); both, and the Mix-LN record, go through the allow-list.
+
+The folder is untrusted input: DCPFiles checks the metadata and every file it names; common.pt
+is a bounded regular file of the folder (LIMITS["common.pt"]); the common state and the record
+are checked for shape (convert.inspect.check_common_state / check_record) before use.
 """
 
 from __future__ import annotations
@@ -39,9 +43,8 @@ class TorchDistCheckpoint(ReaderBase):
 
     def __init__(self, path: str):
         self.path = path
-        self.files = DCPFiles(path)
+        self.files = DCPFiles(path)  # checks the metadata and every file it names (missing, truncated, outside)
         self._tensors = self.files.tensors
-        self._check_files()
         self._check_keys()
         self.common = self._read_common()
         self.args = self.common.get("args")
@@ -55,9 +58,14 @@ class TorchDistCheckpoint(ReaderBase):
         record_key = f"{hybrid_keys.HYBRID_RECORD_KEY if self.hybrid_pattern is not None else M.TD_SETTINGS_RECORD}" \
             "/shard_0_1"
         if record_key in self.files.objects:
+            from .inspect import check_record
+
             loaded = self.files.read_object(record_key, "the Mix-LN settings record")
-            self.settings_record = loaded[0] if isinstance(loaded, list) and loaded else loaded
-        emb = self._tensors[M.TD_EMBEDDING]
+            record = loaded[0] if isinstance(loaded, list) and len(loaded) == 1 else loaded
+            self.settings_record = check_record(record, f"{self.files._item_file(record_key)} (item {record_key})")
+        emb = self.files.check_tensor(M.TD_EMBEDDING)
+        if len(emb.size) != 2:
+            raise ConversionError(f"{self.path}: {M.TD_EMBEDDING} has the size {tuple(emb.size)}, not [vocab, hidden]")
         self.padded_vocab_size = int(emb.size[0])
         self.dtype = emb.properties.dtype
         self.has_output_layer = M.TD_OUTPUT in self._tensors
@@ -66,21 +74,6 @@ class TorchDistCheckpoint(ReaderBase):
             k == M.TD_LAYER_PREFIX + mixln_norm or k.endswith("." + mixln_norm) for k in self._tensors) else "stock"
 
     # ---------------------------------------------------------------- validation
-    def _check_files(self) -> None:
-        """Every file the metadata points to exists and is long enough (missing / truncated shards)."""
-        needed: Dict[str, int] = {}
-        for info in self.files.storage.values():
-            needed[info.relative_path] = max(needed.get(info.relative_path, 0), int(info.offset) + int(info.length))
-        for rel, end in sorted(needed.items()):
-            full = os.path.join(self.path, rel)
-            if not os.path.isfile(full):
-                raise ConversionError(f"checkpoint shard {full} is missing (the .metadata references it)")
-            size = os.path.getsize(full)
-            if size < end:
-                raise ConversionError(
-                    f"checkpoint shard {full} is truncated: {size} bytes, the .metadata needs {end}"
-                )
-
     def _check_keys(self) -> None:
         keys = set(self._tensors)
         if any(".mlp.experts." in k or ".mlp.router." in k for k in keys):
@@ -93,20 +86,23 @@ class TorchDistCheckpoint(ReaderBase):
             raise ConversionError(f"{self.path} has no {M.TD_EMBEDDING}: not a GPT model checkpoint")
 
     def _read_common(self) -> dict:
+        from .inspect import check_common_state
+
         common_pt = os.path.join(self.path, COMMON_PT)
-        if os.path.isfile(common_pt):
-            common = load_torch(common_pt, what=common_pt)
+        if self.files.root.exists(COMMON_PT):
+            # a bounded regular file of the folder (never a FIFO, a device or a link out), then the allow-list
+            common = load_torch(self.files.root.read_bytes(COMMON_PT, "common.pt"), what=common_pt)
+            where = common_pt
         elif COMMON_STATE_KEY in self.files.objects:
             loaded = self.files.read_object(COMMON_STATE_KEY, "the checkpoint's common state")
-            common = loaded[0] if isinstance(loaded, list) and loaded else loaded
+            common = loaded[0] if isinstance(loaded, list) and len(loaded) == 1 else loaded
+            where = f"{self.files._item_file(COMMON_STATE_KEY)} (item {COMMON_STATE_KEY})"
         else:
             raise ConversionError(
                 f"{self.path} has neither common.pt nor a common_state object: not a Megatron-LM checkpoint "
                 "(args and iteration are missing)"
             )
-        if not isinstance(common, dict):
-            raise ConversionError(f"{self.path}: unexpected common state of type {type(common).__name__}")
-        return common
+        return check_common_state(common, where)
 
     # ---------------------------------------------------------------- raw access
     def has(self, key: str) -> bool:
@@ -116,12 +112,10 @@ class TorchDistCheckpoint(ReaderBase):
         return tuple(int(s) for s in self._tensors[key].size)
 
     def _box(self, key: str, offsets: Sequence[int], sizes: Sequence[int]):
-        md = self._tensors.get(key)
-        if md is None:
-            raise ConversionError(f"{self.path} has no tensor {key}")
+        md = self.files.check_tensor(key)  # its chunks hold all of it: the box costs no more than the files
         shape = self.global_shape(key)
         offsets, sizes = tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
-        if len(offsets) != len(shape) or any(o < 0 or o + s > g for o, s, g in zip(offsets, sizes, shape)):
+        if len(offsets) != len(shape) or any(o < 0 or s < 0 or o + s > g for o, s, g in zip(offsets, sizes, shape)):
             raise ConversionError(f"{key}: box {offsets}+{sizes} outside the saved shape {shape}")
         return offsets, torch.empty(sizes, dtype=md.properties.dtype)
 
@@ -191,7 +185,7 @@ class TorchDistCheckpoint(ReaderBase):
         (each block loads the chunks it touches whole) and none exceeds VOCAB_BLOCK_BYTES."""
         key = M.TD_EMBEDDING if which == "embedding" else M.TD_OUTPUT
         md = self._tensors[key]
-        step = max(1, VOCAB_BLOCK_BYTES // (math.prod(md.size[1:]) * md.properties.dtype.itemsize))
+        step = max(1, VOCAB_BLOCK_BYTES // max(1, math.prod(md.size[1:]) * md.properties.dtype.itemsize))
         starts = sorted({int(c.offsets[0]) for c in md.chunks} | {0})
         bounds = [s for s in starts if s < rows] + [rows]
         return [(a, min(b, a + step)) for lo, hi in zip(bounds[:-1], bounds[1:]) for a, b in
