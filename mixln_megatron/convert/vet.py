@@ -1,0 +1,226 @@
+"""Vetting a Megatron-LM checkpoint before anything unpickles it without an allow-list.
+
+Megatron-LM's own load path unpickles with plain pickle: DCP's `read_metadata` for `.metadata`,
+`torch.load(weights_only=False)` for common.pt and every byte item of the .distcp files, the legacy
+`mp_rank_*/*.pt` files, and TransformerEngine's `set_extra_state` runs `pickle.loads` on the bytes
+of a layer's `_extra_state` tensor. A checkpoint is untrusted input (DESIGN 9, 13), so before
+Megatron-LM sees a folder, every pickle its load will touch is read here with the project's safe
+readers (mixln_megatron.safe_unpickle's allow-list, the confinement of mixln_megatron.input_root):
+
+    vet_checkpoint(load, iteration=None)   one saved iteration (a --save directory with its
+                                           tracker, or an iter_*/release directory): VetReport
+    vet_load_args(args)                    what Megatron-LM's load would read for these args:
+                                           --load (tracker / release, --ckpt-step), the
+                                           --pretrained-checkpoint, a global non-persistent one
+    check_byte_item(raw, key, where)       one byte item, exactly as the readers and the converters
+                                           check it (the converters write only checked items)
+    check_load_dir(load)                   the --spec edge's release check (a checkpoint of a newer
+                                           megatron-core), reading no pickle
+
+What a vetted iteration holds, read through the allow-list: `.metadata` (DCP's plain pickle),
+metadata.json (a JSON object), common.pt and every other `*.pt` file in the iteration directory,
+every byte item of the .distcp files (model objects, the settings record, RNG state, optimizer
+objects, megatron-core 0.19's common_state) and what Megatron or TE unpickles again from them
+(TE's `_extra_state` inner pickle; an io.BytesIO holding a torch.save archive), and for legacy
+checkpoints every `mp_rank_*/*.pt` file (model_optim_rng.pt, distrib_optim.pt). A refusal is a
+MixLNError (UnsafeCheckpointError / UnsafeInputError / ConversionError): one line, exit 2.
+Tensors are not read (DCP loads them weights-only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import time
+import types
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from ..errors import ConversionError, MixLNError, UnsafeCheckpointError
+from ..input_root import InputRoot
+from ..safe_unpickle import load_pickle, load_torch
+from .locate import LEGACY_DIR, TRACKER, resolve_checkpoint_dir
+
+EXTRA_STATE = "_extra_state"
+NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's default global non-persistent folder under --load
+MAX_NESTED = 100_000  # values walked inside one unpickled item (a real one holds a few hundred)
+
+
+# ------------------------------------------------------------------------------ one byte item
+def is_extra_state(key: str) -> bool:
+    """Whether the byte item `key` (`<name>/shard_...`) is a module's `_extra_state` (TE unpickles it again)."""
+    return key.split("/", 1)[0].endswith(EXTRA_STATE)
+
+
+def check_byte_item(raw: bytes, key: str, where: str):
+    """The value of one .distcp byte item (a torch.save archive) read through the allow-list, and
+    what Megatron-LM / TE would unpickle again from it checked the same way; returns the value.
+    `where` names the .distcp file (or the checkpoint) in the refusal line."""
+    what = f"{where} (item {key})"
+    value = load_torch(bytes(raw), what=what)
+    check_nested(value, what, extra_state=is_extra_state(key))
+    return value
+
+
+def check_nested(value, what: str, extra_state: bool = False) -> None:
+    """Pickles inside an unpickled value that a later load unpickles again: an io.BytesIO (TE's old
+    extra state, loaded with torch.load) through load_torch; in an `_extra_state` item or under a
+    `*_extra_state` key (legacy files), a uint8 tensor's bytes (TE 2.x: `pickle.loads(
+    tensor.numpy().tobytes())`) through load_pickle."""
+    import torch
+
+    stack, seen = [(value, extra_state)], 0
+    while stack:
+        item, extra = stack.pop()
+        seen += 1
+        if seen > MAX_NESTED:
+            raise UnsafeCheckpointError(f"{what} holds more than {MAX_NESTED} nested values; refused as a "
+                                        "safety bound (a crafted file?)")
+        if isinstance(item, io.BytesIO):
+            stack.append((load_torch(item.getvalue(), what=f"{what}, its io.BytesIO"), extra))
+        elif isinstance(item, torch.Tensor):
+            if extra and item.dtype == torch.uint8 and item.dim() == 1 and item.numel():
+                load_pickle(item.detach().cpu().numpy().tobytes(),
+                            what=f"{what}, TransformerEngine's pickled extra state")
+        elif isinstance(item, dict):
+            stack.extend((v, extra or (isinstance(k, str) and k.endswith(EXTRA_STATE))) for k, v in item.items())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend((v, extra) for v in item)
+        elif isinstance(item, (argparse.Namespace, types.SimpleNamespace)):
+            stack.extend((v, extra) for v in vars(item).values())
+
+
+# ------------------------------------------------------------------------------ one iteration
+@dataclass
+class VetReport:
+    """What vet_checkpoint read: the iteration directory and how many pickles of each kind."""
+
+    path: str
+    format: str
+    pickles: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def count(self, kind: str, n: int = 1) -> None:
+        self.pickles[kind] = self.pickles.get(kind, 0) + n
+
+    def line(self) -> str:
+        what = ", ".join(f"{n} {kind}" for kind, n in self.pickles.items()) or "no pickles"
+        return (f"{self.path}: clean ({self.format}; read through the allow-list: {what}; "
+                f"{self.seconds:.2f} s)")
+
+
+def vet_checkpoint(load: str, iteration=None) -> VetReport:
+    """Vet one saved iteration of `load` (the tracker's, `iteration`'s, or `load` itself when it is
+    an iter_* / release directory); a refusal raises a MixLNError naming the file."""
+    path, _ = resolve_checkpoint_dir(load, iteration)
+    return vet_iteration_dir(path)
+
+
+def vet_iteration_dir(path: str) -> VetReport:
+    """Vet one iteration directory: torch_dist / torch DCP (.metadata) or legacy (mp_rank_*)."""
+    t0 = time.time()
+    root = InputRoot(path, "checkpoint")
+    entries = root.listdir()
+    legacy = [e for e in entries if LEGACY_DIR.match(e)]
+    if ".metadata" in entries or "metadata.json" in entries:
+        report = VetReport(path, "torch_dist" if "metadata.json" in entries else "torch_dcp")
+        _vet_dcp(root, entries, report)
+    elif legacy:
+        report = VetReport(path, "torch (legacy)")
+    else:
+        raise ConversionError(f"{path} holds no Megatron-LM checkpoint (no .metadata, metadata.json or "
+                              "mp_rank_* directories): nothing to load")
+    for name in legacy:
+        sub = root.sub(name)
+        for rel in sub.listdir():
+            if rel.endswith(".pt"):
+                shown = os.path.join(path, name, rel)
+                check_nested(load_torch(sub.check_file(rel), what=shown, mmap=True), shown)
+                report.count("legacy .pt files")
+    report.seconds = time.time() - t0
+    return report
+
+
+def _vet_dcp(root: InputRoot, entries: List[str], report: VetReport) -> None:
+    from .dcp_files import DCPFiles
+
+    if "metadata.json" in entries:
+        root.read_json("metadata.json", "metadata.json")
+    if ".metadata" not in entries:
+        raise ConversionError(f"{root.given} has metadata.json but no .metadata (incomplete torch_dist checkpoint)")
+    files = DCPFiles(root.given)  # .metadata through the allow-list, confined
+    report.count(".metadata")
+    for rel in entries:
+        if rel.endswith(".pt"):  # common.pt, and any other torch.save file megatron may read here
+            shown = os.path.join(root.given, rel)
+            check_nested(load_torch(root.read_bytes(rel, "common.pt"), what=shown), shown)
+            report.count(rel if rel == "common.pt" else "other .pt files")
+    for key in sorted(files.objects):
+        check_byte_item(files.read_raw(key), key, _item_file(files, key))
+        report.count("byte items")
+
+
+def _item_file(files, key: str) -> str:
+    """The .distcp file a byte item lies in (for the refusal line), else the checkpoint directory."""
+    names = sorted({str(info.relative_path) for index, info in files.storage.items() if index.fqn == key})
+    return os.path.join(files.path, names[0]) if names else files.path
+
+
+# ------------------------------------------------------------------------------ Megatron-LM's load
+def megatron_iteration_dir(load: Optional[str], ckpt_step=None) -> Optional[str]:
+    """The iteration directory Megatron-LM's load_checkpoint reads for --load `load` (its tracker,
+    --ckpt-step overriding the iteration), or None where it loads nothing (no --load, no tracker)."""
+    if not load or not os.path.isdir(load):
+        return None
+    has_tracker = os.path.lexists(os.path.join(load, TRACKER))
+    if not has_tracker and not ckpt_step:
+        return None  # Megatron-LM starts from scratch
+    release = False
+    if has_tracker:
+        path, label = resolve_checkpoint_dir(load)  # the tracker read as Megatron does, or one line
+        release = label == "release"
+        if not ckpt_step:
+            return path
+    return resolve_checkpoint_dir(load, "release" if release else int(ckpt_step))[0]
+
+
+def vet_load_args(args) -> List[VetReport]:
+    """Vet what Megatron-LM's load would read for parsed Megatron-LM `args`, before it reads it:
+    --load (and the release check of check_load_dir), --pretrained-checkpoint, and a global
+    non-persistent checkpoint. Returns one VetReport per vetted iteration."""
+    step = getattr(args, "ckpt_step", None)
+    reports, done = [], set()
+    targets = [(getattr(args, "load", None), step), (getattr(args, "pretrained_checkpoint", None), None)]
+    if getattr(args, "non_persistent_ckpt_type", None) == "global":
+        folder = getattr(args, "non_persistent_global_ckpt_dir", None) or (
+            os.path.join(args.load, NON_PERSISTENT_SUBDIR) if getattr(args, "load", None) else None)
+        targets.append((folder, None))
+    for load, ckpt_step in targets:
+        path = megatron_iteration_dir(load, ckpt_step)
+        if path is None or os.path.realpath(path) in done:
+            continue
+        done.add(os.path.realpath(path))
+        _check_release(path)
+        reports.append(vet_iteration_dir(path))
+    return reports
+
+
+# ------------------------------------------------------------------------------ the --spec edge
+def check_load_dir(load: Optional[str]) -> None:
+    """compat.check_readable for the iteration a Megatron-LM --load directory would resume from
+    (a megatron-core 0.19+ checkpoint on 0.17 / 0.18: one line before Megatron reads it). Reads no
+    pickle; what the checkpoint holds is vet_load_args' part."""
+    if not load:
+        return
+    try:
+        directory, _ = resolve_checkpoint_dir(load)
+    except (OSError, ValueError, MixLNError):
+        return  # nothing to load yet, or not a layout we know: Megatron decides
+    _check_release(directory)
+
+
+def _check_release(directory: str) -> None:
+    from .. import compat  # imports megatron.core: only where a release is loading
+
+    compat.check_readable(directory)
