@@ -30,6 +30,7 @@ setup(
             "nltk>=3.9",
             "tokenizers>=0.15",
             "matplotlib>=3.7",
+            "wandb==0.31.0",  # tests/test_wandb_offline.py reads its offline run files back
         ],
     },
     entry_points={"console_scripts": ["mixln-megatron=mixln_megatron.cli:main"]},

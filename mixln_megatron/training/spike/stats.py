@@ -4,7 +4,8 @@ the logging interval.
 Per step: the number of scaled elements, the largest |g| / momentum and the number of non-finite
 target elements, summed (max for the ratio) over the distributed optimizer's shards and the
 pipeline stages (one all-gather per group and report). They go to Megatron-LM's TensorBoard / W&B
-writers when the run has them, else to this package's logger (INFO, from the last rank).
+writers when the run has them (W&B: one entry per report, see wandb_entry), else to this
+package's logger (INFO, from the last rank).
 """
 
 from __future__ import annotations
@@ -96,16 +97,17 @@ def _add(totals: list, rows) -> None:
         totals[2] += nonfinite
 
 
+STEP_COLUMNS = (("scaled", "scaled-elements"), ("max_ratio", "max-ratio"), ("nonfinite", "nonfinite-elements"))
+
+
 def write_report(report: List[dict]) -> None:
     tensorboard, wandb = runtime.writers()
-    for row in report:
-        scalars = {"mixln-spike/scaled-elements": row["scaled"], "mixln-spike/max-ratio": row["max_ratio"],
-                   "mixln-spike/nonfinite-elements": row["nonfinite"]}
-        if tensorboard is not None:
-            for name, value in scalars.items():
-                tensorboard.add_scalar(name, value, row["iteration"])
-        if wandb is not None:
-            wandb.log(scalars, row["iteration"])
+    if tensorboard is not None:  # TensorBoard takes any step, in any order: one point per step
+        for row in report:
+            for field, name in STEP_COLUMNS:
+                tensorboard.add_scalar(f"mixln-spike/{name}", row[field], row["iteration"])
+    if wandb is not None and report:
+        wandb.log(*wandb_entry(report))
     if tensorboard is None and wandb is None and report and runtime.is_last_rank():
         logger.info(
             "mixln spike scaler: iterations %d-%d: %d elements scaled (per step %s), largest "
@@ -114,3 +116,25 @@ def write_report(report: List[dict]) -> None:
             [r["scaled"] for r in report], max(r["max_ratio"] for r in report),
             sum(r["nonfinite"] for r in report),
         )
+
+
+def wandb_entry(report: List[dict]) -> tuple:
+    """(scalars, step): the one W&B entry for a report.
+
+    W&B keeps one history row per step and drops every log below its current step; Megatron-LM
+    logs each iteration at step=iteration, so rows of iterations before the current one cannot
+    have their own steps. The report therefore goes in at the current iteration (never below the
+    last row's): the interval's totals as charts (`mixln-spike/interval/*`), and every step's row
+    as lists in that same history row (`mixln-spike/steps/*`, index-aligned with
+    `mixln-spike/steps/iteration`)."""
+    step = max(report[-1]["iteration"], runtime.current_iteration() or 0)
+    scalars = {
+        "mixln-spike/interval/scaled-elements": sum(row["scaled"] for row in report),
+        "mixln-spike/interval/max-ratio": max(row["max_ratio"] for row in report),
+        "mixln-spike/interval/nonfinite-elements": sum(row["nonfinite"] for row in report),
+        "mixln-spike/interval/steps": len(report),
+        "mixln-spike/steps/iteration": [row["iteration"] for row in report],
+    }
+    for field, name in STEP_COLUMNS:
+        scalars[f"mixln-spike/steps/{name}"] = [row[field] for row in report]
+    return scalars, step
