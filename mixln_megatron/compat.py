@@ -105,7 +105,6 @@ def parse_and_validate_args(extra_args_provider: Callable):
     from megatron.training.arguments import parse_args
 
     args = parse_args(extra_args_provider)
-    check_load_dir(args.load)  # a checkpoint of a newer release: one line, before Megatron reads it
     if RELEASE >= (0, 18):
         from megatron.training.arguments import parse_and_validate_args
 
@@ -299,7 +298,9 @@ def check_readable(checkpoint_dir: str) -> None:
     """Refuse, in one line, a torch_dist checkpoint this release cannot load.
 
     0.19 keeps the common state (args, iteration, content metadata) in the DCP files and writes no
-    common.pt, which 0.17/0.18 require (Megatron's own limitation; older -> newer loads).
+    common.pt, which 0.17/0.18 require (Megatron's own limitation; older -> newer loads). Which
+    directory a --load resumes from is convert.vet's (check_load_dir, vet_load_args): the entry
+    point and the --spec edge call it there, before Megatron reads the checkpoint.
     """
     import os
 
@@ -311,19 +312,6 @@ def check_readable(checkpoint_dir: str) -> None:
             f"DCP files, there is no common.pt); megatron-core {VERSION} cannot load it: load it with "
             "megatron-core 0.19, or convert it (mixln-megatron to-hf, then from-hf with this release)"
         )
-
-
-def check_load_dir(load: Optional[str]) -> None:
-    """check_readable for the iteration a Megatron-LM --load directory would resume from."""
-    if not load or RELEASE >= (0, 19):
-        return
-    from .convert.locate import resolve_checkpoint_dir
-
-    try:
-        directory, _ = resolve_checkpoint_dir(load)
-    except (OSError, ValueError, MixLNError):
-        return  # nothing to load yet, or not a layout we know: Megatron decides
-    check_readable(directory)
 
 
 def dist_load(sharded_state_dict, checkpoint_dir, process_group=None, **kwargs):

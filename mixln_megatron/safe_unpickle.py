@@ -90,6 +90,17 @@ ALLOWED = (
     "torch.Size",
     "torch.serialization._get_layout",
     "collections.OrderedDict",
+    # TransformerEngine's FP8 recipes inside the pickled `_extra_state` of its modules (TE 2.x:
+    # a uint8 tensor holding a plain pickle of {"recipe": ..., "extra_fp8_variables": {...}})
+    "transformer_engine.common.recipe.DelayedScaling",
+    "transformer_engine.common.recipe.Float8CurrentScaling",
+    "transformer_engine.common.recipe.MXFP8BlockScaling",
+    "transformer_engine.common.recipe.Float8BlockScaling",
+    "transformer_engine.common.recipe.NVFP4BlockScaling",
+    "transformer_engine.common.recipe.Format",
+    "transformer_engine.common.recipe._FormatHelper",
+    "transformer_engine.common.recipe.QParams",
+    "transformer_engine.common.recipe.MMParams",
 )
 _ALLOWED = frozenset(ALLOWED)
 _HINT = ("a checkpoint holds data only; this file names code to run, so it may have been crafted to run "

@@ -73,9 +73,13 @@ def settings_for_spec(environ=None, args=None) -> MixLNSettings:
 def _at_the_edge(config, build, environ=None, args=None, hybrid: bool = False):
     """Settings from the edge, `build(settings)`, then the hooks; a MixLN error printed in one line.
     It runs before Megatron-LM loads --load, so a checkpoint this release cannot read (0.19+ on
-    0.17/0.18, compat.check_load_dir) is refused here too, not only in the project's entry point."""
+    0.17/0.18, convert.vet.check_load_dir) is refused here too, not only in the project's entry point.
+    What the checkpoint's pickles hold is not vetted here (Megatron-LM's --use-checkpoint-args has
+    read them before this runs): `mixln-megatron convert inspect --check --load DIR` vets them."""
+    from .convert.vet import check_load_dir
+
     try:
-        compat.check_load_dir(getattr(runtime.megatron_args() if args is None else args, "load", None))
+        check_load_dir(getattr(runtime.megatron_args() if args is None else args, "load", None))
         settings = settings_for_spec(environ, args)
         spec = build(settings)
         install_training_hooks(config, settings, hybrid=hybrid)

@@ -17,6 +17,10 @@ mixln_megatron.convert.
         are not converted: resume with --no-load-optim --no-load-rng, or --finetune)
 
     mixln-megatron convert inspect --load CKPT_DIR [--iteration N] [--json]
+    mixln-megatron convert inspect --check --load CKPT_DIR [--iteration N]
+        (vets the checkpoint before a stock `pretrain_gpt.py --load`: every pickle Megatron-LM's load
+        would read, through the allow-list (convert.vet); exit 0 and one line saying it is clean, or
+        the refusal line and exit 2)
 
 Exit status: 0 on success, 2 when the conversion is refused or fails (the message says why; no
 output is left behind), 1 on an unexpected error, 128 + N when stopped by signal N (SIGINT,
@@ -110,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--load", required=True, help="Megatron-LM --save directory (or one iter_*/release dir in it)")
     show.add_argument("--iteration", default=None, help="iteration to inspect (default: the latest)")
     show.add_argument("--json", action="store_true", help="print one JSON object")
+    show.add_argument("--check", action="store_true",
+                      help="vet the checkpoint before a stock Megatron-LM --load: read every pickle the load would "
+                      "read (.metadata, common.pt, every .distcp byte item incl. RNG / optimizer state and TE "
+                      "extra state, legacy mp_rank_* files) through the allow-list; exit 0 and one line if it is "
+                      "clean, the refusal line and exit 2 if not")
     return parser
 
 
@@ -155,6 +164,16 @@ def _run(args) -> int:
               f"RNG state are not converted): resume with {entry} --load {summary['save']} --no-load-optim "
               "--no-load-rng (or --finetune)"
               + (f" --hybrid-layer-pattern '{summary['hybrid_pattern']}'" if entry == "pretrain_hybrid.py" else ""))
+        return 0
+    if args.command == "inspect" and args.check:
+        from .vet import vet_checkpoint
+
+        report = vet_checkpoint(args.load, args.iteration)
+        if args.json:
+            print(json.dumps({"checkpoint": report.path, "format": report.format, "clean": True,
+                              "pickles": report.pickles, "seconds": round(report.seconds, 3)}))
+        else:
+            print(f"[mixln-megatron convert] {report.line()}")
         return 0
     if args.command == "inspect":
         from .inspect import describe_checkpoint

@@ -19,8 +19,11 @@ adjusted (num_layers 2L <-> L, hybrid_layer_pattern `*-` * L set <-> removed, th
 name of the other model kind, the pipeline layout arguments cleared: the pattern has no `|`).
 Optimizer and RNG state are NOT converted: resume with --no-load-optim --no-load-rng (or
 --finetune). Hybrid patterns other than Mix-LN's `*-` pairs (Mamba, MoE, MLA, MTP, ...) are refused
-with the reason. Every pickle read goes through mixln_megatron.safe_unpickle; objects copied from
-the input (e.g. `_extra_state`) are copied as bytes, never unpickled.
+with the reason. Every pickle read goes through mixln_megatron.safe_unpickle. Objects copied from
+the input (e.g. `_extra_state`) are copied as the bytes they were stored as, but only after those
+bytes passed the same allow-list as an item that is read (convert.vet.check_byte_item, TE's inner
+extra-state pickle included), all of them before anything is written: the next Megatron-LM --load
+of the output unpickles them with plain pickle, so a payload is refused here, never passed on.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from .inspect import _model_kind, mixln_record
 from .locate import TRACKER, detect_format, resolve_checkpoint_dir
 from .shape import args_hybrid_pattern
 from .staging import prepare_output, staged_output_dir
+from .vet import check_byte_item
 
 PIECE_BYTES = 64 << 20  # largest tensor piece read and written at once
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
@@ -317,7 +321,9 @@ class _KeyMap:
             if dst is None:
                 continue
             have_output_extra |= dst == OUTPUT_EXTRA_STATE
-            out.raw_object(dst, lambda k=unique: self.reader.files.read_raw(k))  # bytes as stored
+            raw = self.reader.files.read_raw(unique)
+            check_byte_item(raw, unique, self.reader.files.path)  # a payload is refused, never passed on
+            out.raw_object(dst, lambda r=raw: r)  # the bytes as stored, checked
             self.object_keys.append(dst)
         if self.source == K.GPT and not have_output_extra:
             out.object(OUTPUT_EXTRA_STATE, None)  # HybridModel asks for it (empty, as GPTModel checks)

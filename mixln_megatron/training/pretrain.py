@@ -229,6 +229,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Returns 0 on success and 2 for a configuration Mix-LN does not support (the message goes to
     stderr on every rank, before any process group exists; a HybridModel pattern or release
     Mix-LN does not support: one `[mixln_megatron] ERROR:` line on rank 0).
+    With --load (or --pretrained-checkpoint) every pickle the load will read is vetted first
+    (convert.vet.vet_load_args, on every release): a checkpoint carrying code is refused, exit 2,
+    before Megatron-LM unpickles anything.
     """
     t0 = time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -248,12 +251,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .. import compat  # imports megatron: after the CPU harness
     from . import runtime
     from ..convert.inspect import apply_resume_args
+    from ..convert.vet import vet_load_args
 
     saved_argv = sys.argv
     sys.argv = [saved_argv[0] if saved_argv else "mixln-megatron-pretrain", *argv]
     try:
         # The unsupported configurations get a clear message before Megatron validates anything.
         given = parse_args(add_pretrain_args)
+        # Every pickle Megatron-LM's load will touch (--use-checkpoint-args reads the args next),
+        # read through the allow-list first: a payload is refused here, before Megatron sees it.
+        vet_load_args(given)
         check_supported_args(given)
         check_hybrid_args(given)
         args = compat.parse_and_validate_args(add_pretrain_args)
