@@ -3,18 +3,47 @@
 `MixLNError` is the base of every error that means "the user asked for something wrong or
 unsupported" (a bad setting, an unsupported configuration, a refused conversion). Such an error
 needs no traceback: the project's own commands print its message as one line and exit 2
-(cli.main), and under stock Megatron-LM, whose traceback we cannot suppress, the `--spec` edge
-prints the line once on rank 0 before the traceback (`report_once`), so it is the first thing the
-user reads instead of ~70 lines of `[rank0]:` frames.
+(cli.main). Under stock Megatron-LM (pretrain_gpt.py / pretrain_hybrid.py with our `--spec`
+objects) the edges Megatron-LM calls turn a refusal into `[mixln_megatron] ERROR: <message>` and
+`Refusal`, a SystemExit(2): every rank leaves with exit status 2 and no traceback (`refuse`).
+
+How the one line survives whichever rank fails first (`report`). Every rank that detects a
+refusal takes part; nobody waits for a particular rank. The first local rank to detect it claims
+the line for its node (an O_EXCL file in the node's temp directory, keyed by the launcher process
+that started the local ranks, the rendezvous address and the message), prints it, then marks it
+printed; a rank that finds the line claimed waits for that mark (or for the claimer's process to
+be gone, when it prints the line itself) before it may leave. So the line is on stderr before any
+rank of the node exits, and a launcher that stops the job at the first failed worker (torchrun's
+SIGTERM) cannot cut it off. A job prints it once per node (identical text: `sort -u` merges the
+nodes' copies); a process without a launcher (WORLD_SIZE unset or 1, or one rank per node)
+prints without claiming. Any trouble with the claim file prints the line anyway: a duplicate
+line, never a lost one.
+
+Dedup inside a process is per error, not a latch: `report` marks the exception it printed, and an
+error whose chain (__cause__ / __context__, e.g. megatron's build_module re-raising it with its own
+suffix) holds a printed one is not printed again. Another error still gets its line.
 
 Pure Python: importing this module imports nothing heavy.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
 import sys
+import tempfile
+import time
+from typing import Iterator, NoReturn, Optional
 
 PREFIX = "[mixln_megatron] ERROR:"
+EXIT_STATUS = 2
+
+# A rank that finds the line claimed waits for the claimer to print it; this bounds the wait only
+# if the claimer can be neither seen printing nor seen gone (e.g. another PID namespace).
+CLAIM_WAIT_BOUND_S = 600.0
+_POLL_S = 0.02
+_MARK = "_mixln_reported"
 
 
 class MixLNError(Exception):
@@ -25,7 +54,16 @@ class MixLNConfigError(MixLNError, ValueError):
     """A Mix-LN setting is invalid; the message says which, where it came from and what to do."""
 
 
-_reported = False
+class Refusal(SystemExit):
+    """A refusal leaving the process: exit status 2 and, being a SystemExit, no traceback.
+    `error` is the refused error; str() is its one line (for code that catches BaseException)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(EXIT_STATUS)
+        self.error = error
+
+    def __str__(self) -> str:
+        return one_line(self.error)
 
 
 def one_line(error: BaseException) -> str:
@@ -34,23 +72,149 @@ def one_line(error: BaseException) -> str:
     return text or type(error).__name__
 
 
-def _rank() -> int:
-    torch = sys.modules.get("torch")  # never import torch just to print an error
-    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return 0
+def _chain(error: Optional[BaseException]) -> Iterator[BaseException]:
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
 
 
-def report_once(error: BaseException, file=None) -> bool:
-    """Print `[mixln_megatron] ERROR: <message>` on rank 0, the first time only. Returns whether it printed."""
-    global _reported
-    if _reported:
+def reported(error: BaseException) -> Optional[BaseException]:
+    """The error in `error`'s chain whose line was printed (or given up to another rank), else None."""
+    return next((e for e in _chain(error) if getattr(e, _MARK, False)), None)
+
+
+def report(error: BaseException, file=None) -> bool:
+    """Print `[mixln_megatron] ERROR: <message>` unless this error (or one in its chain) was
+    reported already; with several local ranks, once per node (module docstring). Returns
+    whether this process printed it."""
+    if reported(error) is not None:
         return False
-    _reported = True
-    if _rank() != 0:
+    try:
+        setattr(error, _MARK, True)
+    except AttributeError:  # an exception type with __slots__: nothing to mark, still print
+        pass
+    line = f"{PREFIX} {one_line(error)}"
+    if not _claim_for_this_node(line):
         return False
-    print(f"{PREFIX} {one_line(error)}", file=file or sys.stderr, flush=True)
+    print(line, file=file or sys.stderr, flush=True)
+    _mark_printed(line)
     return True
+
+
+def refuse(error: BaseException) -> NoReturn:
+    """Report the error in one line, then leave: Refusal, a SystemExit(2) with no traceback."""
+    report(error)
+    raise Refusal(reported(error) or error) from error
+
+
+@contextlib.contextmanager
+def refusals_leave():
+    """At an edge stock Megatron-LM calls: a MixLNError raised inside leaves as `refuse` does."""
+    try:
+        yield
+    except MixLNError as error:
+        refuse(error)
+
+
+# ------------------------------------------------------------------ once per node
+def _local_ranks() -> int:
+    for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        value = os.environ.get(name)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                return 2  # unreadable: assume company, claim
+    return 1
+
+
+def _launcher_identity() -> str:
+    """The process that started this node's ranks (torchrun's agent, slurmstepd, ...), with its
+    start time so a reused PID is another launcher."""
+    ppid = os.getppid()
+    try:
+        with open(f"/proc/{ppid}/stat") as f:
+            started = f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = ""
+    return f"{ppid}:{started}"
+
+
+def _paths(line: str):
+    key = "\0".join([_launcher_identity(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""),
+                     os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", ""),
+                     line])
+    name = hashlib.sha256(key.encode()).hexdigest()[:32]
+    folder = os.path.join(tempfile.gettempdir(), f"mixln_megatron-errors-{os.getuid()}")
+    return folder, os.path.join(folder, name + ".claim"), os.path.join(folder, name + ".printed")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, not ours to signal
+    return True
+
+
+def _claim_for_this_node(line: str) -> bool:
+    """True when this process is to print the line: alone, the node's first, or the claimer is gone."""
+    if _local_ranks() <= 1:
+        return True
+    try:
+        folder, claim, printed = _paths(line)
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            return _wait_for_claimer(claim, printed)
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        _prune(folder)
+        return True
+    except OSError:
+        return True  # no claim possible: print (a duplicate, never a lost line)
+
+
+def _wait_for_claimer(claim: str, printed: str) -> bool:
+    deadline = time.monotonic() + CLAIM_WAIT_BOUND_S
+    while time.monotonic() < deadline:
+        if os.path.exists(printed):
+            return False
+        try:
+            with open(claim) as f:
+                text = f.read().strip()
+        except OSError:
+            text = ""
+        if text.isdigit() and not _alive(int(text)) and not os.path.exists(printed):
+            return True  # the claimer died before printing: print it here
+        time.sleep(_POLL_S)
+    return True
+
+
+def _mark_printed(line: str) -> None:
+    if _local_ranks() <= 1:
+        return
+    try:
+        _, _, printed = _paths(line)
+        os.close(os.open(printed, os.O_CREAT | os.O_WRONLY, 0o600))
+    except OSError:
+        pass
+
+
+def _prune(folder: str, age_s: float = 86400.0) -> None:
+    """Remove this module's claim files older than a day (only *.claim / *.printed it wrote)."""
+    now = time.time()
+    try:
+        for entry in os.scandir(folder):
+            if entry.name.endswith((".claim", ".printed")) and now - entry.stat().st_mtime > age_s:
+                os.unlink(entry.path)
+    except OSError:
+        pass
 
 
 class ConversionError(MixLNError, RuntimeError):

@@ -9,8 +9,14 @@ On 0.19 the builder calls them as `spec(model_config, vp_stage=...)` and they re
 decoder's submodules, so the final norm is the backend's norm too. On 0.17/0.18 the builder
 passes the object uncalled to GPTModel, so they are layer ModuleSpecs whose layer class
 (LayerFromStockSpec) does the same when each layer is built, and the final norm is Megatron's
-default (LayerNormImpl; README). A bad setting is printed as one `[mixln_megatron] ERROR:` line
-on rank 0 before the traceback.
+default (LayerNormImpl; README).
+
+Refusals: the objects Megatron-LM calls (the two functions on 0.19+, the layer and stack classes'
+constructors) are the edge. A MixLNError raised in them (a bad MIXLN_* value or flag, a pattern
+or configuration Mix-LN does not support, a checkpoint this release cannot read) leaves as one
+`[mixln_megatron] ERROR:` line and errors.Refusal, a SystemExit(2): every rank exits 2 without a
+traceback (errors.refuse; errors.report says how the line survives whichever rank fails first).
+The functions below them (stock_decoder_spec, ...) print the line and raise the error itself.
 
 Megatron-LM's HybridModel (pretrain_hybrid.py, core 0.19+, `--hybrid-layer-pattern "*-*-..."`):
     --spec mixln_megatron.spec mixln_hybrid_stack_spec        (TransformerEngine)
@@ -38,7 +44,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from . import compat, megatron_args
-from .errors import MixLNError, report_once
+from .errors import MixLNError, refusals_leave, report
 from .model.layer import MixLNTransformerLayer
 from .model.settings import MixLNSettings, layered
 from .model.specs import (
@@ -71,7 +77,8 @@ def settings_for_spec(environ=None, args=None) -> MixLNSettings:
 
 
 def _at_the_edge(config, build, environ=None, args=None, hybrid: bool = False):
-    """Settings from the edge, `build(settings)`, then the hooks; a MixLN error printed in one line.
+    """Settings from the edge, `build(settings)`, then the hooks; a MixLN error printed in one line
+    and raised (the objects Megatron-LM calls turn it into a Refusal).
     It runs before Megatron-LM loads --load, so a checkpoint this release cannot read (0.19+ on
     0.17/0.18, convert.vet.check_load_dir) is refused here too, not only in the project's entry point.
     What the checkpoint's pickles hold is not vetted here (Megatron-LM's --use-checkpoint-args has
@@ -84,7 +91,7 @@ def _at_the_edge(config, build, environ=None, args=None, hybrid: bool = False):
         spec = build(settings)
         install_training_hooks(config, settings, hybrid=hybrid)
     except (MixLNError, MixLNUnsupportedError) as error:
-        report_once(error)  # one clear line before Megatron-LM's traceback
+        report(error)
         raise
     return spec
 
@@ -108,7 +115,8 @@ class LayerFromStockSpec(MixLNTransformerLayer):
     from the settings of the --spec edge."""
 
     def __new__(cls, config, *args, mixln_backend: str = "local", submodules=None, **kwargs):
-        layer_spec = stock_layer_spec(config, mixln_backend)
+        with refusals_leave():  # an edge Megatron-LM calls: one line, exit 2
+            layer_spec = stock_layer_spec(config, mixln_backend)
         # An instance of the real class, not of cls, so Python does not run __init__ again.
         return build_module(layer_spec, config, *args, **kwargs)
 
@@ -129,8 +137,11 @@ class HybridStackFromStockSpec:
     releases without HybridModel (0.17)."""
 
     def __new__(cls, config, *args, mixln_backend: str = "te", submodules=None, **kwargs):
-        # The stack reports its own refusals (this stage's part of the pattern) in one line.
-        return build_module(stock_hybrid_stack_spec(config, mixln_backend), config, *args, **kwargs)
+        # An edge Megatron-LM calls: a refusal here or in the stack's constructor (this stage's part
+        # of the pattern; megatron's build_module re-raises it with a suffix, reported once) is
+        # one line and exit 2.
+        with refusals_leave():
+            return build_module(stock_hybrid_stack_spec(config, mixln_backend), config, *args, **kwargs)
 
 
 # `--spec mixln_megatron.spec mixln_hybrid_stack_spec` (TE) / `mixln_hybrid_local_stack_spec`
@@ -148,12 +159,14 @@ def _stock(decoder_spec, backend: str):
 
 def mixln_layer_spec(config, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
     """`--spec mixln_megatron.spec mixln_layer_spec`: Mix-LN with TransformerEngine."""
-    return stock_decoder_spec(config, "te", vp_stage)
+    with refusals_leave():  # an edge Megatron-LM calls: one line, exit 2
+        return stock_decoder_spec(config, "te", vp_stage)
 
 
 def mixln_local_layer_spec(config, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
     """`--spec mixln_megatron.spec mixln_local_layer_spec`: Mix-LN with megatron's local modules."""
-    return stock_decoder_spec(config, "local", vp_stage)
+    with refusals_leave():  # an edge Megatron-LM calls: one line, exit 2
+        return stock_decoder_spec(config, "local", vp_stage)
 
 
 mixln_layer_spec = _stock(mixln_layer_spec, "te")

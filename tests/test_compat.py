@@ -204,10 +204,9 @@ def test_spec_edge_refuses_a_checkpoint_of_a_newer_release_in_one_line(mcore_sin
     instead of Megatron's missing-common.pt traceback on every rank. 0.19+ reads it: no refusal."""
     import argparse
 
-    from mixln_megatron import compat, errors, spec
+    from mixln_megatron import compat, spec
     from mixln_megatron.dev import testing
 
-    monkeypatch.setattr(errors, "_reported", False)
     iteration = tmp_path / "iter_0000005"
     iteration.mkdir()
     (iteration / ".metadata").write_bytes(b"")  # what 0.19 writes: DCP files, no common.pt
@@ -226,19 +225,20 @@ def test_spec_edge_refuses_a_checkpoint_of_a_newer_release_in_one_line(mcore_sin
 
 @pytest.mark.compat
 def test_settings_mismatch_on_resume_is_one_line_first(mcore_single, monkeypatch, capsys):
-    """A resume with other Mix-LN settings: one `[mixln_megatron] ERROR:` line on rank 0 before
-    the exception every rank raises inside Megatron-LM's load (as bad settings already are)."""
+    """A resume with other Mix-LN settings, found in the content metadata Megatron-LM's load hands
+    back: one `[mixln_megatron] ERROR:` line, then SystemExit(2) (no traceback) on every rank."""
     from mixln_megatron import errors
     from mixln_megatron.dev import testing
     from mixln_megatron.model import checkpoint
     from mixln_megatron.spec import get_mixln_decoder_block_spec
 
-    monkeypatch.setattr(errors, "_reported", False)
     config = testing.tiny_config()
     model = testing.build_gpt(config, get_mixln_decoder_block_spec(config, backend="local", post_ln_layers=1))
     saved = {checkpoint.METADATA_KEY: {"format": 1, "scheme": "mixln", "num_layers": 4, "post_ln_layers": 2,
                                        "alpha": None}}
-    with pytest.raises(checkpoint.MixLNCheckpointMismatch, match="Mix-LN settings differ"):
+    with pytest.raises(SystemExit, match="Mix-LN settings differ") as left:
         model.sharded_state_dict(metadata=saved)
+    assert left.value.code == 2 and isinstance(left.value, errors.Refusal)
+    assert isinstance(left.value.error, checkpoint.MixLNCheckpointMismatch)
     lines = _error_lines(capsys.readouterr().err)
     assert len(lines) == 1 and "P=2 of L=4" in lines[0] and "P=1 of L=4" in lines[0]

@@ -2,6 +2,7 @@
 
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,6 @@ from mixln_megatron.errors import MixLNConfigError, MixLNError
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-BUILDER = HERE / "workers" / "megatron_builder_worker.py"
 TINY = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
@@ -36,16 +36,36 @@ def _command():
     return [str(script)] if script.exists() else [sys.executable, "-m", "mixln_megatron.cli"]
 
 
-@pytest.fixture
-def fresh_report(monkeypatch):
-    monkeypatch.setattr(errors, "_reported", False)
-
-
-def test_report_once_prints_one_line_the_first_time(fresh_report):
+def test_report_prints_each_error_once_and_every_other_error_too():
+    """Per error, not a process-wide latch: the same error (or one re-raised from it, as megatron's
+    build_module does) prints once; another error still gets its line."""
     out = io.StringIO()
-    assert errors.report_once(MixLNConfigError("alpha from MIXLN_ALPHA is bad\n  second line"), file=out)
-    assert not errors.report_once(MixLNConfigError("another"), file=out)
-    assert out.getvalue() == "[mixln_megatron] ERROR: alpha from MIXLN_ALPHA is bad | second line\n"
+    first = MixLNConfigError("alpha from MIXLN_ALPHA is bad\n  second line")
+    assert errors.report(first, file=out)
+    assert not errors.report(first, file=out)
+    try:
+        try:
+            raise first
+        except MixLNConfigError as caught:
+            raise MixLNConfigError(f"{caught} when instantiating MixLNHybridStack")
+    except MixLNConfigError as rewrapped:
+        assert not errors.report(rewrapped, file=out)
+        assert errors.reported(rewrapped) is first
+    assert errors.report(MixLNConfigError("another"), file=out)
+    assert out.getvalue() == ("[mixln_megatron] ERROR: alpha from MIXLN_ALPHA is bad | second line\n"
+                              "[mixln_megatron] ERROR: another\n")
+
+
+def test_refusal_is_exit_2_without_a_traceback(capsys):
+    with pytest.raises(SystemExit) as left:
+        with errors.refusals_leave():
+            raise MixLNConfigError("refused")
+    assert left.value.code == 2 and isinstance(left.value, errors.Refusal)
+    assert str(left.value) == "refused" and isinstance(left.value.error, MixLNConfigError)
+    assert capsys.readouterr().err == "[mixln_megatron] ERROR: refused\n"
+    with pytest.raises(ValueError):  # not ours: left alone
+        with errors.refusals_leave():
+            raise ValueError("a bug")
 
 
 def test_placement_command_prints_one_line_and_exits_2():
@@ -72,8 +92,11 @@ def test_every_project_error_is_one_line_and_exit_2(monkeypatch, tmp_path, capsy
     from mixln_megatron.data.preprocess import PreprocessError
     from mixln_megatron.training.pretrain import MixLNPretrainUnsupported
     from mixln_megatron.model.support import MixLNUnsupportedError
+    from mixln_megatron.model.checkpoint import MixLNCheckpointMismatch
+    from mixln_megatron.compat import CheckpointFromNewerRelease
 
-    for kind in (CheckpointError, PreprocessError, MixLNPretrainUnsupported, MixLNUnsupportedError):
+    for kind in (CheckpointError, PreprocessError, MixLNPretrainUnsupported, MixLNUnsupportedError,
+                 MixLNCheckpointMismatch, CheckpointFromNewerRelease):
         assert issubclass(kind, MixLNError), kind
 
 
@@ -87,18 +110,88 @@ def test_pretrain_bad_flag_is_one_line_and_exit_2():
                        "(0 = all Pre-LN, 1 = all Post-LN), got '2'"], proc.stderr[-2000:]
 
 
-def test_stock_path_prints_the_error_line_once_across_ranks():
-    """Two torchrun'd ranks build the model the way Megatron-LM's pretrain_gpt.py does; both fail,
-    rank 0 alone prints the one line, once, before the tracebacks."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(BUILDER), "--global-batch-size", "4"]
-    proc = subprocess.run(cmd, env=_env(MIXLN_ALPHA="a quarter"), capture_output=True, text=True,
-                          timeout=600, cwd=REPO)
-    assert proc.returncode != 0
-    text = proc.stdout + proc.stderr
-    lines = [line for line in text.splitlines() if "[mixln_megatron] ERROR:" in line]
-    assert len(lines) == 1, text[-4000:]
-    assert lines[0].endswith("[mixln_megatron] ERROR: alpha from MIXLN_ALPHA must be a number in [0, 1] "
-                             "(e.g. 0.25, or 0.0625 for a 32-layer 7B model), got 'a quarter'")
-    rank0 = proc.stderr.find("[rank0]: Traceback")  # torchrun tags each worker's traceback
-    assert 0 <= proc.stderr.find("[mixln_megatron] ERROR:") < rank0, proc.stderr[-4000:]
+# ------------------------------------------------------------------ the stock path, every rank
+REFUSAL_WORKER = HERE / "workers" / "stock_refusal_worker.py"
+LINE = "[mixln_megatron] ERROR:"
+CASES = {  # case: (environment, what the line says, on which releases)
+    "bad_alpha": ({"MIXLN_ALPHA": "a quarter"}, "alpha from MIXLN_ALPHA must be a number in [0, 1] "
+                  "(e.g. 0.25, or 0.0625 for a 32-layer 7B model), got 'a quarter'", "all"),
+    "settings_mismatch": ({}, "Mix-LN settings differ: the checkpoint has scheme=mixln P=2 of L=4, the model "
+                          "has scheme=mixln P=1 of L=4", "all"),
+    "newer_checkpoint": ({}, "was saved by megatron-core 0.19 or newer", "before 0.19"),
+    "hybrid_pattern": ({}, "the last pipeline stage ends at hybrid layer 2, but the model has 4 layers", "0.19+"),
+}
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _error_lines(text):
+    return [line for line in text.splitlines() if LINE in line]
+
+
+def _ranks(case, nproc=2, timeout=300):
+    """Every rank of a job as a child of this test (no launcher in between, so each rank's own exit
+    status is seen, not a launcher's SIGTERM): [(returncode, output)] by rank."""
+    env0, port = CASES[case][0], _free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, str(REFUSAL_WORKER), case], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env=_env(**env0, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                            LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+        for rank in range(nproc)]
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    return [(p.returncode, out) for p, out in zip(procs, outputs)]
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_stock_path_refusal_is_one_line_and_exit_2_on_every_rank(case):
+    """Each stock-path refusal, met as Megatron-LM's own scripts meet it (the --spec object resolved
+    as this release's pretrain_gpt.py / pretrain_hybrid.py does, the checkpoint record checked as its
+    load_checkpoint does): the line once in the whole job, no traceback from any rank, every rank
+    exits 2."""
+    from mixln_megatron import compat
+
+    releases = CASES[case][2]
+    if (releases == "before 0.19" and compat.RELEASE >= (0, 19)) or (releases == "0.19+" and not compat.HYBRID_MODEL):
+        pytest.skip(f"{case}: not a refusal on megatron-core {compat.VERSION}")
+    ranks = _ranks(case)
+    text = "".join(out for _, out in ranks)
+    assert [rc for rc, _ in ranks] == [2, 2], text[-6000:]
+    lines = _error_lines(text)
+    assert len(lines) == 1 and CASES[case][1] in lines[0], text[-6000:]
+    assert "Traceback" not in text and "NOT REFUSED" not in text, text[-6000:]
+
+
+def _hogs(n):
+    """Busy-loop processes beside the job (a loaded machine); the caller kills them."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def test_the_line_survives_when_rank_0_is_the_slow_one():
+    """Under torchrun, rank 1 fails while rank 0 never gets there (it sleeps): torchrun stops rank 0
+    with SIGTERM as soon as rank 1 exits. The line must still be in the log, once, with no
+    traceback, and torchrun's summary names exit code 2. Repeated with CPU hogs beside it; nothing
+    here depends on timing (rank 0 cannot print: the line can only come from rank 1)."""
+    hogs = _hogs(2)
+    try:
+        for attempt in range(5):
+            proc = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                 str(REFUSAL_WORKER), "bad_alpha", "--rank-0-never-gets-there"],
+                env=_env(MIXLN_ALPHA="a quarter"), capture_output=True, text=True, timeout=600, cwd=REPO)
+            text = proc.stdout + proc.stderr
+            assert proc.returncode != 0, text[-4000:]
+            lines = _error_lines(text)
+            assert len(lines) == 1 and lines[0].endswith(CASES["bad_alpha"][1]), (attempt, text[-4000:])
+            assert "Traceback" not in text, (attempt, text[-4000:])
+            assert re.search(r"exitcode\s*:\s*2\b", text), (attempt, text[-4000:])
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()

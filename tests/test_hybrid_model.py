@@ -283,11 +283,10 @@ def no_megatron_lm_args(monkeypatch):
 
 @pytest.fixture
 def fresh_reports(monkeypatch):
-    """The ERROR line and the build line are printed once per process: start from none printed."""
-    from mixln_megatron import errors
+    """The build line is printed once per process: start from none printed (the ERROR line is
+    printed once per error)."""
     from mixln_megatron.model import advice
 
-    monkeypatch.setattr(errors, "_reported", False)
     monkeypatch.setattr(advice, "_announced", set())
 
 
@@ -317,8 +316,9 @@ def test_hybrid_model_with_the_spec_object_refuses(mcore_single, no_megatron_lm_
 
     names, reason = REFUSED[pattern]
     mtp = {"mtp_num_layers": 1} if "/" in pattern else {}
-    with pytest.raises(MixLNUnsupportedError) as caught:
+    with pytest.raises(SystemExit) as caught:  # the --spec object is an edge: one line, exit 2
         model_from_spec_object(pattern, **mtp)
+    assert caught.value.code == 2 and isinstance(caught.value.error, MixLNUnsupportedError)
     assert names in str(caught.value) and re.search(reason, str(caught.value)), str(caught.value)
     lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("[mixln_megatron] ERROR:")]
     assert len(lines) == 1 and names in lines[0] and re.search(reason, lines[0]), lines
@@ -333,8 +333,9 @@ def test_spec_object_checks_megatron_lms_whole_pattern(mcore_single, megatron_lm
 
     megatron_lm_args(hybrid_layer_pattern=pattern)
     names, reason = REFUSED[pattern]
-    with pytest.raises(MixLNUnsupportedError) as caught:
+    with pytest.raises(SystemExit) as caught:
         model_from_spec_object(pattern)
+    assert caught.value.code == 2 and isinstance(caught.value.error, MixLNUnsupportedError)
     assert names in str(caught.value) and re.search(reason, str(caught.value)), str(caught.value)
     captured = capsys.readouterr()
     lines = [l for l in captured.err.splitlines() if l.startswith("[mixln_megatron] ERROR:")]
@@ -348,8 +349,9 @@ def test_segments_that_do_not_match_the_pipeline_are_refused(mcore_single, no_me
     """At PP1 megatron reads "*-|*-" as two virtual stages and builds the first only; refused."""
     from mixln_megatron.model.support import MixLNUnsupportedError
 
-    with pytest.raises(MixLNUnsupportedError, match="ends at hybrid layer 2, but the model has 4 layers"):
+    with pytest.raises(SystemExit, match="ends at hybrid layer 2, but the model has 4 layers") as caught:
         model_from_spec_object("*-|*-")
+    assert caught.value.code == 2 and isinstance(caught.value.error, MixLNUnsupportedError)
     lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("[mixln_megatron] ERROR:")]
     assert len(lines) == 1 and lines[0].endswith("(x virtual pipeline) stages"), lines
 

@@ -14,17 +14,18 @@ layout does not reveal P. The settings therefore travel with the weights, in thr
    checks it before any tensor is read.
 3. Legacy (per-rank torch) checkpoints: the same record in the regular state_dict of layer 1.
 
-The mismatch is reported through load_state_dict's `error_msgs`, which raises even when
-Megatron-LM retries a failed strict load non-strictly. Before that, as for bad settings, it is
-printed once as one `[mixln_megatron] ERROR:` line on rank 0 (errors.report_once): every rank
-raises it, inside Megatron-LM's tracebacks.
+A mismatch found in the content metadata Megatron-LM's load_checkpoint hands back is a refusal:
+one `[mixln_megatron] ERROR:` line, then errors.Refusal (SystemExit 2, no traceback) on every rank,
+before any tensor is read (errors.refuse). In the sharded record or a legacy checkpoint it is the
+same line, then load_state_dict's `error_msgs`, which raises even when Megatron-LM retries a
+failed strict load non-strictly.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from ..errors import report_once
+from ..errors import MixLNError, refuse, report
 from .placement import Placement
 
 
@@ -32,7 +33,7 @@ RECORD_NAME = "mixln_settings"
 METADATA_KEY = "mixln"
 
 
-class MixLNCheckpointMismatch(RuntimeError):
+class MixLNCheckpointMismatch(MixLNError, RuntimeError):
     """A checkpoint's Mix-LN settings differ from the model's."""
 
 
@@ -84,9 +85,7 @@ def add_settings_record(layer, sharded: dict, prefix: str, metadata: Optional[di
         if loaded is not None:
             problem = mismatch_message(loaded, placement)
             if problem:
-                error = MixLNCheckpointMismatch(problem)
-                report_once(error)  # one line on rank 0 before every rank's traceback
-                raise error
+                refuse(MixLNCheckpointMismatch(problem))  # one line, exit 2 on every rank
         else:
             metadata[METADATA_KEY] = placement.record()
     if placement.is_stock or layer.layer_number != 1 or getattr(layer, "is_mtp_layer", False):
@@ -112,6 +111,6 @@ def check_settings_record(layer, state_dict: dict, prefix: str, error_msgs: list
         return  # a stock checkpoint into a P = 0 model: nothing to say
     problem = mismatch_message(record, layer.placement)
     if problem:
-        report_once(MixLNCheckpointMismatch(problem))
+        report(MixLNCheckpointMismatch(problem))
         error_msgs.append(problem)
 

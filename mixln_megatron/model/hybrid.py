@@ -22,7 +22,7 @@ from megatron.core.models.hybrid.hybrid_block import HybridStack
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-from ..errors import report_once
+from ..errors import report
 from . import hybrid_pattern
 from .support import MixLNUnsupportedError
 
@@ -81,7 +81,10 @@ class MixLNHybridStack(HybridStack):
         try:
             _check_stage(config, layer_type_list, pp_layer_offset, post_process)
         except MixLNUnsupportedError as error:
-            report_once(error)  # one line on rank 0, before megatron's build_module rewraps it
+            # One line, before megatron's build_module re-raises it with a suffix; the error itself
+            # leaves (a megatron-core user gets the exception); under Megatron-LM the --spec stack
+            # class turns it into exit 2 (spec.HybridStackFromStockSpec).
+            report(error)
             raise
         own_final_norm = final_norm is not None and post_process and post_layer_norm
         super().__init__(

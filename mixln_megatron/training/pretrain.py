@@ -42,7 +42,7 @@ import time
 from functools import partial
 from typing import Optional, Sequence
 
-from ..errors import PREFIX, MixLNError, one_line
+from ..errors import MixLNError, one_line, report
 from ..megatron_args import add_mixln_args, backend_from_args, run_settings  # noqa: F401  (run_settings: part of this entry point's API)
 from ..model import hybrid_pattern, settings as mixln_settings, support
 from ..model.placement import resolve_placement
@@ -144,18 +144,12 @@ def transformer_blocks(args) -> int:
     return hybrid_pattern.num_blocks(args.num_layers, part)
 
 
-# How long the other ranks wait for rank 0 before exiting after the line. A launcher that stops
-# the job at the first failed worker (torchrun) would otherwise kill rank 0 before it printed.
-RANK_0_REPORT_WAIT_S = 10.0
-
-
 def _report_on_rank_0(error: BaseException) -> None:
-    """The stock path's one line (errors.PREFIX), printed by rank 0 only: every rank stops alike,
-    before any process group exists, so each would otherwise print it. Rank 0 exits first."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"{PREFIX} {one_line(error)}", file=sys.stderr, flush=True)
-    else:
-        time.sleep(RANK_0_REPORT_WAIT_S)
+    """The stock path's one line (errors.PREFIX) for a refusal every rank meets alike, before any
+    process group exists: errors.report prints it once per node, by whichever local rank gets
+    there first, before any rank can leave (so a launcher that stops the job at the first exit
+    cannot cut it off). The caller returns 2."""
+    report(error)
 
 
 def _single_process_defaults(environ=None) -> None:
