@@ -6,7 +6,7 @@ each test copies one, plants a payload (tests/payloads.py: a pickle reducing to 
 subprocess.Popen, builtins.exec / eval, importlib.import_module, or os.system nested inside allowed
 containers) or a garbage / truncated / empty version into one file kind, and runs a command that
 reads checkpoints: `mixln-megatron convert to-hf`, `mixln-megatron analyze angular-distance`,
-`convert.inspect.inspect_checkpoint`, and the `--spec` edge's `compat.check_load_dir`.
+`convert.inspect.inspect_checkpoint`, and the --load vetting (`convert.vet.vet_checkpoint`).
 
 The contract: the payload's marker file is never created; a refusal is exit status 2 and one line
 `mixln-megatron <command>: error: <message>` naming the file (its path) and, for a payload, the
@@ -297,21 +297,36 @@ def test_analyze_refuses(bases, tmp_path, capsys, monkeypatch, analysis_process,
     assert_refused(case, rc, err, written=[out_dir])
 
 
-# ------------------------------------------------------------------------------ the --spec edge
-SPEC_EDGE_CASES = ([(k, p) for k in TORCH_DIST_PICKLE_KINDS for p in ("os.system", "nested-os.system")]
-                   + [(k, "garbage") for k in TORCH_DIST_PICKLE_KINDS + ["torch_dist-metadata.json"]])
-@pytest.mark.parametrize("kind,what", SPEC_EDGE_CASES)
-def test_spec_edge_load_checks_refuse(bases, tmp_path, monkeypatch, kind, what):
-    """compat.check_load_dir (what the --spec edge runs on --load before Megatron reads it) reads no
-    pickle of the checkpoint, and must never run one (the .metadata case uses 0.19's layout, no
-    common.pt); where it refuses, it names the file in one line."""
-    from mixln_megatron import compat
+# ------------------------------------------------------------------------------ vetting a --load
+VET_CASES = ([(k, p) for k in TORCH_DIST_PICKLE_KINDS for p in ("os.system", "nested-os.system")]
+             + [(k, "garbage") for k in TORCH_DIST_PICKLE_KINDS + ["torch_dist-metadata.json"]])
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("kind,what", VET_CASES)
+def test_load_vetting_refuses(bases, tmp_path, monkeypatch, kind, what):
+    """convert.vet.vet_checkpoint (what `mixln-megatron pretrain --load` and `convert inspect --check`
+    run before Megatron-LM reads a checkpoint) reads every pickle on every release, runs none, and
+    refuses each planted file naming it (the .metadata case uses 0.19's layout, no common.pt); the
+    --spec edge's release check (convert.vet.check_load_dir) never runs one either."""
+    from mixln_megatron.convert import vet
 
     case = Case(tmp_path, bases, kind)
     if kind == "torch_dist-.metadata":
         os.remove(P.target_file("torch_dist-common.pt", case.ckpt))
     case.damage(what) if what in P.DAMAGES else case.plant(what, monkeypatch)
-    error = call(compat.check_load_dir, str(case.ckpt))
+    error = call(vet.vet_checkpoint, str(case.ckpt))
+    assert_raised(case, error, "vet_checkpoint")
+    error = call(vet.check_load_dir, str(case.ckpt))
     assert not case.payload_ran(), f"check_load_dir: the payload in {case.file} RAN"
     if error is not None:
         assert_raised(case, error, "check_load_dir")
+
+
+@pytest.mark.compat
+def test_load_vetting_passes_the_clean_copy(bases):
+    from mixln_megatron.convert import vet
+
+    for fmt in ("torch_dist", "torch"):
+        report = vet.vet_checkpoint(str(bases[fmt]))
+        assert "clean" in report.line() and sum(report.pickles.values()) >= 1, report.line()
