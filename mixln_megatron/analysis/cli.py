@@ -282,6 +282,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
             from ..convert.inspect import inspect_checkpoint
 
             inspect_checkpoint(a.megatron, a.iteration)  # refuse a bad checkpoint before megatron is imported
+        if getattr(a, "hf", None):
+            from .models import check_hf_folder
+
+            check_hf_folder(a.hf)  # refuse a bad folder (confined, validated) before the harness or transformers
         run = {"grad-norms": _run_grad_norms, "angular-distance": _run_angular}.get(a.command, _run_layer_drop)
         with _megatron_on_this_machine():
             return run(a)

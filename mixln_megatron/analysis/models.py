@@ -361,15 +361,15 @@ def _hf_classes(model_type: str):
     return LlamaConfig, LlamaForCausalLM
 
 
-def load_hf_model(path: str) -> HFLM:
-    """A Hugging Face folder: stock LLaMA, or our mixln_llama export (never remote code).
+def check_hf_folder(path: str):
+    """Validate an HF folder before anything reads it for the analyses: -> (HFCheckpoint, config,
+    model class). One ConversionError (a MixLNError: one line, exit 2) for anything wrong.
 
     The folder is untrusted input (issue 27): it is read by convert's HFCheckpoint (every file
     confined to the folder; config.json, the index and every safetensors header validated; a .bin
-    through the allow-listed unpickler), its config fields checked for type and range, and every
-    tensor the model needs checked by name and shape against the headers, all before the model is
-    built. transformers never opens a weight file here: the model is built from the validated
-    config and its parameters are filled from HFCheckpoint, tensor by tensor.
+    through the allow-listed unpickler), its config fields checked for type and range, the layers
+    of the weight names against num_hidden_layers, and every tensor the model needs by name and
+    shape against the headers (on a meta-device model: no memory), all before the model is built.
     """
     import os
 
@@ -401,6 +401,14 @@ def load_hf_model(path: str) -> HFLM:
             break
     if problems:
         raise ConversionError(f"{hf.path} does not match its config.json: " + "; ".join(problems))
+    return hf, config, model_class
+
+
+def load_hf_model(path: str) -> HFLM:
+    """A Hugging Face folder: stock LLaMA, or our mixln_llama export (never remote code), validated
+    by check_hf_folder. transformers never opens a weight file here: the model is built from the
+    validated config and its parameters are filled from HFCheckpoint, tensor by tensor."""
+    hf, config, model_class = check_hf_folder(path)
     model = model_class(config).to(torch.float32)
     with torch.no_grad():
         for name, param in model.state_dict().items():

@@ -78,28 +78,29 @@ def check_layers_against_files(hf: HFCheckpoint, shape: ModelShape) -> None:
                           f"{len(found)} decoder layers ({detail}); the config does not match the files")
 
 
-def _mixln_fields(config: dict):
+def _mixln_fields(config: dict, source: str = "config.json"):
     """(post_ln_layers, scheme, alpha) of a mixln_llama config.json, type-checked."""
     p = config.get("post_ln_layers", 0)
     if p is None:
         p = 0
     if not isinstance(p, int) or isinstance(p, bool) or p < 0:
-        raise ConversionError(f"invalid Mix-LN fields in config.json: post_ln_layers must be a non-negative "
+        raise ConversionError(f"invalid Mix-LN fields in {source}: post_ln_layers must be a non-negative "
                               f"integer, got {p!r:.60}")
     scheme = config.get("mixln_scheme", "mixln")
     if scheme is None:
         scheme = "mixln"
     if not isinstance(scheme, str):
-        raise ConversionError(f"invalid Mix-LN fields in config.json: mixln_scheme must be a string, got {scheme!r:.60}")
+        raise ConversionError(f"invalid Mix-LN fields in {source}: mixln_scheme must be a string, got {scheme!r:.60}")
     alpha = config.get("mixln_alpha")
     if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))):
-        raise ConversionError(f"invalid Mix-LN fields in config.json: mixln_alpha must be a number or null, got "
+        raise ConversionError(f"invalid Mix-LN fields in {source}: mixln_alpha must be a number or null, got "
                               f"{alpha!r:.60}")
     return p, scheme, alpha
 
 
 # --------------------------------------------------------------------------- settings
-def resolve_settings(config: dict, num_layers: int, post_ln_layers=None, alpha=None, scheme=None) -> Tuple[dict, str, bool]:
+def resolve_settings(config: dict, num_layers: int, post_ln_layers=None, alpha=None, scheme=None,
+                     source: str = "config.json") -> Tuple[dict, str, bool]:
     """(placement record, description, whether a stock folder is turned into Mix-LN)."""
     from ..model.placement import MixLNConfigError, MixLNSettings, Placement, resolve_placement
 
@@ -112,9 +113,9 @@ def resolve_settings(config: dict, num_layers: int, post_ln_layers=None, alpha=N
         raise ConversionError(str(e)) from None
     if config.get("model_type") == "mixln_llama":
         try:
-            folder = Placement(num_layers, *_mixln_fields(config))
+            folder = Placement(num_layers, *_mixln_fields(config, source))
         except MixLNConfigError as e:
-            raise ConversionError(f"invalid Mix-LN fields in config.json: {e}") from None
+            raise ConversionError(f"invalid Mix-LN fields in {source}: {e}") from None
         if explicit:
             want_p = asked.post_ln_layers if asked is not None else folder.post_ln_layers
             want_scheme = scheme or folder.scheme
@@ -177,7 +178,8 @@ def convert_from_hf(
         )
     if pp > shape.num_layers:
         raise ConversionError(f"--pp {pp} exceeds num_layers {shape.num_layers}")
-    record, settings_source, changed = resolve_settings(hf.config, shape.num_layers, post_ln_layers, alpha, scheme)
+    record, settings_source, changed = resolve_settings(hf.config, shape.num_layers, post_ln_layers, alpha, scheme,
+                                                       os.path.join(hf.path, "config.json"))
     post_ln = int(record["post_ln_layers"])
     stock = not M.uses_mixln_layout(record)
     if changed:

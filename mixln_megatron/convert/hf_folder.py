@@ -114,7 +114,7 @@ class HFCheckpoint:
                 raise ConversionError(f"{shown}: weight_map[{_shown(name)}] must be a shard file name, got "
                                       f"{_shown(shard)}")
             if "/" in shard or "\\" in shard or shard in (".", "..") or "\x00" in shard:
-                raise ConversionError(f"{shown}: weight_map[{_shown(name)}] names {_shown(shard)}; shards are plain "
+                raise ConversionError(f"{shown}: weight_map[{_shown(name)}] names {_shown(shard, 240)}; shards are plain "
                                       "file names inside the folder (no directories, no '..', no absolute paths)")
             if not shard.endswith(suffix):
                 raise ConversionError(f"{shown}: weight_map[{_shown(name)}] names {_shown(shard)}, not a {suffix} "
