@@ -133,3 +133,57 @@ def test_the_release_module_and_errors_stay_below_the_model():
     for module in ("mixln_megatron.compat", "mixln_megatron.errors"):
         bad = sorted(t for t in graph[module] if _inside(t, above))
         assert not bad, (module, bad)
+
+
+# The package's layers, lowest first. A module may import its own layer and any layer below it,
+# never one above. Why each sits where it does:
+# - foundation: the one-line errors, reading untrusted input (confinement, the allow-list), staged
+#   output, release differences (compat) and the CPU harness that megatron code runs inside;
+# - model: the Mix-LN network (settings, placement, layers, specs), the HF model code, data prep;
+# - training and conversion: hooks, telemetry, the spike scaler, the entry point; checkpoint
+#   readers and writers; test builders (dev.testing) that make real models from the model layer;
+# - edges: what Megatron-LM imports by name (--spec objects) and the diagnostics built on the above;
+# - applications: the command line, the CPU demo (a script of user commands) and the package's
+#   own lazy re-exports.
+LAYERS = (
+    ("foundation", ("mixln_megatron.errors", "mixln_megatron.input_root", "mixln_megatron.safe_output",
+                    "mixln_megatron.safe_unpickle", "mixln_megatron.compat", "mixln_megatron.dev.cpu")),
+    ("model", ("mixln_megatron.model", "mixln_megatron.hf", "mixln_megatron.data", "mixln_megatron.dev.plots")),
+    ("training and conversion", ("mixln_megatron.training", "mixln_megatron.convert",
+                                 "mixln_megatron.megatron_args", "mixln_megatron.dev.testing")),
+    ("edges", ("mixln_megatron.spec", "mixln_megatron.analysis")),
+    ("applications", ("mixln_megatron.cli", "mixln_megatron.dev.demo", "mixln_megatron.dev", "mixln_megatron")),
+)
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the most specific prefix naming `module` (the package itself exactly)."""
+    best, length = None, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            hit = module == p if p == "mixln_megatron" else _inside(module, (p,))
+            if hit and len(p) > length:
+                best, length = i, len(p)
+    return best
+
+
+def test_every_module_has_a_layer():
+    missing = sorted(m for m in import_graph() if layer_of(m) is None)
+    assert not missing, f"modules with no layer in LAYERS: {missing}"
+
+
+def test_imports_point_down_the_layers():
+    """An import of a higher layer fails here, naming both ends (issue 28: compat -> convert,
+    dev.demo -> analysis and dev.testing -> spec were such imports)."""
+    graph = import_graph()
+    upward = sorted(f"{m} ({LAYERS[layer_of(m)][0]}) -> {t} ({LAYERS[layer_of(t)][0]})"
+                    for m, targets in graph.items() for t in targets
+                    if layer_of(m) is not None and layer_of(t) is not None and layer_of(t) > layer_of(m))
+    assert not upward, "imports up a layer:\n" + "\n".join(upward)
+
+
+def test_the_layer_check_catches_an_upward_import():
+    assert layer_of("mixln_megatron.compat") < layer_of("mixln_megatron.convert.locate")
+    assert layer_of("mixln_megatron.dev.testing") < layer_of("mixln_megatron.spec")
+    assert layer_of("mixln_megatron.dev.demo") > layer_of("mixln_megatron.analysis.train_health")
+    assert layer_of("mixln_megatron") == len(LAYERS) - 1 and layer_of("mixln_megatron.model.layer") == 1

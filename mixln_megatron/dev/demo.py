@@ -251,11 +251,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         records, os.path.join(out, "loss_curves.png"),
         title=f"Mix-LN (alpha 0.25) vs Pre-LN: 4-layer LLaMA-shaped GPT, Austen corpus, {args.iters} iterations (CPU)",
     )
-    from argparse import Namespace
-
-    from ..analysis.train_health import run as train_health
-
-    health = train_health(Namespace(run_dir=telemetry["mixln"], out=os.path.join(out, "mixln")))
+    # The demo is a script of user commands: the health plots come from the CLI, like the training.
+    commands["train_health"] = [sys.executable, "-m", "mixln_megatron.cli", "analyze", "train-health",
+                                telemetry["mixln"], "--out", os.path.join(out, "mixln")]
+    subprocess.run(commands["train_health"], check=True, env=env)
+    with open(os.path.join(out, "mixln", "train_health.json")) as f:
+        health = json.load(f)
     ppl = {name: final_valid(rec)["ppl"] for name, rec in records.items()}
     summary = {
         "runs": {name: {"alpha": alpha, **records[name]} for name, alpha in RUNS},

@@ -239,7 +239,7 @@ def mixln_spec(cfg, post_ln_layers, vp_stage, stock=False, scheme=None):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         return get_gpt_layer_local_spec(normalization="RMSNorm")
-    from ..spec import get_mixln_decoder_block_spec
+    from ..model.specs import get_mixln_decoder_block_spec
 
     return get_mixln_decoder_block_spec(cfg, backend="local", post_ln_layers=post_ln_layers,
                                         scheme=scheme, vp_stage=vp_stage)
@@ -297,7 +297,7 @@ def te_missing():
 
 def te_spec(cfg, post_ln_layers, vp_stage=None, backend="te"):
     """The Mix-LN decoder block spec (TE by default) of this virtual stage."""
-    from ..spec import get_mixln_decoder_block_spec
+    from ..model.specs import get_mixln_decoder_block_spec
 
     return get_mixln_decoder_block_spec(cfg, backend=backend, post_ln_layers=post_ln_layers, vp_stage=vp_stage)
 
