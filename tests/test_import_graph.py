@@ -142,7 +142,8 @@ def test_the_release_module_and_errors_stay_below_the_model():
 # - model: the Mix-LN network (settings, placement, layers, specs), the HF model code, data prep;
 # - training and conversion: hooks, telemetry, the spike scaler, the entry point; checkpoint
 #   readers and writers; test builders (dev.testing) that make real models from the model layer;
-# - edges: what Megatron-LM imports by name (--spec objects) and the diagnostics built on the above;
+# - edges: what Megatron-LM imports by name (--spec objects), the Megatron-Bridge model (optional),
+#   and the diagnostics built on the above;
 # - applications: the command line, the CPU demo (a script of user commands) and the package's
 #   own lazy re-exports.
 LAYERS = (
@@ -151,7 +152,7 @@ LAYERS = (
     ("model", ("mixln_megatron.model", "mixln_megatron.hf", "mixln_megatron.data", "mixln_megatron.dev.plots")),
     ("training and conversion", ("mixln_megatron.training", "mixln_megatron.convert",
                                  "mixln_megatron.megatron_args", "mixln_megatron.dev.testing")),
-    ("edges", ("mixln_megatron.spec", "mixln_megatron.analysis")),
+    ("edges", ("mixln_megatron.spec", "mixln_megatron.analysis", "mixln_megatron.bridge")),
     ("applications", ("mixln_megatron.cli", "mixln_megatron.dev.demo", "mixln_megatron.dev", "mixln_megatron")),
 )
 
