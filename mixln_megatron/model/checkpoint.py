@@ -87,6 +87,9 @@ def add_settings_record(layer, sharded: dict, prefix: str, metadata: Optional[di
             if problem:
                 refuse(MixLNCheckpointMismatch(problem))  # one line, exit 2 on every rank
         else:
+            # Megatron-LM offers no hook to add content metadata: it saves the dict it passes here.
+            # One key added, never an existing one changed, to a dict made for this one save
+            # (or load), so nothing outlives it and there is nothing to undo.
             metadata[METADATA_KEY] = placement.record()
     if placement.is_stock or layer.layer_number != 1 or getattr(layer, "is_mtp_layer", False):
         return

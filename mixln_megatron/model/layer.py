@@ -79,11 +79,23 @@ _ON_LAYER_BUILT = "_mixln_on_layer_built"
 def on_layer_built(config, callback) -> None:
     """Call `callback(layer)` for every MixLNTransformerLayer built from now on with `config`
     (idempotent). How training hooks installed before the build (the spike scaler's checkpoint
-    state) join the layers without the spec or the layer knowing them."""
+    state) join the layers without the spec or the layer knowing them. Kept on the config because
+    nothing in megatron-core runs a hook when a layer is built (torch's module-registration hook
+    is process-wide); remove_on_layer_built undoes it."""
     config = getattr(config, "transformer", config)
     callbacks = config.__dict__.setdefault(_ON_LAYER_BUILT, [])
     if callback not in callbacks:
         callbacks.append(callback)
+
+
+def remove_on_layer_built(config, callback) -> None:
+    """Undo on_layer_built(config, callback); the config is as before once no callback is left."""
+    config = getattr(config, "transformer", config)
+    callbacks = config.__dict__.get(_ON_LAYER_BUILT, [])
+    if callback in callbacks:
+        callbacks.remove(callback)
+    if not callbacks:
+        config.__dict__.pop(_ON_LAYER_BUILT, None)
 
 
 def _without_fused_norm(spec):

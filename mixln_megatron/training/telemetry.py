@@ -156,16 +156,19 @@ class GradTelemetry:
 class TelemetryHook:
     """The finalize_model_grads_func wrapper; keeps the call signature of what it wraps."""
 
-    def __init__(self, telemetry: GradTelemetry, original):
+    def __init__(self, telemetry: GradTelemetry, original=None):
         self.telemetry = telemetry
-        self.original = original
+        self.original = original  # None: megatron's finalize_model_grads, as Megatron-LM would set
 
     @property
     def mixln_spike_scaler(self):  # so that spike.get_spike_scaler(config) still finds it
         return getattr(self.original, "mixln_spike_scaler", None)
 
     def __call__(self, model, *args, **kwargs):
-        result = self.original(model, *args, **kwargs)
+        original = self.original
+        if original is None:
+            from megatron.core.distributed import finalize_model_grads as original
+        result = original(model, *args, **kwargs)
         record = self.telemetry.after_finalize(model)
         if record is not None:
             scaler = self.mixln_spike_scaler
@@ -220,9 +223,7 @@ def get_telemetry(config) -> Optional[GradTelemetry]:
 
 def install_telemetry(config, interval: int, path: Optional[str] = None) -> Optional[GradTelemetry]:
     """Wrap config.finalize_model_grads_func (install the spike scaler first, so that the
-    telemetry sees its output). interval 0 installs nothing. Idempotent."""
-    from megatron.core.distributed import finalize_model_grads
-
+    telemetry sees its output). interval 0 installs nothing. Idempotent; remove_telemetry undoes it."""
     if interval <= 0:
         return None
     config = getattr(config, "transformer", config)
@@ -230,6 +231,14 @@ def install_telemetry(config, interval: int, path: Optional[str] = None) -> Opti
     if existing is not None:
         return existing
     telemetry = GradTelemetry(interval, path)
-    original = getattr(config, "finalize_model_grads_func", None) or finalize_model_grads
-    config.finalize_model_grads_func = TelemetryHook(telemetry, original)
+    config.finalize_model_grads_func = TelemetryHook(telemetry, getattr(config, "finalize_model_grads_func", None))
     return telemetry
+
+
+def remove_telemetry(config) -> Optional[GradTelemetry]:
+    """Take the telemetry out of config.finalize_model_grads_func, leaving what it wrapped and what
+    was wrapped around it since. Returns the removed telemetry, or None."""
+    from .spike.hook import unwrap_finalize
+
+    hook = unwrap_finalize(config, TelemetryHook)
+    return None if hook is None else hook.telemetry

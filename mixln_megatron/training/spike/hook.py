@@ -12,7 +12,8 @@ hands the model chunks to the SpikeScaler, which edits `param.main_grad` of the 
     with it (model.layer.on_layer_built) to take its checkpoint holder. Megatron-LM itself is not patched; the optimizer is found at the first
     call through `config.grad_scale_func` (Megatron-LM sets it to the optimizer's scale_loss).
 `install_finalize_hook` is the one function that touches the config: a release whose train()
-replaces the finalize function (mixln_megatron.compat) re-runs or wraps it.
+replaces the finalize function (mixln_megatron.compat) re-runs or wraps it. `remove_spike_scaler`
+undoes all of it (config, optimizer, layers).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
-from ...model.layer import on_layer_built
+from ...model.layer import on_layer_built, remove_on_layer_built
 from ...model.placement import Placement
 from ...model.settings import SpikeSettings
 from .. import runtime
@@ -76,12 +77,34 @@ def install_finalize_hook(config, scaler: SpikeScaler) -> SpikeGradsHook:
     return hook
 
 
-def remove_spike_scaler(config) -> None:
-    """Put back the finalize function that was there before the scaler (tests, notebooks)."""
+def unwrap_finalize(config, kind) -> Optional[object]:
+    """Take the first wrapper of type `kind` out of the chain of `.original` links that starts at
+    `config.finalize_model_grads_func`, leaving the rest as it was; the wrapper, or None."""
     config = _transformer_config(config)
-    hook = getattr(config, "finalize_model_grads_func", None)
-    if isinstance(hook, SpikeGradsHook):
+    above, hook = None, getattr(config, "finalize_model_grads_func", None)
+    while hook is not None and not isinstance(hook, kind):
+        above, hook = hook, getattr(hook, "original", None)
+    if hook is None:
+        return None
+    if above is None:
         config.finalize_model_grads_func = hook.original
+    else:
+        above.original = hook.original
+    return hook
+
+
+def remove_spike_scaler(config) -> Optional[SpikeScaler]:
+    """Undo every install of the scaler on `config` (tests, notebooks, a second scaler): the
+    finalize function before it is back (whatever was wrapped around it since stays), the
+    optimizer's step is unwrapped, the layers lose their checkpoint holders and later builds
+    their callback. Returns the removed scaler, or None."""
+    hook = unwrap_finalize(config, SpikeGradsHook)
+    if hook is None:
+        return None
+    scaler = hook.mixln_spike_scaler
+    remove_on_layer_built(_transformer_config(config), scaler.attach)
+    scaler.detach()
+    return scaler
 
 
 def _no_boundary(placement: Placement) -> str:

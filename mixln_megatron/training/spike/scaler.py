@@ -15,7 +15,7 @@ Correctness under each kind of parallelism (targets.py says which elements a ran
   * fp16 loss scaling: main_grad still carries the loss scale; the rule divides by the
     optimizer's current scale (a device tensor) and multiplies the replacement back.
   * Skipped steps: the hook only proposes the next state; the optimizer's `step` (wrapped on the
-    instance, the class is untouched) commits it when it reports success and discards it
+    instance by CommitAfterStep, the class is untouched, release_optimizer() unwraps) commits it when it reports success and discards it
     otherwise (fp16 overflow, grad-norm skip). A rerun of the same step proposes again from the
     same committed state. Without a known optimizer each proposal is committed at once
     (documented fallback for custom loops; then fp16 skips cannot be seen).
@@ -43,6 +43,46 @@ from .targets import Target, TargetSet, find_targets, is_target_layer, mixln_lay
 logger = logging.getLogger(__name__)
 
 
+class CommitAfterStep:
+    """What `optimizer.step` becomes on one optimizer instance (its class is untouched): the step,
+    then the scaler's commit or discard with the step's success flag.
+
+    Why a wrapper: Megatron's optimizers have no step hook, and torch's register_step_post_hook on
+    the inner optimizer never runs for a step Megatron skips (fp16 overflow, non-finite grad norm),
+    which the scaler must see to discard its proposal. uninstall() restores the instance as it was.
+    """
+
+    _ABSENT = object()
+
+    def __init__(self, optimizer, scaler, previous):
+        functools.update_wrapper(self, optimizer.step)
+        self.original = optimizer.step
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.previous = previous  # the instance's own `step` attribute before, or _ABSENT
+
+    @classmethod
+    def install(cls, optimizer, scaler) -> "CommitAfterStep":
+        wrapper = cls(optimizer, scaler, optimizer.__dict__.get("step", cls._ABSENT))
+        optimizer.step = wrapper
+        return wrapper
+
+    def __call__(self, *args, **kwargs):
+        result = self.original(*args, **kwargs)
+        if self.scaler is not None:
+            success = result[0] if isinstance(result, tuple) else result
+            self.scaler.after_optimizer_step(bool(success))
+        return result
+
+    def uninstall(self) -> None:
+        self.scaler = None  # inert even where someone wrapped step again on top of it
+        if self.optimizer.__dict__.get("step") is self:
+            if self.previous is self._ABSENT:
+                del self.optimizer.step  # the class's step again
+            else:
+                self.optimizer.step = self.previous
+
+
 class SpikeScaler:
     """Per-process owner of the rule's state, the hook's work, the commit and the reporting."""
 
@@ -50,6 +90,7 @@ class SpikeScaler:
         self.config = config
         self._configure(settings, placement)
         self.optimizer = None
+        self._step_wrapper: Optional[CommitAfterStep] = None
         self.has_grad_scaler = False
         self.eager_commit = False
         self.state: Optional[SpikeState] = None
@@ -97,27 +138,34 @@ class SpikeScaler:
         return holder
 
     def set_optimizer(self, optimizer) -> None:
-        """Commit proposals after `optimizer.step()` reports success (wraps the instance's step)."""
+        """Commit proposals after `optimizer.step()` reports success (wraps the instance's step;
+        release_optimizer() puts it back)."""
         if optimizer is None or optimizer is self.optimizer:
             return
+        self.release_optimizer()
         self.optimizer = optimizer
         subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
         self.has_grad_scaler = any(getattr(o, "grad_scaler", None) is not None for o in subs)
         self.eager_commit = False
-        if getattr(optimizer, "_mixln_spike_scaler", None) is self:
-            return
-        original = optimizer.step
-        scaler = self
+        self._step_wrapper = CommitAfterStep.install(optimizer, self)
 
-        @functools.wraps(original)
-        def step(*args, **kwargs):
-            result = original(*args, **kwargs)
-            success = result[0] if isinstance(result, tuple) else result
-            scaler.after_optimizer_step(bool(success))
-            return result
+    def release_optimizer(self) -> None:
+        """Undo set_optimizer: the optimizer's step is what it was, and no longer drives this scaler."""
+        wrapper, self._step_wrapper = self._step_wrapper, None
+        if wrapper is not None:
+            wrapper.uninstall()
+        self.optimizer = None
+        self.has_grad_scaler = False
 
-        optimizer.step = step
-        optimizer._mixln_spike_scaler = self
+    def detach(self) -> None:
+        """Undo what the scaler installed on the model and the optimizer: the checkpoint holders
+        it added to layers, and the optimizer's step wrapper (remove_spike_scaler calls it)."""
+        self.release_optimizer()
+        for holder in self.checkpoint.holders.values():
+            layer = holder.layer
+            if layer is not None and layer._modules.get(HOLDER_NAME) is holder:
+                delattr(layer, HOLDER_NAME)
+        self.checkpoint.holders.clear()
 
     def enable_timing(self) -> dict:
         """Accumulate the wall-clock time of the hook's own work, of the commit and of the reports."""

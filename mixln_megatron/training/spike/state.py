@@ -29,6 +29,7 @@ that entry (only a load of a format-1 checkpoint can), the holders request the o
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -115,6 +116,7 @@ class SpikeStateHolder(torch.nn.Module):
 
     def bind(self, scaler, layer) -> None:
         self.__dict__["_checkpoint"] = scaler.checkpoint  # a plain attribute, not a submodule
+        self.__dict__["_layer"] = weakref.ref(layer)  # so that SpikeScaler.detach can take it out
         self.__dict__["_pg_collection"] = getattr(layer, "pg_collection", None)
         self.layer_number = int(layer.layer_number)  # the holding module's own (global) number
         self.block_number = int(layer.block_number)  # the Mix-LN layer whose state it carries
@@ -124,6 +126,11 @@ class SpikeStateHolder(torch.nn.Module):
         # The tensors live where the parameters do when saved (collective checkpoint strategies
         # exchange them); a parameter object stays the same when the model moves to the GPU.
         self.__dict__["_param"] = norms[0][1] if norms else None
+
+    @property
+    def layer(self):
+        """The layer this holder was attached to (None once the layer is gone)."""
+        return self._layer()
 
     def forward(self, *args, **kwargs):  # pragma: no cover - never called
         raise RuntimeError("SpikeStateHolder holds checkpoint state only")
