@@ -244,3 +244,124 @@ def plant_damage(kind: str, ckpt, damage: str) -> str:
     with open(target, "wb") as f:
         f.write(data)
     return target
+
+
+# ------------------------------------------------------------------------------ issue 27: reads outside, costs
+# Helpers for tests/test_untrusted_reads.py and tests/test_unpickler_hardening.py: damage planted into
+# copies of real checkpoints (storage entries moved, files swapped for FIFOs / links, crafted pickles).
+
+def read_metadata(ckpt, iteration: str = "release"):
+    """The real DCP Metadata of our own fixture copy (plain pickle: it is our file, before planting)."""
+    with open(os.path.join(str(ckpt), iteration, ".metadata"), "rb") as f:
+        return pickle.load(f)
+
+
+def write_metadata(ckpt, md, iteration: str = "release") -> None:
+    with open(os.path.join(str(ckpt), iteration, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+
+
+def storage_index(md, key: str):
+    """The storage key of the byte item / first chunk of `key` in metadata `md`."""
+    return next(k for k in md.storage_data if k.fqn == key)
+
+
+def move_storage(ckpt, key: str, iteration: str = "release", **changes) -> None:
+    """Change the storage entry of `key` (relative_path=, offset=, length=) in the copy's .metadata."""
+    md = read_metadata(ckpt, iteration)
+    index = storage_index(md, key)
+    md.storage_data[index] = dataclasses.replace(md.storage_data[index], **changes)
+    write_metadata(ckpt, md, iteration)
+
+
+def overlap_two_items(ckpt, iteration: str = "release"):
+    """Make the second stored item of the first .distcp start inside the first one; returns their keys."""
+    md = read_metadata(ckpt, iteration)
+    items = sorted(md.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset))
+    (k1, a), (k2, b) = items[0], items[1]
+    md.storage_data[k2] = dataclasses.replace(b, offset=a.offset + max(1, a.length // 2))
+    write_metadata(ckpt, md, iteration)
+    return k1.fqn, k2.fqn
+
+
+def extra_state_key(ckpt, iteration: str = "release") -> str:
+    """A byte item the GPT <-> hybrid converters copy as stored bytes (an `_extra_state`)."""
+    md = read_metadata(ckpt, iteration)
+    return next(k.fqn for k in md.storage_data if "_extra_state" in k.fqn)
+
+
+MEMO_PREFIX = bytes.fromhex("80024e720000000830")  # PROTO 2, NONE, LONG_BINPUT 2**27, POP
+
+
+def torch_bytes(obj, protocol: int = 2) -> bytes:
+    """torch.save(obj) as bytes (the format of common.pt and of a ShardedObject item)."""
+    return _torch_bytes(obj, protocol)
+
+
+def deflate_bomb(real_common: str, out: str, megabytes: int = 256) -> int:
+    """Write to `out` the torch.save of the real common state `real_common` plus a `megabytes` MiB
+    zero tensor, with that tensor's archive entry deflated (torch.save stores; a zip bomb does not):
+    ~1000:1, so 256 MiB take ~260 KB. Returns the size of `out`. Only our own fixture is unpickled."""
+    import zipfile
+
+    common = _trusted_load(real_common)
+    common["pad"] = torch.zeros(megabytes << 18, dtype=torch.float32)  # megabytes MiB
+    plain = out + ".stored"
+    torch.save(common, plain)
+    del common
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            big = info.file_size > (1 << 20)
+            target = zipfile.ZipInfo(info.filename, info.date_time)
+            target.compress_type = zipfile.ZIP_DEFLATED if big else zipfile.ZIP_STORED
+            with src.open(info) as r, dst.open(target, "w", force_zip64=big) as w:
+                while True:
+                    block = r.read(1 << 22)
+                    if not block:
+                        break
+                    w.write(block)
+    os.remove(plain)
+    return os.path.getsize(out)
+
+
+def build_on_class_pickle(cls_module: str = "argparse", cls_name: str = "Namespace",
+                          attribute: str = "mixln_t27_planted") -> bytes:
+    """A protocol-2 pickle whose BUILD targets the class `cls_module.cls_name` itself (state
+    (None, {attribute: 1})): an unpickler that allows it sets the attribute on the class, process-wide."""
+    name = attribute.encode()
+    return (b"\x80\x02c" + cls_module.encode() + b"\n" + cls_name.encode() + b"\n"
+            + b"N}X" + len(name).to_bytes(4, "little") + name + b"K\x01s\x86b.")
+
+
+def setitems_on_class_pickle() -> bytes:
+    """SETITEMS applied to the class collections.OrderedDict itself (not an instance the file made)."""
+    return b"\x80\x02ccollections\nOrderedDict\n(X\x01\x00\x00\x00aK\x01u."
+
+
+def global_pickle(module: str, name: str, protocol: int = 2) -> bytes:
+    """A pickle that only names the global `module name` (GLOBAL at protocol 2, STACK_GLOBAL at 4)."""
+    if protocol < 4:
+        return b"\x80\x02c" + module.encode() + b"\n" + name.encode() + b"\n."
+    m, n = module.encode(), name.encode()
+    return (b"\x80\x04\x8c" + bytes([len(m)]) + m + b"\x94\x8c" + bytes([len(n)]) + n + b"\x94\x93\x94.")
+
+
+def tree_hash(path) -> str:
+    """A hash of a folder's names, types, link targets and regular files' bytes (never opens a FIFO)."""
+    import hashlib
+    import stat as st
+
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(str(path)):
+        dirnames.sort()
+        for name in sorted(dirnames + filenames):
+            full = os.path.join(dirpath, name)
+            mode = os.lstat(full).st_mode
+            h.update(f"{os.path.relpath(full, str(path))}\0{st.S_IFMT(mode)}\0".encode())
+            if st.S_ISLNK(mode):
+                h.update(os.readlink(full).encode())
+            elif st.S_ISREG(mode):
+                with open(full, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        h.update(block)
+    return h.hexdigest()
