@@ -44,7 +44,7 @@ from .inspect import _model_kind, mixln_record
 from .locate import TRACKER, detect_format, resolve_checkpoint_dir
 from .shape import args_hybrid_pattern
 from .staging import prepare_output, staged_output_dir
-from .vet import check_byte_item
+from .vet import check_byte_item, item_file
 
 PIECE_BYTES = 64 << 20  # largest tensor piece read and written at once
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
@@ -322,7 +322,7 @@ class _KeyMap:
                 continue
             have_output_extra |= dst == OUTPUT_EXTRA_STATE
             raw = self.reader.files.read_raw(unique)
-            check_byte_item(raw, unique, self.reader.files.path)  # a payload is refused, never passed on
+            check_byte_item(raw, unique, item_file(self.reader.files, unique))  # a payload is refused, never passed on
             out.raw_object(dst, lambda r=raw: r)  # the bytes as stored, checked
             self.object_keys.append(dst)
         if self.source == K.GPT and not have_output_extra:

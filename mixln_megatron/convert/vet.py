@@ -157,11 +157,11 @@ def _vet_dcp(root: InputRoot, entries: List[str], report: VetReport) -> None:
             check_nested(load_torch(root.read_bytes(rel, "common.pt"), what=shown), shown)
             report.count(rel if rel == "common.pt" else "other .pt files")
     for key in sorted(files.objects):
-        check_byte_item(files.read_raw(key), key, _item_file(files, key))
+        check_byte_item(files.read_raw(key), key, item_file(files, key))
         report.count("byte items")
 
 
-def _item_file(files, key: str) -> str:
+def item_file(files, key: str) -> str:
     """The .distcp file a byte item lies in (for the refusal line), else the checkpoint directory."""
     names = sorted({str(info.relative_path) for index, info in files.storage.items() if index.fqn == key})
     return os.path.join(files.path, names[0]) if names else files.path
