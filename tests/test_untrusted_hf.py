@@ -169,7 +169,9 @@ def run_child(case, argv):
                           text=True, timeout=300, env=env)
     m = re.search(r"PEAK_RSS_KIB (\d+)", proc.stdout)
     assert m, f"no RSS reported (killed?), exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
-    return proc.returncode, proc.stdout + proc.stderr, proc.stderr, int(m.group(1)) / 1024
+    rss = int(m.group(1)) / 1024
+    print(f"peak RSS {rss:.0f} MiB: {' '.join(argv[:2])}")  # shown with pytest -s
+    return proc.returncode, proc.stdout + proc.stderr, proc.stderr, rss
 
 
 def assert_refused(case, rc, output, err, names, says=()):
