@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-all test-compat test-te demo bench clean
+.PHONY: setup test test-all test-compat test-te test-bridge demo bench clean
 
 $(STAMP): setup.py
 	@set -e; py=$$(scripts/find_python.sh); echo "using $$py"; \
@@ -43,6 +43,16 @@ test-te: $(STAMP)
 	if [ -z "$$overlay" ]; then echo "test-te: skipped (see the line above)"; exit 0; fi; \
 	PYTHONPATH=$$overlay$${PYTHONPATH:+:$$PYTHONPATH} TE_TESTS_REQUIRED=1 \
 	  $(PY) -m pytest -q -m te $(PYTEST_ARGS) tests
+
+# The tests marked `bridge`, with Megatron-Bridge 0.6.2 on the CPU (HF folder -> AutoBridge -> the
+# Mix-LN GPTModel -> HF folder). scripts/install_bridge.sh lays Bridge's pinned packages over the
+# venv (.venv/bridge-0.6.2, in front of the TE overlay, on PYTHONPATH for these tests only); where
+# it cannot (another torch, no network, ...) it says why in one line and the tests are skipped.
+test-bridge: $(STAMP)
+	@paths=$$(scripts/install_bridge.sh) || exit 1; \
+	if [ -z "$$paths" ]; then echo "test-bridge: skipped (see the line above)"; exit 0; fi; \
+	PYTHONPATH=$$paths$${PYTHONPATH:+:$$PYTHONPATH} BRIDGE_TESTS_REQUIRED=1 \
+	  $(PY) -m pytest -q -m bridge $(PYTEST_ARGS) tests
 
 demo: $(STAMP)
 	$(PY) -m mixln_megatron.dev.demo

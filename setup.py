@@ -19,6 +19,9 @@ setup(
     extras_require={
         # NVIDIA apex is optional and never comes from PyPI (PyPI's `apex` is an unrelated package).
         "te": ["transformer-engine[pytorch]"],
+        # Megatron-Bridge (HF <-> Megatron with Bridge's AutoBridge; mixln_megatron.bridge). 0.6.2 is
+        # the release tested (scripts/install_bridge.sh); it pins transformers <=5.12.1 itself.
+        "bridge": ["megatron-bridge==0.6.2"],
         "hf": ["transformers>=4.56,<6", "safetensors>=0.4"],
         "data": ["nltk>=3.9", "tokenizers>=0.15"],
         "analysis": ["matplotlib>=3.7"],
