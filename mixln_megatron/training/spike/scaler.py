@@ -15,10 +15,11 @@ Correctness under each kind of parallelism (targets.py says which elements a ran
   * fp16 loss scaling: main_grad still carries the loss scale; the rule divides by the
     optimizer's current scale (a device tensor) and multiplies the replacement back.
   * Skipped steps: the hook only proposes the next state; the optimizer's `step` (wrapped on the
-    instance by CommitAfterStep, the class is untouched, release_optimizer() unwraps) commits it when it reports success and discards it
-    otherwise (fp16 overflow, grad-norm skip). A rerun of the same step proposes again from the
-    same committed state. Without a known optimizer each proposal is committed at once
-    (documented fallback for custom loops; then fp16 skips cannot be seen).
+    instance by CommitAfterStep, the class untouched; release_optimizer() unwraps) commits it
+    when it reports success and discards it otherwise (fp16 overflow, grad-norm skip). A rerun
+    of the same step proposes again from the same committed state. Without a known optimizer
+    each proposal is committed at once (documented fallback for custom loops; then fp16 skips
+    cannot be seen).
   * CUDA graphs: nothing in the per-step work reads a device value on the host; statistics stay
     on the device and are read at the logging interval, from the optimizer-step wrapper.
 """
