@@ -205,9 +205,11 @@ def check_metadata(md, root: InputRoot) -> None:
                              f"({LIMITS['byte item']} bytes)")
         per_file.setdefault(rel, []).append((info.offset, info.length, index.fqn))
     for rel, spans in sorted(per_file.items()):
+        full = os.path.join(root.given, rel)
+        if not root.exists(rel):
+            raise ConversionError(f"checkpoint shard {full} is missing (the .metadata references it)")
         real = root.check_file(rel)  # inside the folder (no link out), a regular file
         size = os.path.getsize(real)
-        full = os.path.join(root.given, rel)
         end = max(o + n for o, n, _ in spans)
         if end > size:
             raise ConversionError(f"checkpoint shard {full} is truncated: {size} bytes, the .metadata needs {end}")
