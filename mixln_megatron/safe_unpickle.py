@@ -31,6 +31,7 @@ up in `vars(torch)` only: a name such as `torch _dynamo` is refused without impo
 
 from __future__ import annotations
 
+import enum
 import importlib
 import io
 import os
@@ -321,6 +322,9 @@ class _AllowListUnpickler(pickle._Unpickler):
         self._globals = set()  # ids of what find_class returned (callable by REDUCE / NEWOBJ)
         self._created = {}  # id -> object this file built (kept alive, so no id is reused)
         self._memo_writes = 0
+        torch = sys.modules.get("torch")
+        # never "created by the file": classes, modules, functions, enum members, torch dtypes / layouts
+        self._shared = _SHARED + (enum.Enum,) + ((torch.dtype, torch.layout) if torch is not None else ())
 
     # ---------------------------------------------------------------- globals
     def find_class(self, module: str, name: str):
@@ -340,15 +344,9 @@ class _AllowListUnpickler(pickle._Unpickler):
 
     # ---------------------------------------------------------------- what the file created
     def _mark_created(self) -> None:
-        import enum
-
         obj = self.stack[-1]
-        if isinstance(obj, _SHARED) or isinstance(obj, enum.Enum) or id(obj) in self._globals:
-            return
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(obj, (torch.dtype, torch.layout)):
-            return
-        self._created[id(obj)] = obj
+        if not isinstance(obj, self._shared) and id(obj) not in self._globals:
+            self._created[id(obj)] = obj
 
     def _target(self, op: str, under=None):
         target = (self.stack[-1] if self.stack else None) if under is None else (under[-1] if under else None)
