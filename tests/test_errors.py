@@ -189,7 +189,10 @@ def test_the_line_survives_when_rank_0_is_the_slow_one():
             assert proc.returncode != 0, text[-4000:]
             lines = _error_lines(text)
             assert len(lines) == 1 and lines[0].endswith(CASES["bad_alpha"][1]), (attempt, text[-4000:])
-            assert "Traceback" not in text, (attempt, text[-4000:])
+            # No rank's traceback: the one Traceback allowed is torchrun's own (its ChildFailedError
+            # summary, the launcher's), with no frame of the worker or the plugin.
+            assert text.count("Traceback (most recent call last)") <= text.count("ChildFailedError"), text[-4000:]
+            assert not re.search(r'File ".*(mixln_megatron|stock_refusal_worker)', text), (attempt, text[-4000:])
             assert re.search(r"exitcode\s*:\s*2\b", text), (attempt, text[-4000:])
     finally:
         for hog in hogs:

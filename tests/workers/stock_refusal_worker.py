@@ -13,7 +13,7 @@ CASE:
   newer_checkpoint   --load names a 0.19+ torch_dist checkpoint (no common.pt); refused on 0.17/0.18
   hybrid_pattern     pretrain_hybrid.py's stack spec with '*-|*-' at PP1 (0.19+): the stack refuses
 A run that is not refused prints `NOT REFUSED` and exits 0. --rank-0-never-gets-there makes
-rank 0 sleep instead (a rank 0 slower than everyone: the others fail first, and the launcher
+rank 0 sleep once the process group exists (a rank 0 slower than everyone: the others fail first, and the launcher
 stops it).
 """
 
@@ -53,10 +53,10 @@ def main():
     parser.add_argument("--rank-0-never-gets-there", action="store_true")
     a = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
-    if a.rank_0_never_gets_there and rank == 0:
-        time.sleep(3600)
     cpu.enable_training()
     mu.init_distributed()
+    if a.rank_0_never_gets_there and rank == 0:
+        time.sleep(3600)  # after the group exists, as a slow rank 0 would be
     config = mu.tiny_config()
     megatron_lm_args()
     if a.case == "bad_alpha":
