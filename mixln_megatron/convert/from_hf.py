@@ -65,14 +65,18 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 def check_layers_against_files(hf: HFCheckpoint, shape: ModelShape) -> None:
     """The decoder layers the weight names show (model.layers.<i>.) must be exactly 0..L-1 of the
     config's num_hidden_layers: one ConversionError otherwise, before anything is planned."""
-    found = hf.layer_indices()
-    if found == list(range(shape.num_layers)):
+    found = hf.layer_indices()  # sorted, distinct: 0..L-1 exactly when it has L entries ending at L-1
+    if found and len(found) == shape.num_layers and found[0] == 0 and found[-1] == shape.num_layers - 1:
         return
     config = os.path.join(hf.path, "config.json")
     if not found:
         raise ConversionError(f"{config} says num_hidden_layers {shape.num_layers}, but the weights of {hf.path} "
                               "hold no decoder layer (no model.layers.<i>. tensor)")
-    gaps = sorted(set(range(found[-1] + 1)) - set(found))
+    gaps = []  # the first few missing indices, found without materialising any range (memory bounded by the names)
+    for before, after in zip([-1] + found, found):
+        gaps.extend(range(before + 1, min(after, before + 1 + 5 - len(gaps))))
+        if len(gaps) >= 5:
+            break
     detail = f"layers 0..{found[-1]}" + (f" without {gaps[:5]}" if gaps else "")
     raise ConversionError(f"{config} says num_hidden_layers {shape.num_layers}, but the weights of {hf.path} hold "
                           f"{len(found)} decoder layers ({detail}); the config does not match the files")
