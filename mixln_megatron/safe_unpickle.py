@@ -32,6 +32,7 @@ up in `vars(torch)` only: a name such as `torch _dynamo` is refused without impo
 from __future__ import annotations
 
 import enum
+import contextlib
 import importlib
 import io
 import os
@@ -236,12 +237,29 @@ def load_torch(source: Source, what: str, *, mmap: bool = False):
         return io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
 
     try:
-        with torch.serialization.safe_globals(classes):
+        with _loadable(classes):
             return torch.load(opened(), map_location="cpu", weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile,
             IndexError, TypeError, AttributeError, struct.error, MemoryError, OverflowError) as e:
         # torch refused or failed where the scan saw nothing forbidden: unreadable, in its own words
         raise _unreadable(what, e) from None
+
+
+@contextlib.contextmanager
+def _loadable(classes):
+    """`classes` loadable by torch's weights-only unpickler for one load, then torch's registry
+    exactly as it was. (torch.serialization.safe_globals removes its classes on exit even when
+    they were registered before: it would undo megatron-core's own registration of
+    argparse.Namespace, and Megatron-LM's later load of common.pt would fail.)"""
+    import torch
+
+    before = list(torch.serialization.get_safe_globals())
+    torch.serialization.add_safe_globals(list(classes))
+    try:
+        yield
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
 
 
 _STRING_OPS = frozenset(("UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "STRING", "BINSTRING",
