@@ -210,9 +210,8 @@ else:
         bridge, provider, models = bridge_models(folder, backend="te")
         assert provider.mixln_backend == "te"
         (model,) = models
-        from megatron.core.extensions.transformer_engine import TENorm
-
-        assert isinstance(model.decoder.final_layernorm, TENorm)
+        # TENorm is a factory: it builds TE's own RMSNorm.
+        assert type(model.decoder.final_layernorm).__module__.startswith("transformer_engine")
         for i, layer in enumerate(model.decoder.layers):
             assert layer.is_post_ln == (i < post_ln)
             if layer.is_post_ln:
