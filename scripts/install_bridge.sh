@@ -24,7 +24,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 BRIDGE_VERSION=0.6.2
 TORCH_WANTED=2.14.1+cu130
-overlay=.venv/bridge-$BRIDGE_VERSION
+overlay=${BRIDGE_OVERLAY:-.venv/bridge-$BRIDGE_VERSION}  # BRIDGE_OVERLAY: another place (tests of this script)
 stamp=$overlay/.installed
 # Pinned, each checked after the install. transformers/tokenizers/huggingface-hub: the newest
 # Bridge 0.6.2 accepts (they shadow the venv's newer ones in these tests only).
