@@ -210,6 +210,20 @@ def _check_archive(source: Source, what: str) -> bytes:
     return data
 
 
+def _head(source: Source, what: str) -> bytes:
+    """The first four bytes of a torch.save file: its zip format starts b"PK\\x03\\x04" (torch decides
+    by the same bytes), its pre-1.6 format with a pickle PROTO opcode."""
+    if isinstance(source, (bytes, bytearray)):
+        head = bytes(source[:4])
+    else:
+        try:
+            with open(source, "rb") as f:
+                head = f.read(4)
+        except OSError as e:
+            raise _unreadable(what, e) from None
+    return head
+
+
 def load_torch(source: Source, what: str, *, mmap: bool = False):
     """A torch.save archive (a path or its bytes), loaded with torch's weights-only unpickler.
 
@@ -220,6 +234,20 @@ def load_torch(source: Source, what: str, *, mmap: bool = False):
     """
     import torch
 
+    def opened():
+        return io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
+
+    head = _head(source, what)
+    if head[:1] != b"\x80" and head != b"PK\x03\x04":
+        raise _unreadable(what, "not a torch.save file (neither its zip format nor its older pickle format)")
+    if head != b"PK\x03\x04":
+        # torch's pre-1.6 (non-zip) format holds no compressed data: torch's weights-only
+        # unpickler reads it with its own safe set only (nothing of ours is made loadable)
+        try:
+            return torch.load(opened(), map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, ValueError, OSError, EOFError, KeyError, IndexError,
+                TypeError, AttributeError, struct.error, MemoryError, OverflowError) as e:
+            raise _unreadable(what, e) from None
     data = _check_archive(source, what)
     names = _archive_globals(data)
     torch_safe = _torch_safe_names()
@@ -232,9 +260,6 @@ def load_torch(source: Source, what: str, *, mmap: bool = False):
     missing = [n for n, c in zip(needed, classes) if c is None]
     if missing:
         raise _refusal(what, missing)
-
-    def opened():
-        return io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
 
     try:
         with _loadable(classes):
