@@ -51,8 +51,11 @@ have=$("$PY" -c 'import sys, torch; print(f"{torch.__version__} cp{sys.version_i
   || skip "the overlay is pinned for torch $TORCH_WANTED (the TE overlay's build), the venv has torch ${have% *}"
 te_err=$(mktemp)
 te=$(scripts/install_te.sh 2>"$te_err"); te_rc=$?
-te_why=$(grep -v "^install_te.sh: installing" "$te_err" | tail -n 1); cat "$te_err" >/dev/null; rm -f "$te_err"
-[ "$te_rc" = 0 ] && [ -n "$te" ] || skip "no TE overlay, which megatron.bridge imports (${te_why:-scripts/install_te.sh failed})"
+te_why=$(grep -v "^install_te.sh: installing" "$te_err" | tail -n 1)
+if [ "$te_rc" != 0 ] || [ -z "$te" ]; then
+  rm -f "$te_err"; skip "no TE overlay, which megatron.bridge imports (${te_why:-scripts/install_te.sh failed})"
+fi
+cat "$te_err" >&2; rm -f "$te_err"  # what install_te.sh did, when it installed
 
 want_stamp="$(printf '%s\n' "$PINS" | sha256sum | cut -d' ' -f1) $TORCH_WANTED"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want_stamp" ]; then
