@@ -27,7 +27,9 @@ def _env(**extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO), **extra)
+    # The checkout first, then what the caller has (a compat overlay: the workers run its release).
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=path, **extra)
     return env
 
 

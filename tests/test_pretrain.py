@@ -147,22 +147,25 @@ def same_checkpoint(a, b) -> dict:
     objects = [k for k in fa.objects if k.split("/")[0] not in RUN_ITEMS]
     for key in objects:
         if key.startswith("common_state"):  # 0.19+: the common state (args among it) is a byte item
-            ca, cb = (f.read_object(key, "common state") for f in (fa, fb))
-            assert sorted(ca) == sorted(cb), key
-            for name in ca:
-                if name not in RUN_ITEMS:
-                    assert repr(ca[name]) == repr(cb[name]), (key, name)
+            ca, cb = (_without_run_items(f.read_object(key, "common state")) for f in (fa, fb))
+            assert repr(ca) == repr(cb), key
         else:
             assert fa.read_raw(key) == fb.read_raw(key), key
     common_a, common_b = os.path.join(a, "common.pt"), os.path.join(b, "common.pt")
     assert os.path.exists(common_a) == os.path.exists(common_b)
     if os.path.exists(common_a):
-        ca, cb = (load_torch(p, what=p) for p in (common_a, common_b))
-        assert sorted(ca) == sorted(cb)
-        for key in ca:
-            if key not in RUN_ITEMS:
-                assert repr(ca[key]) == repr(cb[key]), key
+        ca, cb = (_without_run_items(load_torch(p, what=p)) for p in (common_a, common_b))
+        assert repr(ca) == repr(cb), "common.pt"
     return {"tensors": list(fa.tensors), "objects": objects}
+
+
+def _without_run_items(value):
+    """The common state with the items that name the run (`RUN_ITEMS`) left out, at any depth."""
+    if isinstance(value, dict):
+        return {k: _without_run_items(v) for k, v in sorted(value.items(), key=repr) if k not in RUN_ITEMS}
+    if isinstance(value, (list, tuple)):
+        return [_without_run_items(v) for v in value]
+    return value
 
 
 # ------------------------------------------------------------------ unsupported configurations
