@@ -139,7 +139,7 @@ class HFCheckpoint:
         with self.root.open(filename) as f:
             size = os.fstat(f.fileno()).st_size
             if size < 8:
-                raise ConversionError(f"{bad} is truncated ({size} bytes: not even the 8-byte header length)")
+                raise ConversionError(f"{bad} is unreadable: truncated ({size} bytes, not even the 8-byte header length)")
             n = int.from_bytes(f.read(8), "little")
             limit = LIMITS["safetensors header"]
             if n > limit:
