@@ -68,8 +68,9 @@ def main():
         model.sharded_state_dict(metadata={"mixln": saved})
     elif a.case == "newer_checkpoint":
         os.environ["MIXLN_POST_LN_LAYERS"] = "1"
-        load = tempfile.mkdtemp(prefix=f"newer_ckpt_{rank}_")
-        os.mkdir(os.path.join(load, "iter_0000005"))
+        # One --load for the whole job, as in a real one (the same message on every rank).
+        load = os.path.join(tempfile.gettempdir(), f"mixln_newer_ckpt_{os.environ.get('MASTER_PORT', rank)}")
+        os.makedirs(os.path.join(load, "iter_0000005"), exist_ok=True)
         open(os.path.join(load, "iter_0000005", ".metadata"), "wb").close()  # 0.19's layout: no common.pt
         with open(os.path.join(load, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write("5")
