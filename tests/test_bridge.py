@@ -221,3 +221,118 @@ else:
         assert set(exported) == set(expected)
         for name, tensor in expected.items():
             assert torch.equal(exported[name], tensor), name
+
+    # ------------------------------------------------------------------ TP2 and Megatron-LM checkpoints
+    REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    TP2_WORKER = os.path.join(REPO, "tests", "workers", "bridge_tp2_worker.py")
+    # The special token ids of the tokenizer beside the folder (convert to-hf takes them from it).
+    TOKENIZER_IDS = dict(bos_token_id=0, eos_token_id=0, pad_token_id=None)
+    # Megatron-LM's tiny CPU run (as tests/test_vet_load.py): one iteration, lr 0 so that the saved
+    # weights show what was loaded.
+    PRETRAIN_FLAGS = ["--train-iters", "1", "--seq-length", "32", "--micro-batch-size", "2",
+                      "--global-batch-size", "2", "--lr", "0.0", "--min-lr", "0.0", "--mock-data",
+                      "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--num-workers", "0",
+                      "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
+                      "--use-cpu-initialization"]
+
+    def _our_env():
+        """Our own venv for our tools (the Bridge / TE overlays left off the path): the checkpoint is
+        read by this package as installed, not by Bridge's environment."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "BRIDGE_TESTS_REQUIRED"):
+            env.pop(k, None)
+        env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=REPO)
+        return env
+
+    def _run(cmd, timeout=600):
+        import subprocess
+        import sys
+
+        proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=_our_env(),
+                              timeout=timeout, cwd=REPO)
+        assert proc.returncode == 0, f"{cmd} exit {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        return proc
+
+    def _safetensors(folder):
+        from safetensors.torch import load_file
+
+        out = {}
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".safetensors"):
+                out.update(load_file(os.path.join(folder, name)))
+        return out
+
+    def assert_same_hf_folder(got, expected):
+        """Every weight bit for bit (names, dtypes, values), the same config once loaded, the same
+        model code files and auto_map."""
+        import json
+
+        from transformers import AutoConfig
+
+        a, b = _safetensors(expected), _safetensors(got)
+        assert set(a) == set(b), sorted(set(a) ^ set(b))
+        for name, tensor in a.items():
+            assert b[name].dtype == tensor.dtype and torch.equal(b[name], tensor), name
+        ca = AutoConfig.from_pretrained(expected, trust_remote_code=True).to_dict()
+        cb = AutoConfig.from_pretrained(got, trust_remote_code=True).to_dict()
+        diff = {k: (ca.get(k), cb.get(k)) for k in set(ca) | set(cb) if k != "_name_or_path" and ca.get(k) != cb.get(k)}
+        assert not diff, diff
+        ja, jb = (json.load(open(os.path.join(d, "config.json"))) for d in (expected, got))
+        for key in ("architectures", "model_type", "auto_map", "post_ln_layers", "mixln_scheme", "mixln_alpha"):
+            assert ja.get(key) == jb.get(key), (key, ja.get(key), jb.get(key))
+        code = {n for n in os.listdir(expected) if n.endswith(".py")}
+        assert code and code <= set(os.listdir(got)), (code, os.listdir(got))
+
+    def test_tp2_and_a_checkpoint_our_tools_read(tmp_path):
+        """Two gloo processes: AutoBridge -> TP2 provider -> the Mix-LN model split over both ranks ->
+        logits equal HF's, export_hf_weights exact (P = 1 and lns), then save_megatron_checkpoint.
+        That TP2 checkpoint -> `mixln-megatron convert to-hf` (our venv) -> the source folder again,
+        bit for bit; `mixln-megatron pretrain --cpu --load` (TP1: resharded) vets it, loads it and
+        trains one iteration, and what it saves converts back to the same weights (lr 0)."""
+        import time
+
+        times = {}
+        folders = []
+        for post_ln, scheme in [(1, "mixln"), (0, "lns")]:
+            root = tmp_path / f"P{post_ln}-{scheme}"
+            hf = hf_model(post_ln, scheme)
+            for key, value in TOKENIZER_IDS.items():
+                setattr(hf.config, key, value)
+            folder = export_folder(hf, str(root / "exported"))
+            ids = tokens()
+            with torch.no_grad():
+                torch.save({"ids": ids, "logits": hf(ids).logits}, str(root / "reference.pt"))
+            folders.append(folder)
+
+        t = time.time()
+        result = testing.last_result(testing.torchrun(
+            TP2_WORKER, 2, *folders, timeout=1200, env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}))
+        times["tp2 job"] = round(time.time() - t, 1)
+        assert sorted(result) == ["P0-lns", "P1-mixln"], result
+        for name, r in result.items():
+            assert r["max_logit_diff"] < 2e-5 and r["qkv_rows_per_rank"] * 2 == 64 + 2 * 32, r
+
+        for folder in folders:
+            root = os.path.dirname(folder)
+            ckpt, back = os.path.join(root, "ckpt"), os.path.join(root, "back")
+            assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "release"
+            t = time.time()
+            _run(["-m", "mixln_megatron.cli", "convert", "to-hf", "--load", ckpt, "--save", back])
+            times[f"to-hf {os.path.basename(root)}"] = round(time.time() - t, 1)
+            assert_same_hf_folder(back, folder)
+
+        # pretrain --load of the P = 1 checkpoint (saved at TP2, loaded at TP1), one iteration.
+        root = os.path.dirname(folders[0])
+        ckpt, trained = os.path.join(root, "ckpt"), os.path.join(root, "trained")
+        t = time.time()
+        proc = _run(["-m", "mixln_megatron.training.pretrain", "--cpu", "--load", ckpt, "--use-checkpoint-args",
+                     "--mixln-post-ln-layers", "1", *PRETRAIN_FLAGS, "--save", trained, "--save-interval", "1"])
+        times["pretrain"] = round(time.time() - t, 1)
+        import re
+
+        losses = re.findall(r"iteration\s+1/\s*1 \|.*?lm loss: ([0-9.E+-]+)", proc.stdout)
+        assert len(losses) == 1 and 0 < float(losses[0]) < 20, proc.stdout[-3000:]
+        assert open(os.path.join(trained, "latest_checkpointed_iteration.txt")).read().strip() == "1"
+        _run(["-m", "mixln_megatron.cli", "convert", "to-hf", "--load", trained, "--save", trained + "-hf"])
+        assert_same_hf_folder(trained + "-hf", folders[0])
+        print("bridge tp2 + checkpoint timings (s):", times)

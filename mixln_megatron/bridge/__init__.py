@@ -9,6 +9,8 @@ folders `mixln-megatron convert to-hf` writes for P > 0 or an LNS scheme, so tha
     provider = bridge.to_megatron_provider()         # a MixLNModelProvider
     model = provider.provide_distributed_model(...)  # GPTModel with the Mix-LN block spec
     bridge.save_hf_pretrained(model, out)            # the same HF folder again
+    mixln_megatron.bridge.save_megatron_checkpoint(model, "ckpt/")  # a Megatron-LM checkpoint
+                                                     # that convert to-hf and pretrain --load read
 
 builds the Megatron model with this package's own block spec (mixln_megatron.model.specs), the
 same settings record in its checkpoints, and the same HF folder on export. A P = 0, scheme
@@ -21,6 +23,7 @@ Nothing else in mixln_megatron imports this package: megatron.bridge is imported
 
 from .provider import MixLNModelProvider, mixln_block_spec, use_local_backend  # noqa: F401
 from .llama import MIXLN_ARCHITECTURE, MixLNLlamaBridge, post_ln_mappings  # noqa: F401
+from .checkpoint import save_megatron_checkpoint  # noqa: F401
 
 __all__ = [
     "MIXLN_ARCHITECTURE",
@@ -28,5 +31,6 @@ __all__ = [
     "MixLNModelProvider",
     "mixln_block_spec",
     "post_ln_mappings",
+    "save_megatron_checkpoint",
     "use_local_backend",
 ]

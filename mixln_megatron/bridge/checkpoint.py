@@ -1,0 +1,155 @@
+"""A Megatron-LM torch_dist checkpoint of a model Megatron-Bridge built: what `convert to-hf`,
+`convert inspect` and `pretrain --load` read.
+
+    models = provider.provide_distributed_model(wrap_with_ddp=False)   # any TP / PP
+    save_megatron_checkpoint(models, "ckpt/")                          # collective: every rank
+
+Bridge's own `AutoBridge.save_megatron_model` (megatron.bridge.training) writes a Bridge training
+checkpoint: no Megatron-LM `args` in its common state (Bridge keeps its settings in
+run_config.yaml), Bridge's content metadata without the Mix-LN entry, and `iter_0000000` with the
+tracker at 0, so Megatron-LM would look for optimizer and RNG state it does not hold. Megatron-LM
+and this package's readers need the args (the model shape) and read the Mix-LN settings from
+the record. So this writes the layout Megatron-LM (and `mixln-megatron convert from-hf`) uses for a
+converted checkpoint, through megatron-core's dist_checkpointing:
+
+    <path>/latest_checkpointed_iteration.txt   "release" (written last, by rank 0)
+    <path>/release/                            model.sharded_state_dict() under "model", common
+                                               state {args, iteration 0, checkpoint_version 3.0},
+                                               content metadata with the "mixln" settings entry
+
+- the tensors and the Mix-LN settings record come from the model itself (its sharded_state_dict,
+  the same call Megatron-LM's save makes), so the record is the one `pretrain` writes;
+- the args are convert.written_args.megatron_args_namespace of the model's shape (read back from the
+  provider through the bridge's megatron_to_hf_config), its TP / PP, vocabulary padding, dtype,
+  backend and P / scheme: the args `convert from-hf` writes.
+A `release` checkpoint is a fresh start for Megatron-LM (no optimizer / RNG state is looked for).
+An existing non-empty `path` is refused: nothing is overwritten or deleted.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ..errors import ConversionError
+
+RELEASE = "release"
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _provider_of(models):
+    from megatron.core.utils import get_model_config
+
+    return get_model_config(models[0])
+
+
+def hf_config_of(provider) -> dict:
+    """The HF config dict of a provider, by the bridge of its kind (ours for a MixLNModelProvider,
+    Bridge's Llama otherwise)."""
+    from megatron.bridge.models.llama.llama_bridge import LlamaBridge
+
+    from .llama import MixLNLlamaBridge
+    from .provider import MixLNModelProvider
+
+    bridge = MixLNLlamaBridge if isinstance(provider, MixLNModelProvider) else LlamaBridge
+    return bridge.megatron_to_hf_config(provider)
+
+
+def _vocab_padding(provider, tp: int):
+    """(padded vocabulary rows, make_vocab_size_divisible_by to record): the rows the model has, and
+    a divisor under which Megatron-LM's padding rule gives those rows back."""
+    from ..convert.shape import padded_vocab_size
+
+    vocab = int(provider.vocab_size)
+    divisible = int(getattr(provider, "make_vocab_size_divisible_by", 128) or 1)
+    rows = padded_vocab_size(vocab, divisible, tp) if getattr(provider, "should_pad_vocab", False) else vocab
+    for candidate in (divisible, 1):
+        if padded_vocab_size(vocab, candidate, tp) == rows:
+            return rows, candidate
+    raise ConversionError(f"the model's vocabulary of {rows} rows is not a multiple of TP {tp}: Megatron-LM "
+                          "cannot load it")
+
+
+def checkpoint_args(models, record: dict, tokenizer_model: Optional[str] = None, source: str = "megatron-bridge"):
+    """The Megatron-LM args (argparse.Namespace) of a Bridge-built model, as `convert from-hf` writes them."""
+    from megatron.core import parallel_state as ps
+
+    from ..convert.shape import shape_from_hf_config
+    from ..convert.written_args import megatron_args_namespace
+
+    provider = _provider_of(models)
+    shape = shape_from_hf_config(hf_config_of(provider), "the Bridge provider's config")
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    rows, divisible = _vocab_padding(provider, tp)
+    backend = getattr(provider, "mixln_backend", None) or (
+        "local" if getattr(provider, "transformer_impl", None) == "local" else "te")
+    ns = megatron_args_namespace(
+        shape, tp=tp, pp=pp, ckpt_format="torch_dist", params_dtype=provider.params_dtype, padded_vocab=rows,
+        make_vocab_size_divisible_by=divisible, placement_record=record,
+        transformer_impl="local" if backend == "local" else "transformer_engine",
+        tokenizer_type="HuggingFaceTokenizer" if tokenizer_model else None, tokenizer_model=tokenizer_model,
+        source=source,
+    )
+    ns.virtual_pipeline_model_parallel_size = getattr(provider, "virtual_pipeline_model_parallel_size", None)
+    return ns
+
+
+def save_megatron_checkpoint(models, path: str, *, tokenizer_model: Optional[str] = None,
+                             source: str = "megatron-bridge") -> str:
+    """Save Bridge-built model chunks (this rank's) as a Megatron-LM torch_dist `release` checkpoint
+    in `path` (see the module doc). Collective: every rank of the model's process groups calls it.
+    `tokenizer_model`: recorded as a HuggingFaceTokenizer (e.g. the HF folder the model came from).
+    Returns the iteration directory."""
+    from megatron.core import dist_checkpointing
+
+    from ..convert.from_hf import CONTENT_METADATA_BASE
+
+    models = list(models) if isinstance(models, (list, tuple)) else [models]
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    problem = None
+    if rank == 0 and os.path.lexists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        problem = f"{path} exists and is not an empty folder: nothing is overwritten"
+    problem = _agree(problem)
+    if problem:
+        raise ConversionError(problem)
+
+    # The content metadata Megatron-LM saves: the model adds its Mix-LN entry while it describes
+    # itself (model.checkpoint.add_settings_record), for every chunk the same.
+    metadata = dict(CONTENT_METADATA_BASE)
+    if len(models) == 1:
+        state = {"model": models[0].sharded_state_dict(metadata=metadata)}
+    else:
+        state = {f"model{i}": m.sharded_state_dict(metadata=metadata) for i, m in enumerate(models)}
+    record = metadata.get("mixln")
+    if record is None:  # Bridge's own Llama spec (a P = 0 folder on the TE backend): a stock model
+        from ..model.placement import Placement
+
+        record = Placement(int(_provider_of(models).num_layers), 0, "mixln").record()
+    state.update(args=checkpoint_args(models, record, tokenizer_model, source), checkpoint_version=3.0,
+                 iteration=0, num_floating_point_operations_so_far=0)
+    release = os.path.join(path, RELEASE)
+    if rank == 0:
+        os.makedirs(release)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    dist_checkpointing.save(state, release, content_metadata=metadata)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    if rank == 0:  # last: a folder without it is not taken for a checkpoint
+        with open(os.path.join(path, TRACKER), "w") as f:
+            f.write(RELEASE)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return release
+
+
+def _agree(problem: Optional[str]) -> Optional[str]:
+    """Rank 0's finding, on every rank (so every rank raises or none does)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return problem
+    box = [problem]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
