@@ -228,8 +228,9 @@ else:
     # The special token ids of the tokenizer beside the folder (convert to-hf takes them from it).
     TOKENIZER_IDS = dict(bos_token_id=0, eos_token_id=0, pad_token_id=None)
     # Megatron-LM's tiny CPU run (as tests/test_vet_load.py): one iteration, lr 0 so that the saved
-    # weights show what was loaded.
-    PRETRAIN_FLAGS = ["--train-iters", "1", "--seq-length", "32", "--micro-batch-size", "2",
+    # weights show what was loaded. The recorded tokenizer (4096 tokens) is larger than the tiny
+    # model's 128-row vocabulary, so the run keeps its own NullTokenizer (127 + eod = 128).
+    PRETRAIN_FLAGS = ["--no-use-tokenizer-model-from-checkpoint-args", "--train-iters", "1", "--seq-length", "32", "--micro-batch-size", "2",
                       "--global-batch-size", "2", "--lr", "0.0", "--min-lr", "0.0", "--mock-data",
                       "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--num-workers", "0",
                       "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
@@ -321,9 +322,15 @@ else:
             times[f"to-hf {os.path.basename(root)}"] = round(time.time() - t, 1)
             assert_same_hf_folder(back, folder)
 
-        # pretrain --load of the P = 1 checkpoint (saved at TP2, loaded at TP1), one iteration.
+        # pretrain --load of the P = 1 checkpoint (saved at TP2, loaded at TP1), one iteration. It
+        # vets the checkpoint first (the vetting, here in-process too: every pickle through the
+        # allow-list), then Megatron-LM reads the args, the content metadata and the tensors.
+        from mixln_megatron.convert.vet import vet_checkpoint
+
         root = os.path.dirname(folders[0])
         ckpt, trained = os.path.join(root, "ckpt"), os.path.join(root, "trained")
+        report = vet_checkpoint(ckpt)
+        assert report.pickles.get("byte items", 0) >= 2, report.line()  # common state + settings record
         t = time.time()
         proc = _run(["-m", "mixln_megatron.training.pretrain", "--cpu", "--load", ckpt, "--use-checkpoint-args",
                      "--mixln-post-ln-layers", "1", *PRETRAIN_FLAGS, "--save", trained, "--save-interval", "1"])
@@ -333,6 +340,8 @@ else:
         losses = re.findall(r"iteration\s+1/\s*1 \|.*?lm loss: ([0-9.E+-]+)", proc.stdout)
         assert len(losses) == 1 and 0 < float(losses[0]) < 20, proc.stdout[-3000:]
         assert open(os.path.join(trained, "latest_checkpointed_iteration.txt")).read().strip() == "1"
-        _run(["-m", "mixln_megatron.cli", "convert", "to-hf", "--load", trained, "--save", trained + "-hf"])
+        # The run's args say vocab 127 (its NullTokenizer's); the model's true vocabulary is 128.
+        _run(["-m", "mixln_megatron.cli", "convert", "to-hf", "--load", trained, "--save", trained + "-hf",
+              "--vocab-size", str(VOCAB)])
         assert_same_hf_folder(trained + "-hf", folders[0])
         print("bridge tp2 + checkpoint timings (s):", times)
