@@ -73,7 +73,7 @@ class LegacyCheckpoint(ReaderBase):
                         raise ConversionError(f"{self._files[(t, p)]} has no 'model' state dict")
                     per_stage[p] = [(k, _count_local_layers(sd[k])) for k in keys]
                     if p == 0:
-                        from .inspect import check_common_state, check_record
+                        from .saved_values import check_common_state, check_record
 
                         check_common_state({k: sd.get(k) for k in ("args", "iteration")}, self._files[(t, p)])
                         self.args = sd.get("args")

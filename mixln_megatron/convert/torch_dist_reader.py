@@ -11,7 +11,7 @@ content metadata) lives in common.pt (older megatron-core) or in the files as th
 
 The folder is untrusted input: DCPFiles checks the metadata and every file it names; common.pt
 is a bounded regular file of the folder (LIMITS["common.pt"]); the common state and the record
-are checked for shape (convert.inspect.check_common_state / check_record) before use.
+are checked for shape (convert.saved_values.check_common_state / check_record) before use.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class TorchDistCheckpoint(ReaderBase):
         record_key = f"{hybrid_keys.HYBRID_RECORD_KEY if self.hybrid_pattern is not None else M.TD_SETTINGS_RECORD}" \
             "/shard_0_1"
         if record_key in self.files.objects:
-            from .inspect import check_record
+            from .saved_values import check_record
 
             loaded = self.files.read_object(record_key, "the Mix-LN settings record")
             record = loaded[0] if isinstance(loaded, list) and len(loaded) == 1 else loaded
@@ -86,7 +86,7 @@ class TorchDistCheckpoint(ReaderBase):
             raise ConversionError(f"{self.path} has no {M.TD_EMBEDDING}: not a GPT model checkpoint")
 
     def _read_common(self) -> dict:
-        from .inspect import check_common_state
+        from .saved_values import check_common_state
 
         common_pt = os.path.join(self.path, COMMON_PT)
         if self.files.root.exists(COMMON_PT):
