@@ -340,8 +340,9 @@ else:
         losses = re.findall(r"iteration\s+1/\s*1 \|.*?lm loss: ([0-9.E+-]+)", proc.stdout)
         assert len(losses) == 1 and 0 < float(losses[0]) < 20, proc.stdout[-3000:]
         assert open(os.path.join(trained, "latest_checkpointed_iteration.txt")).read().strip() == "1"
-        # The run's args say vocab 127 (its NullTokenizer's); the model's true vocabulary is 128.
+        # The run's args say vocab 127 and no tokenizer (its NullTokenizer): the true vocabulary and
+        # the tokenizer (special token ids) are given, as after any NullTokenizer run.
         _run(["-m", "mixln_megatron.cli", "convert", "to-hf", "--load", trained, "--save", trained + "-hf",
-              "--vocab-size", str(VOCAB)])
+              "--vocab-size", str(VOCAB), "--tokenizer", folders[0]])
         assert_same_hf_folder(trained + "-hf", folders[0])
         print("bridge tp2 + checkpoint timings (s):", times)
