@@ -267,6 +267,8 @@ def keep_finalize_hook(config) -> None:
     hook = getattr(config, "finalize_model_grads_func", None)
     if hook is None or isinstance(hook, _FinalizeWithKeptHook):
         return
+    if "_mixln_finalize_hook" not in vars(config):
+        _recorded[0] += 1
     config._mixln_finalize_hook = hook
     training = sys.modules.get("megatron.training.training")
     if training is None and "megatron.training" in sys.modules:
@@ -275,8 +277,49 @@ def keep_finalize_hook(config) -> None:
         training.finalize_model_grads = _FinalizeWithKeptHook(training.finalize_model_grads)
 
 
+def finalize_chain_head(config):
+    """The finalize function our hooks wrap on `config`: its field, or, on 0.17/0.18 once train()
+    put the dispatcher there, the hook keep_finalize_hook recorded for the config."""
+    config = getattr(config, "transformer", config)
+    hook = getattr(config, "finalize_model_grads_func", None)
+    if isinstance(hook, _FinalizeWithKeptHook):
+        return getattr(config, "_mixln_finalize_hook", None)
+    return hook
+
+
+def set_finalize_chain_head(config, hook) -> None:
+    """Make `hook` the head of `config`'s finalize chain (see finalize_chain_head), undoing
+    keep_finalize_hook where nothing of ours is left: when `hook` is None or has no `.original`
+    (megatron's own finalize), the config's record goes, the config gets megatron's function back
+    from the dispatcher, and the module global is megatron's again once no config records a hook."""
+    config = getattr(config, "transformer", config)
+    current = getattr(config, "finalize_model_grads_func", None)
+    dispatched = isinstance(current, _FinalizeWithKeptHook)
+    ours_left = hook is not None and hasattr(hook, "original")
+    if not dispatched:
+        config.finalize_model_grads_func = hook
+    if "_mixln_finalize_hook" not in vars(config):
+        return
+    if ours_left:
+        config._mixln_finalize_hook = hook
+        return
+    del config._mixln_finalize_hook
+    _recorded[0] -= 1
+    if dispatched:
+        config.finalize_model_grads_func = hook if hook is not None else current.original
+    training = sys.modules.get("megatron.training.training")
+    if _recorded[0] <= 0 and training is not None and isinstance(training.finalize_model_grads, _FinalizeWithKeptHook):
+        training.finalize_model_grads = training.finalize_model_grads.original
+
+
+# How many configs record a hook for the dispatcher (megatron's function goes back at zero).
+_recorded = [0]
+
+
 class _FinalizeWithKeptHook:
-    """Stands in for megatron.training.training.finalize_model_grads on 0.17/0.18."""
+    """Stands in for megatron.training.training.finalize_model_grads on 0.17/0.18: there is no
+    public hook, and train() assigns this module global to every model config. Undone by
+    set_finalize_chain_head when the last of our hooks is removed."""
 
     def __init__(self, original: Callable):
         self.original = original

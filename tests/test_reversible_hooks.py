@@ -150,3 +150,35 @@ def test_settings_record_only_adds_its_key_to_the_metadata():
     saved = dict(metadata)
     add_settings_record(layer, {}, "decoder.layers.", metadata)  # a load: read and compared, not written
     assert metadata == saved
+
+
+@pytest.mark.compat
+def test_the_0_17_dispatcher_is_undone_when_the_last_hook_goes(monkeypatch):
+    """0.17/0.18's train() assigns megatron.training.training.finalize_model_grads to the config;
+    compat.keep_finalize_hook makes that module global a dispatcher to the config's recorded hook.
+    Removing the hooks after train() finds them under the dispatcher, and removing the last one
+    gives the config and the module megatron's own function back. The dispatcher is plain Python,
+    so this runs on every release with the 0.17/0.18 switch set."""
+    import megatron.training.training as training
+
+    from mixln_megatron import compat
+    from mixln_megatron.training.spike import get_spike_scaler, install_finalize_hook, remove_spike_scaler
+    from mixln_megatron.training.telemetry import TelemetryHook, get_telemetry, install_telemetry, remove_telemetry
+
+    monkeypatch.setattr(compat, "TRAIN_KEEPS_FINALIZE_HOOK", False)
+    megatron_finalize = training.finalize_model_grads
+    monkeypatch.setattr(training, "finalize_model_grads", megatron_finalize)  # put back whatever happens
+    config = SimpleNamespace(finalize_model_grads_func=None)
+    scaler = _scaler([], "scaler")
+    install_finalize_hook(config, scaler)
+    telemetry = install_telemetry(config, interval=1)
+    compat.keep_finalize_hook(config)
+    dispatcher = training.finalize_model_grads
+    assert dispatcher is not megatron_finalize
+    config.finalize_model_grads_func = training.finalize_model_grads  # what 0.17/0.18's train() does
+    assert get_spike_scaler(config) is scaler and get_telemetry(config) is telemetry
+    assert remove_spike_scaler(config) is scaler and get_spike_scaler(config) is None
+    assert training.finalize_model_grads is dispatcher and isinstance(config._mixln_finalize_hook, TelemetryHook)
+    assert remove_telemetry(config) is telemetry
+    assert training.finalize_model_grads is megatron_finalize
+    assert config.finalize_model_grads_func is megatron_finalize and "_mixln_finalize_hook" not in vars(config)

@@ -216,8 +216,9 @@ def write_record(record: dict, path: Optional[str] = None) -> None:
 
 
 def get_telemetry(config) -> Optional[GradTelemetry]:
-    config = getattr(config, "transformer", config)
-    hook = getattr(config, "finalize_model_grads_func", None)
+    from .. import compat
+
+    hook = compat.finalize_chain_head(getattr(config, "transformer", config))  # 0.17/0.18: under train()'s dispatcher
     return hook.telemetry if isinstance(hook, TelemetryHook) else None
 
 

@@ -24,6 +24,7 @@ from typing import Callable, Optional
 from ...model.layer import on_layer_built, remove_on_layer_built
 from ...model.placement import Placement
 from ...model.settings import SpikeSettings
+from ... import compat
 from .. import runtime
 from .scaler import SpikeScaler
 from .targets import mixln_layers, target_layers
@@ -64,7 +65,7 @@ def _transformer_config(config):
 
 def get_spike_scaler(config) -> Optional[SpikeScaler]:
     """The scaler installed on `config` (a TransformerConfig, or Megatron-LM's wrapper), if any."""
-    hook = getattr(_transformer_config(config), "finalize_model_grads_func", None)
+    hook = compat.finalize_chain_head(_transformer_config(config))
     return getattr(hook, "mixln_spike_scaler", None)
 
 
@@ -81,13 +82,13 @@ def unwrap_finalize(config, kind) -> Optional[object]:
     """Take the first wrapper of type `kind` out of the chain of `.original` links that starts at
     `config.finalize_model_grads_func`, leaving the rest as it was; the wrapper, or None."""
     config = _transformer_config(config)
-    above, hook = None, getattr(config, "finalize_model_grads_func", None)
+    above, hook = None, compat.finalize_chain_head(config)  # 0.17/0.18: under train()'s dispatcher
     while hook is not None and not isinstance(hook, kind):
         above, hook = hook, getattr(hook, "original", None)
     if hook is None:
         return None
     if above is None:
-        config.finalize_model_grads_func = hook.original
+        compat.set_finalize_chain_head(config, hook.original)
     else:
         above.original = hook.original
     return hook
