@@ -1,19 +1,8 @@
-"""torch_dist keys of a Mix-LN HybridModel next to a GPTModel's: which hybrid layer holds what.
+"""torch_dist checkpoints of a Mix-LN HybridModel next to a GPTModel's: which kind a checkpoint is,
+and the hybrid pattern its keys describe.
 
-GPTModel stacks every layer-local tensor under one key with a leading layer axis
-(`decoder.layers.<name>`, [L, ...]); HybridStack keeps one key per layer
-(`decoder.layers.<j>.<name>`, j the global 0-based hybrid index, no layer axis). A Mix-LN
-pattern is L `*-` pairs, so GPT block i (0-based) is hybrid layers 2i (`*`: attention) and 2i+1
-(`-`: MLP). The tensors themselves are the same layer class's, with the same global layout:
-
-    layer-local name                                   hybrid layer of block i
-    input_layernorm.*, self_attention.*,               2i      (the `*` layer)
-    post_attention_layernorm.*, mixln_settings (i = 0)
-    pre_mlp_layernorm.*, mlp.*, post_mlp_layernorm.*   2i + 1  (the `-` layer)
-    mixln_norm_a.* (Pre-LN input norm | Post-LN N2)    Pre-LN: 2i      Post-LN: 2i + 1
-    mixln_norm_b.* (Pre-LN MLP norm | Post-LN N1)      Pre-LN: 2i + 1  Post-LN: 2i
-    mixln_spike_scaler.layer<i+1>.norm1.* | .norm2.*   2i | 2i + 1 (spike-scaler state)
-    decoder.final_layernorm.*  <->  decoder.final_norm.*
+The keys themselves and the GPT <-> hybrid layer rule (which of a block's two hybrid layers holds
+each tensor) are model.checkpoint_keys': the model writes them, this module reads them.
 
 Pure Python: no torch, no megatron.
 """
@@ -23,55 +12,32 @@ from __future__ import annotations
 import re
 from typing import Iterable, Optional
 
+from ..errors import UnsupportedModelError
 from ..model import hybrid_pattern
+from ..model.checkpoint_keys import FOREIGN_NAMES, GPT_FINAL_NORM, HYBRID_FINAL_NORM, HYBRID_LAYER
 
 GPT, HYBRID = "gpt", "hybrid"
-LAYERS = "decoder.layers."
-GPT_FINAL_NORM, HYBRID_FINAL_NORM = "decoder.final_layernorm.", "decoder.final_norm."
-RECORD = "mixln_settings"
-GPT_RECORD_KEY = LAYERS + RECORD  # (a ShardedObject: unique key <key>/shard_0_1)
-HYBRID_RECORD_KEY = f"{LAYERS}0.{RECORD}"
-
-HYBRID_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-SPIKE = re.compile(r"^mixln_spike_scaler\.layer(\d+)\.(norm[12])\.(.+)$")
 OBJECT_SHARD = re.compile(r"^(.+)/shard_([0-9.]*)_([0-9.]*)$")
-
-ATTENTION_NAMES = ("input_layernorm.", "self_attention.", "post_attention_layernorm.")
-MLP_NAMES = ("pre_mlp_layernorm.", "mlp.", "post_mlp_layernorm.")
-# Names of a layer that make it something other than a Mix-LN `*` or `-` layer.
-FOREIGN_NAMES = {"mixer.": "M (Mamba)", "mlp.experts.": "E (MoE)", "mlp.router.": "E (MoE)",
-                 "self_attention.linear_q_down_proj": "+ (MLA)", "self_attention.linear_kv_down_proj": "+ (MLA)"}
-
-
-def part_of_name(name: str, post_ln: bool) -> Optional[str]:
-    """hybrid_pattern.ATTENTION or MLP: the half of a transformer block that holds the layer-local
-    tensor `name` (block Post-LN or not); None for a name that is neither's."""
-    spike = SPIKE.match(name)
-    if spike:
-        return hybrid_pattern.ATTENTION if spike.group(2) == "norm1" else hybrid_pattern.MLP
-    if name.startswith(ATTENTION_NAMES) or name == RECORD:
-        return hybrid_pattern.ATTENTION
-    if name.startswith(MLP_NAMES):
-        return hybrid_pattern.MLP
-    if name.startswith("mixln_norm_a."):
-        return hybrid_pattern.MLP if post_ln else hybrid_pattern.ATTENTION
-    if name.startswith("mixln_norm_b."):
-        return hybrid_pattern.ATTENTION if post_ln else hybrid_pattern.MLP
-    return None
-
-
-def hybrid_index(block: int, part: str) -> int:
-    """The global 0-based hybrid layer of 0-based block `block`'s `part`."""
-    attention, mlp = hybrid_pattern.layer_numbers_of_block(block + 1)
-    return (attention if part == hybrid_pattern.ATTENTION else mlp) - 1
 
 
 def model_kind(tensor_keys: Iterable[str]) -> str:
-    """GPT (stacked layer keys, decoder.final_layernorm) or HYBRID (per-layer keys, decoder.final_norm)."""
+    """GPT (stacked layer keys, decoder.final_layernorm) or HYBRID (per-layer keys, decoder.final_norm).
+
+    A GPTModel as Megatron-LM saves it (TransformerBlock without the non_homogeneous_layers /
+    singleton_local_shards metadata, which Megatron-LM sets False) replaces each layer's
+    `decoder.layers.<local index>.` prefix by `decoder.layers.` with a layer axis, so a
+    `decoder.layers.<n>.` tensor is a HybridModel's (HybridStack keeps the index in the key). A
+    GPTModel checkpoint with per-layer keys (decoder.final_layernorm beside them) is refused."""
     keys = list(tensor_keys)
-    if any(k.startswith(HYBRID_FINAL_NORM) for k in keys):
-        return HYBRID
-    if any(HYBRID_LAYER.match(k) for k in keys):
+    per_layer = any(HYBRID_LAYER.match(k) for k in keys)
+    if any(k.startswith(GPT_FINAL_NORM) for k in keys) and per_layer:
+        # Megatron-LM never writes these for a dense GPTModel; a megatron-core caller can (its
+        # sharded_state_dict metadata non_homogeneous_layers / singleton_local_shards).
+        raise UnsupportedModelError(
+            "this GPTModel checkpoint keeps one key per layer (decoder.layers.<n>.*, saved with the "
+            "non_homogeneous_layers or singleton_local_shards metadata); only the stacked layout "
+            "Megatron-LM saves (decoder.layers.* with a layer axis) is read")
+    if per_layer or any(k.startswith(HYBRID_FINAL_NORM) for k in keys):
         return HYBRID
     return GPT
 

@@ -29,12 +29,15 @@ from __future__ import annotations
 
 from typing import Dict
 
+from ..model import checkpoint_keys as keys
+
 # ---------------------------------------------------------------------------------------- keys
-TD_EMBEDDING = "embedding.word_embeddings.weight"
-TD_OUTPUT = "output_layer.weight"
-TD_FINAL_NORM = "decoder.final_layernorm.weight"
-TD_LAYER_PREFIX = "decoder.layers."
-TD_SETTINGS_RECORD = "decoder.layers.mixln_settings"
+# The GPTModel torch_dist keys, as the conversion names them (the values are model.checkpoint_keys').
+TD_EMBEDDING = keys.EMBEDDING
+TD_OUTPUT = keys.OUTPUT
+TD_FINAL_NORM = keys.GPT_FINAL_NORM + "weight"
+TD_LAYER_PREFIX = keys.LAYERS
+TD_SETTINGS_RECORD = keys.GPT_RECORD_KEY
 
 LAYER_ROLE_NAMES: Dict[str, str] = {
     "qkv.weight": "self_attention.linear_qkv.weight",
@@ -49,7 +52,7 @@ LAYER_ROLE_NAMES: Dict[str, str] = {
     "norm_b": "mlp.linear_fc1.layer_norm_weight",
 }
 # Mix-LN models (P > 0 or LNS) store the norms here instead (mixln_megatron.model.layer.PRE_LN_KEYS_MAP).
-MIXLN_NORM_NAMES: Dict[str, str] = {"norm_a": "mixln_norm_a.weight", "norm_b": "mixln_norm_b.weight"}
+MIXLN_NORM_NAMES: Dict[str, str] = {"norm_a": keys.MIXLN_NORM_A + "weight", "norm_b": keys.MIXLN_NORM_B + "weight"}
 
 
 def td_layer_name(role: str, mixln_layout: bool) -> str:
@@ -91,7 +94,7 @@ LEGACY_LAYER_NAMES: Dict[str, str] = {
     "post_attention_layernorm.weight": "norm_b",  # Post-LN N1
 }
 LEGACY_POST_LN_NAMES = ("post_attention_layernorm.weight", "post_mlp_layernorm.weight")
-LEGACY_IGNORED_SUFFIXES = ("_extra_state", "mixln_settings")
+LEGACY_IGNORED_SUFFIXES = ("_extra_state", keys.RECORD)
 
 # Megatron module names (legacy files) of each role, for writing: TE vs local, Pre-LN vs Post-LN.
 LEGACY_WRITE_NAMES = {

@@ -154,16 +154,19 @@ args_hybrid_pattern = hybrid_pattern.pattern_of_args  # Megatron-LM's saved args
 
 
 def args_num_blocks(args) -> int:
-    """Transformer blocks L: GPT's num_layers; a Mix-LN hybrid pattern's `*-` pairs (its
-    num_layers is the pattern length 2L). A pattern that is not Mix-LN's keeps num_layers (the
-    support check refuses it, check_megatron_args_supported)."""
+    """Transformer blocks L (model.hybrid_pattern.blocks_of_args, the one reading): GPT's
+    num_layers; a Mix-LN hybrid pattern's `*-` pairs (its num_layers is the pattern length 2L).
+    The saved values are checked first; a pattern that is not Mix-LN's is refused with the reason."""
     pattern = args_hybrid_pattern(args)
     if pattern is not None and not isinstance(pattern, str):
         raise ConversionError(f"{ARGS}: hybrid_layer_pattern must be a string, got {_shown(pattern)}")
-    if pattern and hybrid_pattern.pattern_problem(pattern) is None:
-        return _int_value(ARGS, "the hybrid pattern's blocks", hybrid_pattern.check_pattern(pattern),
-                          BOUNDS["layers"])
-    return _int_arg(args, "num_layers", BOUNDS["layers"])
+    if not pattern:
+        _int_arg(args, "num_layers", BOUNDS["layers"])
+    try:
+        blocks = hybrid_pattern.blocks_of_args(args)
+    except support.MixLNUnsupportedError as error:
+        raise UnsupportedModelError(f"{ARGS}: {error}") from None
+    return _int_value(ARGS, "the hybrid pattern's blocks" if pattern else "num_layers", blocks, BOUNDS["layers"])
 
 
 def args_shape(args) -> ArgsShape:

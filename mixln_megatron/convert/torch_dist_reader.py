@@ -24,18 +24,17 @@ import torch
 
 from ..errors import ConversionError, UnsupportedModelError
 from ..safe_unpickle import load_torch
-from ..model.hybrid_pattern import ATTENTION, MLP
+from ..model import checkpoint_keys as keys
 from . import hybrid_keys
 from . import mapping as M
 from .dcp_files import DCPFiles
 from .reader_base import ReaderBase
 
 COMMON_PT = "common.pt"
-COMMON_STATE_KEY = "common_state/shard_0_1"
+COMMON_STATE_KEY = keys.COMMON_STATE_KEY
 # Largest block of embedding / output rows read at once: a block also holds its saved chunk while it
 # is read, so blocks much smaller than a chunk only add reads (benchmarks/convert.py).
 VOCAB_BLOCK_BYTES = 32 << 20
-_ROLE_PREFIX = {ATTENTION: ("qkv.", "proj."), MLP: ("fc1.", "fc2.")}  # which hybrid layer holds a role
 
 
 class TorchDistCheckpoint(ReaderBase):
@@ -55,7 +54,7 @@ class TorchDistCheckpoint(ReaderBase):
         self.model_kind = hybrid_keys.model_kind(self._tensors)
         self.hybrid_pattern = hybrid_keys.pattern_of_keys(self._tensors) if self.model_kind == hybrid_keys.HYBRID \
             else None
-        record_key = f"{hybrid_keys.HYBRID_RECORD_KEY if self.hybrid_pattern is not None else M.TD_SETTINGS_RECORD}" \
+        record_key = f"{keys.HYBRID_RECORD_KEY if self.hybrid_pattern is not None else keys.GPT_RECORD_KEY}" \
             "/shard_0_1"
         if record_key in self.files.objects:
             from .saved_values import check_record
@@ -75,14 +74,17 @@ class TorchDistCheckpoint(ReaderBase):
 
     # ---------------------------------------------------------------- validation
     def _check_keys(self) -> None:
-        keys = set(self._tensors)
-        if any(".mlp.experts." in k or ".mlp.router." in k for k in keys):
+        tensors = set(self._tensors)
+        def has(what):
+            return any("." + name in k for name in keys.foreign_names(what) for k in tensors)
+
+        if has(keys.MOE):
             raise UnsupportedModelError("this checkpoint has MoE layers (mlp.experts / mlp.router keys): Llama has no experts")
-        if any("linear_q_down_proj" in k or "linear_kv_down_proj" in k for k in keys):
+        if has(keys.MLA):
             raise UnsupportedModelError("this checkpoint uses multi-latent attention (MLA): Llama cannot express it")
-        if any(k.startswith("mtp.") for k in keys):
+        if any(k.startswith("mtp.") for k in tensors):
             raise UnsupportedModelError("this checkpoint has multi-token-prediction (mtp.*) layers")
-        if M.TD_EMBEDDING not in keys:
+        if M.TD_EMBEDDING not in tensors:
             raise ConversionError(f"{self.path} has no {M.TD_EMBEDDING}: not a GPT model checkpoint")
 
     def _read_common(self) -> dict:
@@ -127,29 +129,25 @@ class TorchDistCheckpoint(ReaderBase):
 
     # ---------------------------------------------------------------- model tensors
     def _layer_key(self, layer: int, role: str) -> Tuple[str, bool]:
+        """(key, stacked): a GPTModel's stacked key (hybrid_keys.model_kind refuses per-layer GPT
+        keys), or the HybridModel layer's own key."""
         name = M.td_layer_name(role, self.norm_layout == "mixln")
         if self.hybrid_pattern is not None:
             return self._hybrid_layer_key(layer, role, name), False
-        stacked = M.TD_LAYER_PREFIX + name
+        stacked = keys.LAYERS + name
         if stacked in self._tensors:
             return stacked, True
-        single = f"{M.TD_LAYER_PREFIX}{layer}.{name}"
-        if single in self._tensors:
-            return single, False
-        raise ConversionError(
-            f"{self.path} has no {stacked} (nor per-layer {single}): the model lacks '{role}'"
-        )
+        raise ConversionError(f"{self.path} has no {stacked}: the model lacks '{role}'")
 
     def _hybrid_layer_key(self, block: int, role: str, name: str) -> str:
         """Block `block`'s tensor of `role` in a HybridModel checkpoint: in its `*` or `-` layer
-        (a norm in either, depending on the layer kind: look in both)."""
-        candidates = [hybrid_keys.hybrid_index(block, part) for part in (ATTENTION, MLP)
-                      if role.startswith(("norm_",) + _ROLE_PREFIX[part])]
-        keys = [f"{M.TD_LAYER_PREFIX}{j}.{name}" for j in candidates]
-        found = [k for k in keys if k in self._tensors]
+        (model.checkpoint_keys; a Mix-LN norm in either, depending on the block's kind: look in both)."""
+        candidates = sorted({keys.hybrid_layer_of(block, name, post_ln) for post_ln in (False, True)} - {None})
+        names = [f"{keys.LAYERS}{j}.{name}" for j in candidates]
+        found = [k for k in names if k in self._tensors]
         if len(found) != 1:
             raise ConversionError(
-                f"{self.path}: block {block + 1}'s '{role}' should be in exactly one of {', '.join(keys)}; "
+                f"{self.path}: block {block + 1}'s '{role}' should be in exactly one of {', '.join(names)}; "
                 f"found {len(found)}: the checkpoint is incomplete or was edited")
         return found[0]
 
@@ -178,7 +176,7 @@ class TorchDistCheckpoint(ReaderBase):
 
     @property
     def final_norm_key(self) -> str:
-        return hybrid_keys.HYBRID_FINAL_NORM + "weight" if self.hybrid_pattern is not None else M.TD_FINAL_NORM
+        return keys.HYBRID_FINAL_NORM + "weight" if self.hybrid_pattern is not None else M.TD_FINAL_NORM
 
     def vocab_blocks(self, which: str, rows: int):
         """(start, stop) row blocks of the embedding / output layer: none straddles two saved chunks

@@ -446,22 +446,13 @@ def last_result(proc) -> dict:
 
 
 # ------------------------------------------------------------------ HybridModel twins of GPT models
-# A GPT layer's attention half (its first norm, attention, N1, the settings record) and its MLP half.
-_GPT_ATTENTION_HALF = ("input_layernorm", "self_attention", "self_attn_bda", "post_attention_layernorm",
-                       "mixln_settings")
-
-
 def hybrid_key(gpt_key: str) -> str:
-    """The HybridModel (`*-*-...` pattern) state-dict name of a GPTModel (one stage, PP1) key: GPT
-    layer i's attention half is hybrid layer 2i, its MLP half (pre-MLP norm, MLP, N2) layer 2i+1;
-    decoder.final_layernorm is decoder.final_norm; embedding and output layer keep their names."""
-    import re
+    """The HybridModel (`*-*-...` pattern) state-dict name of a GPTModel (one stage, PP1) key:
+    model.checkpoint_keys.hybrid_state_key (GPT layer i's attention half is hybrid layer 2i, its
+    MLP half 2i+1; decoder.final_layernorm is decoder.final_norm)."""
+    from ..model.checkpoint_keys import hybrid_state_key
 
-    match = re.fullmatch(r"decoder\.layers\.(\d+)\.([^.]+)(.*)", gpt_key)
-    if match is None:
-        return gpt_key.replace("decoder.final_layernorm.", "decoder.final_norm.")
-    index, module, rest = int(match[1]), match[2], match[3]
-    return f"decoder.layers.{2 * index + (0 if module in _GPT_ATTENTION_HALF else 1)}.{module}{rest}"
+    return hybrid_state_key(gpt_key)
 
 
 def hybrid_state_dict(gpt_model) -> dict:

@@ -26,11 +26,8 @@ from __future__ import annotations
 from typing import Optional
 
 from ..errors import MixLNError, refuse, report
+from .checkpoint_keys import METADATA_KEY, RECORD as RECORD_NAME  # noqa: F401  (METADATA_KEY: API)
 from .placement import Placement
-
-
-RECORD_NAME = "mixln_settings"
-METADATA_KEY = "mixln"
 
 
 class MixLNCheckpointMismatch(MixLNError, RuntimeError):

@@ -34,6 +34,12 @@ def part_of_layer(layer_number: int) -> str:
     return ATTENTION if layer_number % 2 == 1 else MLP
 
 
+def block_of_layer(layer_number: int) -> int:
+    """The 1-based transformer block of global 1-based hybrid layer `layer_number` (its inverse:
+    layer_numbers_of_block)."""
+    return (layer_number + 1) // 2
+
+
 def block_number(layer_number: int, part: Optional[str]) -> int:
     """The 1-based transformer block of a layer: a GPT layer is one block (part None)."""
     if part is None:
@@ -44,7 +50,7 @@ def block_number(layer_number: int, part: Optional[str]) -> int:
         raise MixLNUnsupportedError(
             f"hybrid layer {layer_number} is '{SYMBOL[part]}', but in a Mix-LN pattern layer "
             f"{layer_number} must be '{SYMBOL[part_of_layer(layer_number)]}': {_WHY}")
-    return (layer_number + 1) // 2
+    return block_of_layer(layer_number)
 
 
 def num_blocks(num_layers: int, part: Optional[str]) -> int:
@@ -112,6 +118,16 @@ def pattern_of_args(args) -> Optional[str]:
     """The pattern Megatron-LM's arguments (parsed or saved) ask for: --hybrid-layer-pattern, or the
     deprecated --hybrid-override-pattern its validation renames; None for a GPT model."""
     return getattr(args, "hybrid_layer_pattern", None) or getattr(args, "hybrid_override_pattern", None) or None
+
+
+def blocks_of_args(args) -> int:
+    """L, the transformer blocks Mix-LN counts, of Megatron-LM's arguments (parsed or saved): a
+    Mix-LN pattern's `*-` pairs (num_layers is then the pattern's length 2L), else num_layers (a
+    GPTModel). The one reading of it: the entry point (training.pretrain.transformer_blocks) and
+    the checkpoint readers (convert.shape.args_num_blocks, which checks the saved values first).
+    MixLNUnsupportedError for a pattern Mix-LN does not define."""
+    pattern = pattern_of_args(args)
+    return check_pattern(pattern) if pattern else args.num_layers
 
 
 def pattern_for(num_blocks: int, stage_blocks: Optional[Sequence[int]] = None) -> str:

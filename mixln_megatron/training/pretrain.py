@@ -138,11 +138,6 @@ def check_hybrid_args(args) -> None:
         raise MixLNHybridUnsupported(problem)
 
 
-def transformer_blocks(args) -> int:
-    """L, the transformer blocks Mix-LN counts: num_layers for GPT, half the pattern for HybridModel."""
-    part = hybrid_pattern.ATTENTION if hybrid_layer_pattern(args) else None
-    return hybrid_pattern.num_blocks(args.num_layers, part)
-
 
 def _report_on_rank_0(error: BaseException) -> None:
     """The stock path's one line (errors.PREFIX) for a refusal every rank meets alike, before any
@@ -184,7 +179,7 @@ def _write_loss_log(loss_log: Optional[LossLog], args, settings: MixLNSettings) 
     """--loss-log: the recorded losses with the run's placement and depth."""
     if loss_log is None:
         return
-    placement = resolve_placement(transformer_blocks(args), settings)
+    placement = resolve_placement(hybrid_pattern.blocks_of_args(args), settings)
     loss_log.write(args.loss_log, {
         "mixln": {**placement.record(), "post_ln_layer_numbers": placement.post_ln_layer_numbers},
         "num_layers": args.num_layers,
@@ -263,7 +258,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         checkpoint_args = _checkpoint_args(args)
         apply_resume_args(args, checkpoint_args, argv)  # the shape flags Megatron-LM does not copy
         settings = run_settings(args, checkpoint_args)
-        resolve_placement(transformer_blocks(args), settings)  # a bad setting stops here, in one line
+        resolve_placement(hybrid_pattern.blocks_of_args(args), settings)  # a bad setting stops here, in one line
     except MixLNHybridUnsupported as error:
         _report_on_rank_0(error)
         return 2
