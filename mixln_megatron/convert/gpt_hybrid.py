@@ -37,7 +37,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..errors import ConversionError, UnsupportedModelError
-from ..model import checkpoint_keys as keys, hybrid_pattern
+from ..model import checkpoint_keys as CK, hybrid_pattern
 from . import hybrid_keys as K
 from .dcp_writer import LazyTorchDistWriter
 from .inspect import _model_kind, mixln_record
@@ -48,7 +48,7 @@ from .vet import check_byte_item, item_file
 
 PIECE_BYTES = 64 << 20  # largest tensor piece read and written at once
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
-COMMON_STATE = keys.COMMON_STATE_KEY
+COMMON_STATE = CK.COMMON_STATE_KEY
 OUTPUT_EXTRA_STATE = "output_layer._extra_state/shard_0_1"  # HybridModel saves it, GPTModel drops it
 # Megatron-LM --spec objects of the two model kinds (mixln_megatron.spec), TE and local.
 SPEC_OF_KIND = {
@@ -243,45 +243,45 @@ class _KeyMap:
 
     def _gpt_tensors(self, out, keys):
         for key in keys:
-            if key.startswith(keys.GPT_FINAL_NORM):
-                self._copy(out, keys.HYBRID_FINAL_NORM + key[len(keys.GPT_FINAL_NORM):], key)
+            if key.startswith(CK.GPT_FINAL_NORM):
+                self._copy(out, CK.HYBRID_FINAL_NORM + key[len(CK.GPT_FINAL_NORM):], key)
                 continue
-            if not key.startswith(keys.LAYERS):
+            if not key.startswith(CK.LAYERS):
                 self._copy(out, key, key)  # embedding, output layer
                 continue
-            name = key[len(keys.LAYERS):]
-            spike = keys.SPIKE.match(name)
+            name = key[len(CK.LAYERS):]
+            spike = CK.SPIKE.match(name)
             if spike:  # per block, no layer axis
                 block = int(spike.group(1)) - 1
-                self._copy(out, f"{keys.LAYERS}{keys.hybrid_index(block, self._part(name, block, key))}.{name}", key)
+                self._copy(out, f"{CK.LAYERS}{CK.hybrid_index(block, self._part(name, block, key))}.{name}", key)
                 continue
             layers = int(self.reader.files.tensors[key].size[0])
             if layers != self.blocks:
                 raise ConversionError(f"{key} stacks {layers} layers, the checkpoint has {self.blocks}")
             for block in range(self.blocks):
-                self._copy(out, f"{keys.LAYERS}{keys.hybrid_index(block, self._part(name, block, key))}.{name}", key,
+                self._copy(out, f"{CK.LAYERS}{CK.hybrid_index(block, self._part(name, block, key))}.{name}", key,
                            src_lead=(block,))
 
     def _hybrid_tensors(self, out, keys):
         stacked: Dict[str, Dict[int, str]] = {}
         for key in keys:
-            if key.startswith(keys.HYBRID_FINAL_NORM):
-                self._copy(out, keys.GPT_FINAL_NORM + key[len(keys.HYBRID_FINAL_NORM):], key)
+            if key.startswith(CK.HYBRID_FINAL_NORM):
+                self._copy(out, CK.GPT_FINAL_NORM + key[len(CK.HYBRID_FINAL_NORM):], key)
                 continue
-            m = keys.HYBRID_LAYER.match(key)
+            m = CK.HYBRID_LAYER.match(key)
             if not m:
                 self._copy(out, key, key)
                 continue
             index, name = int(m.group(1)), m.group(2)
-            block = keys.block_of_hybrid_index(index)
-            if keys.hybrid_index(block, self._part(name, block, key)) != index:
+            block = CK.block_of_hybrid_index(index)
+            if CK.hybrid_index(block, self._part(name, block, key)) != index:
                 raise ConversionError(
                     f"{key} sits in hybrid layer {index + 1}, but block {block + 1}'s "
                     f"{'Post' if self.is_post_ln(block) else 'Pre'}-LN layers keep it in layer "
-                    f"{keys.hybrid_index(block, self._part(name, block, key)) + 1}: the checkpoint's Mix-LN "
+                    f"{CK.hybrid_index(block, self._part(name, block, key)) + 1}: the checkpoint's Mix-LN "
                     "settings do not match its tensors")
-            if keys.SPIKE.match(name):
-                self._copy(out, keys.LAYERS + name, key)
+            if CK.SPIKE.match(name):
+                self._copy(out, CK.LAYERS + name, key)
                 continue
             stacked.setdefault(name, {})[block] = key
         for name, by_block in sorted(stacked.items()):
@@ -295,10 +295,10 @@ class _KeyMap:
                 raise ConversionError(f"decoder.layers.*.{name} differs between blocks ({shapes}, {dtypes}): "
                                       "cannot stack it into a GPTModel checkpoint")
             for block in range(self.blocks):
-                self._copy(out, keys.LAYERS + name, by_block[block], dst_lead=(block,))
+                self._copy(out, CK.LAYERS + name, by_block[block], dst_lead=(block,))
 
     def _part(self, name: str, block: int, key: str) -> str:
-        part = keys.part_of_name(name, self.is_post_ln(block))
+        part = CK.part_of_name(name, self.is_post_ln(block))
         if part is None:
             raise ConversionError(
                 f"{key}: a layer tensor that is neither attention's nor the MLP's; GPT <-> hybrid conversion "
@@ -332,29 +332,29 @@ class _KeyMap:
 
     def _object_key(self, unique: str, base: str, offsets: str, shape: str) -> Optional[str]:
         if self.source == K.GPT:
-            if base == keys.GPT_RECORD_KEY:
-                return f"{keys.HYBRID_RECORD_KEY}/shard_0_1"
-            if base.startswith(keys.GPT_FINAL_NORM):
-                return f"{keys.HYBRID_FINAL_NORM}{base[len(keys.GPT_FINAL_NORM):]}/shard_{offsets}_{shape}"
-            if not base.startswith(keys.LAYERS):
+            if base == CK.GPT_RECORD_KEY:
+                return f"{CK.HYBRID_RECORD_KEY}/shard_0_1"
+            if base.startswith(CK.GPT_FINAL_NORM):
+                return f"{CK.HYBRID_FINAL_NORM}{base[len(CK.GPT_FINAL_NORM):]}/shard_{offsets}_{shape}"
+            if not base.startswith(CK.LAYERS):
                 return unique
-            name = base[len(keys.LAYERS):]
-            if name.startswith(keys.SPIKE_SCALER):
+            name = base[len(CK.LAYERS):]
+            if name.startswith(CK.SPIKE_SCALER):
                 raise UnsupportedModelError(
                     f"{unique}: spike-scaler state in the old object format; load and save the checkpoint once "
                     "with this mixln_megatron (it writes tensors), then convert")
             if not (offsets.isdigit() and shape == str(self.blocks)):
                 raise ConversionError(f"{unique}: a layer object that is not one per layer of {self.blocks}")
             block = int(offsets)
-            return f"{keys.LAYERS}{keys.hybrid_index(block, self._part(name, block, unique))}.{name}/shard_0_1"
+            return f"{CK.LAYERS}{CK.hybrid_index(block, self._part(name, block, unique))}.{name}/shard_0_1"
         if base == OUTPUT_EXTRA_STATE.split("/")[0]:
             return None  # GPTModel does not save the output layer's (empty) extra state
-        if base.startswith(keys.HYBRID_FINAL_NORM):
-            return f"{keys.GPT_FINAL_NORM}{base[len(keys.HYBRID_FINAL_NORM):]}/shard_{offsets}_{shape}"
-        m = keys.HYBRID_LAYER.match(base)
+        if base.startswith(CK.HYBRID_FINAL_NORM):
+            return f"{CK.GPT_FINAL_NORM}{base[len(CK.HYBRID_FINAL_NORM):]}/shard_{offsets}_{shape}"
+        m = CK.HYBRID_LAYER.match(base)
         if not m:
             return unique
         index, name = int(m.group(1)), m.group(2)
-        if name == keys.RECORD:
-            return f"{keys.GPT_RECORD_KEY}/shard_0_1"
-        return f"{keys.LAYERS}{name}/shard_{keys.block_of_hybrid_index(index)}_{self.blocks}"
+        if name == CK.RECORD:
+            return f"{CK.GPT_RECORD_KEY}/shard_0_1"
+        return f"{CK.LAYERS}{name}/shard_{CK.block_of_hybrid_index(index)}_{self.blocks}"

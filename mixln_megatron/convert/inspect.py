@@ -58,50 +58,28 @@ def resume_args(checkpoint_args) -> dict:
 
 
 # ------------------------------------------------------------------------------- Mix-LN record
-def _source(name, record) -> tuple:
-    return (name, record.get("scheme", "mixln"), int(record.get("post_ln_layers", 0)), record.get("alpha"))
-
-
 def mixln_record(reader, num_layers: int):
-    """(record dict, where it came from) of an open checkpoint reader; disagreeing sources are an error."""
-    from ..model.placement import MixLNConfigError, Placement, post_ln_count
+    """(record dict, where it came from) of an open checkpoint reader; disagreeing sources are an
+    error (model.settings.saved_settings: the same cross-check a resume makes)."""
+    from ..model.placement import MixLNConfigError, Placement
+    from ..model.settings import saved_settings
 
-    sources = []  # (name, scheme or None, P or None, alpha or None)
-    if reader.settings_record is not None:
-        r = reader.settings_record
-        sources.append(_source("the settings record", r))
-        if int(r.get("num_layers", num_layers)) != num_layers:
-            raise ConversionError(
-                f"the Mix-LN record is for {r.get('num_layers')} layers but the checkpoint has {num_layers}")
     meta = reader.content_metadata.get("mixln") if isinstance(reader.content_metadata, dict) else None
-    if meta is not None:
-        sources.append(_source("the content metadata", meta))
-    args = reader.args
-    p_arg, alpha_arg = getattr(args, "mixln_post_ln_layers", None), getattr(args, "mixln_alpha", None)
-    scheme_arg = getattr(args, "mixln_scheme", None)
-    if p_arg is not None or alpha_arg is not None or scheme_arg is not None:
-        p = int(p_arg) if p_arg is not None else (
-            post_ln_count(alpha_arg, num_layers) if alpha_arg is not None else None)
-        sources.append(("the saved --mixln-* args", scheme_arg, p, str(alpha_arg) if alpha_arg is not None else None))
-    for i, (n1, s1, p1, _) in enumerate(sources):
-        for n2, s2, p2, _ in sources[i + 1:]:
-            if (s1 is not None and s2 is not None and s1 != s2) or (p1 is not None and p2 is not None and p1 != p2):
-                raise ConversionError(
-                    f"the checkpoint's Mix-LN settings disagree: {n1} says scheme={s1} P={p1}, {n2} says "
-                    f"scheme={s2} P={p2}")
-    scheme = next((x[1] for x in sources if x[1] is not None), "mixln")
-    post = next((x[2] for x in sources if x[2] is not None), 0)
-    alpha = next((x[3] for x in sources if x[3] is not None), None)
     try:
-        placement = Placement(num_layers, post, scheme, alpha)
+        found = saved_settings(num_layers, record=reader.settings_record, metadata=meta, args=reader.args)
+    except MixLNConfigError as e:
+        raise ConversionError(str(e)) from None
+    found = found or {"scheme": None, "post_ln_layers": None, "alpha": None, "source": None}
+    try:
+        placement = Placement(num_layers, found["post_ln_layers"] or 0, found["scheme"] or "mixln", found["alpha"])
     except MixLNConfigError as e:
         raise ConversionError(f"the checkpoint's Mix-LN settings are invalid: {e}") from None
     if reader.norm_layout == "mixln" and placement.is_stock:
         raise ConversionError(
             f"{reader.path} stores its norms under the Mix-LN keys (decoder.layers.mixln_norm_*) but "
-            + (f"{sources[0][0]} says P = 0 with scheme mixln" if sources else "has no Mix-LN settings record")
+            + (f"{found['source']} says P = 0 with scheme mixln" if found["source"] else "has no Mix-LN settings record")
             + ": the checkpoint is damaged or was edited")
-    return placement.record(), (f"from {sources[0][0]}" if sources else NO_RECORD)
+    return placement.record(), (f"from {found['source']}" if found["source"] else NO_RECORD)
 
 
 # ------------------------------------------------------------------------------- one call

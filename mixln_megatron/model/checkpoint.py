@@ -61,16 +61,20 @@ def mismatch_message(checkpoint_record: Optional[dict], model_placement: Placeme
     )
 
 
-def _replica_id(layer) -> tuple:
+def replica_id(pg_collection=None) -> tuple:
+    """megatron-core's replica id, (0, TP rank, DP-with-CP rank), of what every TP and DP rank holds
+    alike: the settings record here and the spike scaler's state (training.spike.state). One
+    computation for both: megatron-core's make_sharded_object_for_checkpoint reads only the global
+    parallel_state (it ignores a model's own process groups), its make_sharded_tensor_for_checkpoint
+    takes the groups; the model's `pg_collection` (tp, dp_cp) comes first, parallel_state after."""
     from megatron.core import parallel_state
     from megatron.core.utils import get_pg_rank
 
-    tp_rank = get_pg_rank(layer.pg_collection.tp)
-    dp_cp = getattr(layer.pg_collection, "dp_cp", None)
-    if dp_cp is not None:
-        dp_rank = get_pg_rank(dp_cp)
-    else:
-        dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    tp = getattr(pg_collection, "tp", None)
+    dp_cp = getattr(pg_collection, "dp_cp", None)
+    tp_rank = get_pg_rank(tp) if tp is not None else parallel_state.get_tensor_model_parallel_rank()
+    dp_rank = get_pg_rank(dp_cp) if dp_cp is not None else parallel_state.get_data_parallel_rank(
+        with_context_parallel=True)
     return (0, tp_rank, dp_rank)
 
 
@@ -93,7 +97,7 @@ def add_settings_record(layer, sharded: dict, prefix: str, metadata: Optional[di
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     key = f"{prefix}{RECORD_NAME}"
-    sharded[key] = ShardedObject(key, placement.record(), (1,), (0,), replica_id=_replica_id(layer))
+    sharded[key] = ShardedObject(key, placement.record(), (1,), (0,), replica_id=replica_id(layer.pg_collection))
 
 
 def add_legacy_record(layer, state_dict: dict, prefix: str) -> None:

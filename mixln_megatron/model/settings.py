@@ -274,19 +274,81 @@ class MixLNSettings(_Sourced):
         return cls._from_values(values, {field: flag for field, flag, _, _, _ in FIELDS if field in values})
 
     @classmethod
-    def from_checkpoint(cls, saved) -> Optional["MixLNSettings"]:
-        """The placement a checkpoint carries: its saved args (from-hf writes mixln_post_ln_layers)
-        or a Mix-LN record (Placement.record()). None when it carries none."""
-        if saved is None:
+    def from_checkpoint(cls, saved, record=None, metadata=None, num_layers=None) -> Optional["MixLNSettings"]:
+        """The placement a checkpoint carries: `saved` is its saved args (from-hf and the entry
+        point write --mixln-*) or a Mix-LN record (Placement.record()); `record` / `metadata` its
+        settings record and content-metadata entry when the caller has them. Every source is
+        cross-checked (saved_settings, the reading `convert inspect` uses too): a disagreement is
+        MixLNSavedSettingsDisagree naming both. None when the checkpoint carries none."""
+        if isinstance(saved, Mapping):
+            saved, record = None, saved if record is None else record
+        if num_layers is None and saved is not None and getattr(saved, "num_layers", None) is not None:
+            from .hybrid_pattern import blocks_of_args
+
+            num_layers = blocks_of_args(saved)
+        found = saved_settings(num_layers, record=record, metadata=metadata, args=saved)
+        if found is None:
             return None
-        get = saved.get if isinstance(saved, Mapping) else lambda name: getattr(saved, name, None)
-        prefix = "" if isinstance(saved, Mapping) else "mixln_"
-        post, scheme = get(prefix + "post_ln_layers"), get(prefix + "scheme")
-        alpha = None if post is not None else get(prefix + "alpha")
-        if post is None and alpha is None and scheme is None:
-            return None
-        return cls(alpha=alpha, post_ln_layers=post, scheme=scheme,
+        post, scheme = found["post_ln_layers"], found["scheme"]
+        return cls(alpha=found["alpha"] if post is None else None, post_ln_layers=post, scheme=scheme,
                    sources=dict.fromkeys(("alpha", "post_ln_layers", "scheme"), CHECKPOINT))
+
+
+class MixLNSavedSettingsDisagree(MixLNConfigError):
+    """Two places a checkpoint keeps its Mix-LN settings in say different things."""
+
+
+SETTINGS_RECORD, CONTENT_METADATA, SAVED_ARGS = ("the settings record", "the content metadata",
+                                                 "the saved --mixln-* args")
+
+
+def saved_settings(num_layers: Optional[int] = None, record=None, metadata=None, args=None) -> Optional[dict]:
+    """The Mix-LN settings a checkpoint carries, cross-checked: {scheme, post_ln_layers, alpha,
+    source} (a value None where no source gives it; source: the first source that has any), None
+    when no source has any. The one reading, for a resume (MixLNSettings.from_checkpoint) and for
+    conversion and analysis (convert.inspect.mixln_record) alike.
+
+    Sources: the sharded settings `record` the layers saved, the `mixln` entry of Megatron-LM's
+    content `metadata`, the saved --mixln-* `args`. `num_layers` (the checkpoint's transformer
+    blocks L, when known) turns a saved alpha into P and must match the record's L. Two sources
+    that disagree on scheme or P are one MixLNSavedSettingsDisagree naming both."""
+    sources = []  # (name, scheme or None, P or None, alpha or None)
+    for name, saved in ((SETTINGS_RECORD, record), (CONTENT_METADATA, metadata)):
+        if saved is None:
+            continue
+        if not isinstance(saved, Mapping):
+            raise MixLNSavedSettingsDisagree(f"{name} of the checkpoint is {type(saved).__name__}, not a Mix-LN record")
+        sources.append((name, saved.get("scheme", "mixln"), parse_count(saved.get("post_ln_layers", 0), name,
+                                                                       "post_ln_layers"), saved.get("alpha")))
+        saved_layers = saved.get("num_layers")
+        if num_layers is not None and saved_layers is not None and int(saved_layers) != num_layers:
+            raise MixLNSavedSettingsDisagree(
+                f"the Mix-LN record ({name}) is for {saved_layers} layers but the checkpoint has {num_layers}")
+    p_arg, alpha_arg = getattr(args, "mixln_post_ln_layers", None), getattr(args, "mixln_alpha", None)
+    scheme_arg = getattr(args, "mixln_scheme", None)
+    if p_arg is not None or alpha_arg is not None or scheme_arg is not None:
+        p = None if p_arg is None else parse_count(p_arg, SAVED_ARGS, "post_ln_layers")
+        p_alpha = None if alpha_arg is None or num_layers is None else \
+            math.floor(parse_alpha(alpha_arg, SAVED_ARGS) * num_layers)
+        if p is not None and p_alpha is not None and p != p_alpha:
+            raise MixLNSavedSettingsDisagree(
+                f"the checkpoint's Mix-LN settings disagree: the saved --mixln-post-ln-layers says P={p}, the saved "
+                f"--mixln-alpha {alpha_arg} says P={p_alpha} of L={num_layers}")
+        sources.append((SAVED_ARGS, scheme_arg, p if p is not None else p_alpha,
+                        str(alpha_arg) if alpha_arg is not None else None))
+    for i, (n1, s1, p1, _) in enumerate(sources):
+        for n2, s2, p2, _ in sources[i + 1:]:
+            if (s1 is not None and s2 is not None and s1 != s2) or (p1 is not None and p2 is not None and p1 != p2):
+                raise MixLNSavedSettingsDisagree(
+                    f"the checkpoint's Mix-LN settings disagree: {n1} says scheme={s1} P={p1}, {n2} says "
+                    f"scheme={s2} P={p2}")
+    if not sources:
+        return None
+
+    def first(i):
+        return next((x[i] for x in sources if x[i] is not None), None)
+
+    return {"scheme": first(1), "post_ln_layers": first(2), "alpha": first(3), "source": sources[0][0]}
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

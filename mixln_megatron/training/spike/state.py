@@ -147,21 +147,10 @@ class SpikeStateHolder(torch.nn.Module):
             return f"layer {self.block_number}"
         return f"block {self.block_number} (hybrid layer {self.layer_number})"
 
-    def _replica_id(self) -> tuple:
-        from megatron.core import parallel_state
-        from megatron.core.utils import get_pg_rank
-
-        pgs = self._pg_collection
-        tp_rank = get_pg_rank(pgs.tp) if pgs is not None else parallel_state.get_tensor_model_parallel_rank()
-        dp_cp = getattr(pgs, "dp_cp", None) if pgs is not None else None
-        if dp_cp is not None:
-            dp_rank = get_pg_rank(dp_cp)
-        else:
-            dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
-        return (0, tp_rank, dp_rank)
-
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+        from ...model.checkpoint import replica_id
 
         # GPT: the layer's prefix (decoder.layers.<local index>.) is replaced by decoder.layers. for
         # sharding, so the global block number in the key keeps the layers apart (no layer axis).
@@ -173,10 +162,10 @@ class SpikeStateHolder(torch.nn.Module):
         if format1 is not None:  # a load of a format-1 checkpoint (module doc)
             if self.block_number not in [int(n) for n in format1.get("layers", ())]:
                 return {}
-            return {f"{prefix}state": ShardedObject(key, {}, (1,), (0,), replica_id=self._replica_id())}
+            return {f"{prefix}state": ShardedObject(key, {}, (1,), (0,), replica_id=replica_id(self._pg_collection))}
         return {
             f"{prefix}{role}.{name}": ShardedTensor.from_rank_offsets(
-                f"{key}.{role}.{name}", tensor, replica_id=self._replica_id())
+                f"{key}.{role}.{name}", tensor, replica_id=replica_id(self._pg_collection))
             for role, tensors in state.items() for name, tensor in zip(("momentum", "step"), tensors)
         }
 
