@@ -230,7 +230,8 @@ else:
     # Megatron-LM's tiny CPU run (as tests/test_vet_load.py): one iteration, lr 0 so that the saved
     # weights show what was loaded. The recorded tokenizer (4096 tokens) is larger than the tiny
     # model's 128-row vocabulary, so the run keeps its own NullTokenizer (127 + eod = 128).
-    PRETRAIN_FLAGS = ["--no-use-tokenizer-model-from-checkpoint-args", "--train-iters", "1", "--seq-length", "32", "--micro-batch-size", "2",
+    PRETRAIN_FLAGS = ["--no-use-tokenizer-model-from-checkpoint-args",
+                      "--train-iters", "1", "--seq-length", "32", "--micro-batch-size", "2",
                       "--global-batch-size", "2", "--lr", "0.0", "--min-lr", "0.0", "--mock-data",
                       "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--num-workers", "0",
                       "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
