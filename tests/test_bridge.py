@@ -5,7 +5,10 @@ An exported Mix-LN folder (the project's HF model code + save_hf_folder, a token
 package's block spec (local backend, CPU harness) -> logits equal HF's, the HF weights exported
 back exactly, save_hf_pretrained -> reloads equal; the model Bridge builds has the state-dict keys
 of the model this package builds itself. The TE backend builds, loads and exports exactly (TE's
-forward needs a GPU).
+forward needs a GPU). TP2 (one torchrun job of 2 gloo processes, tests/workers/bridge_tp2_worker.py):
+the same logits and exact export for P = 1 and lns, then mixln_megatron.bridge.save_megatron_checkpoint;
+that checkpoint is read by `mixln-megatron convert to-hf` (the source folder again, bit for bit) and
+by `mixln-megatron pretrain --cpu --load` (vetted, loaded at TP1, one iteration trained).
 
 `make test-bridge` runs these with Bridge laid over the venv (scripts/install_bridge.sh); without
 Bridge they skip, unless BRIDGE_TESTS_REQUIRED=1 (set by the make target), where they fail.
