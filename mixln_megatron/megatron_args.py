@@ -36,9 +36,11 @@ settings_from_args = MixLNSettings.from_args
 settings_from_checkpoint_args = MixLNSettings.from_checkpoint
 
 
-def run_settings(args, checkpoint_args=None) -> MixLNSettings:
-    """A run's settings: the --mixln-* flags, then the resumed checkpoint's args, then defaults."""
-    return layered(MixLNSettings.from_args(args), MixLNSettings.from_checkpoint(checkpoint_args))
+def run_settings(args, checkpoint_args=None, record=None, metadata=None) -> MixLNSettings:
+    """A run's settings: the --mixln-* flags, then the resumed checkpoint's (its saved args, settings
+    record and content-metadata entry, cross-checked: MixLNSettings.from_checkpoint), then defaults."""
+    return layered(MixLNSettings.from_args(args),
+                   MixLNSettings.from_checkpoint(checkpoint_args, record=record, metadata=metadata))
 
 
 def backend_from_args(args) -> str:

@@ -174,6 +174,24 @@ def _checkpoint_args(args):
     return loaded[1] if isinstance(loaded, tuple) else None
 
 
+def _saved_settings_sources(args) -> dict:
+    """With --use-checkpoint-args: the settings record and the `mixln` content-metadata entry of
+    the iteration Megatron-LM will load, read through the project's checkpoint reader, so that
+    run_settings cross-checks them against the saved args as strictly as `convert inspect` does
+    (a disagreement is one line naming both sources, not the saved args silently winning)."""
+    if not getattr(args, "use_checkpoint_args", False):
+        return {}
+    from ..convert.megatron_reader import open_checkpoint
+    from ..convert.vet import megatron_iteration_dir
+
+    path = megatron_iteration_dir(getattr(args, "load", None), getattr(args, "ckpt_step", None))
+    if path is None:
+        return {}
+    reader = open_checkpoint(path)
+    metadata = reader.content_metadata if isinstance(reader.content_metadata, dict) else {}
+    return {"record": reader.settings_record, "metadata": metadata.get("mixln")}
+
+
 # ------------------------------------------------------------------ entry point
 def _write_loss_log(loss_log: Optional[LossLog], args, settings: MixLNSettings) -> None:
     """--loss-log: the recorded losses with the run's placement and depth."""
@@ -257,7 +275,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_hybrid_args(args)  # --use-checkpoint-args may bring the pattern
         checkpoint_args = _checkpoint_args(args)
         apply_resume_args(args, checkpoint_args, argv)  # the shape flags Megatron-LM does not copy
-        settings = run_settings(args, checkpoint_args)
+        settings = run_settings(args, checkpoint_args, **_saved_settings_sources(args))
         resolve_placement(hybrid_pattern.blocks_of_args(args), settings)  # a bad setting stops here, in one line
     except MixLNHybridUnsupported as error:
         _report_on_rank_0(error)
