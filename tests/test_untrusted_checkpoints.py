@@ -319,7 +319,13 @@ def test_load_vetting_refuses(bases, tmp_path, monkeypatch, kind, what):
     assert_raised(case, error, "vet_checkpoint")
     error = call(vet.check_load_dir, str(case.ckpt))
     assert not case.payload_ran(), f"check_load_dir: the payload in {case.file} RAN"
-    if error is not None:
+    from mixln_megatron import compat
+
+    if error is not None and isinstance(error, compat.CheckpointFromNewerRelease):
+        # 0.17 / 0.18: a copy without common.pt (0.19's layout) is refused by the release check,
+        # which reads no pickle; vet_checkpoint above named the planted file on this release too.
+        assert compat.RELEASE < (0, 19) and not os.path.exists(os.path.join(str(case.ckpt), "release", "common.pt"))
+    elif error is not None:
         assert_raised(case, error, "check_load_dir")
 
 

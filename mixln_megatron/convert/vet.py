@@ -201,8 +201,8 @@ def vet_load_args(args) -> List[VetReport]:
         if path is None or os.path.realpath(path) in done:
             continue
         done.add(os.path.realpath(path))
+        reports.append(vet_iteration_dir(path))  # first: a payload is named as such on every release
         _check_release(path)
-        reports.append(vet_iteration_dir(path))
     return reports
 
 
