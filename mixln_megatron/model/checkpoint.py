@@ -14,18 +14,21 @@ layout does not reveal P. The settings therefore travel with the weights, in thr
    checks it before any tensor is read.
 3. Legacy (per-rank torch) checkpoints: the same record in the regular state_dict of layer 1.
 
-A mismatch found in the content metadata Megatron-LM's load_checkpoint hands back is a refusal:
-one `[mixln_megatron] ERROR:` line, then errors.Refusal (SystemExit 2, no traceback) on every rank,
-before any tensor is read (errors.refuse). In the sharded record or a legacy checkpoint it is the
-same line, then load_state_dict's `error_msgs`, which raises even when Megatron-LM retries a
-failed strict load non-strictly.
+A mismatch is a refusal wherever it is found: one `[mixln_megatron] ERROR:` line, then
+errors.Refusal (SystemExit 2, no traceback; str() is the line) on every rank that finds it
+(errors.refuse). In the content metadata Megatron-LM's load_checkpoint hands back, before any
+tensor is read; in the sharded record or a legacy checkpoint's record (Megatron-LM's
+load_state_dict of the rank's model_optim_rng.pt, --ckpt-format torch) when load_state_dict reaches
+layer 1. A SystemExit passes through Megatron-LM's `except Exception` retry of a failed strict load
+(which, with load_state_dict's `error_msgs`, printed the line twice and then torch's RuntimeError
+traceback).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from ..errors import MixLNError, refuse, report
+from ..errors import MixLNError, refuse
 from .checkpoint_keys import METADATA_KEY, RECORD as RECORD_NAME  # noqa: F401  (METADATA_KEY: API)
 from .placement import Placement
 
@@ -107,7 +110,8 @@ def add_legacy_record(layer, state_dict: dict, prefix: str) -> None:
 
 
 def check_settings_record(layer, state_dict: dict, prefix: str, error_msgs: list) -> None:
-    """Called from MixLNTransformerLayer._load_from_state_dict: pop the record and compare."""
+    """Called from MixLNTransformerLayer._load_from_state_dict: pop the record and compare; a
+    mismatch is refused (one line, exit 2). `error_msgs` is load_state_dict's, left untouched."""
     record = state_dict.pop(f"{prefix}{RECORD_NAME}", None)
     if layer.layer_number != 1 or getattr(layer, "is_mtp_layer", False):
         return
@@ -115,6 +119,7 @@ def check_settings_record(layer, state_dict: dict, prefix: str, error_msgs: list
         return  # a stock checkpoint into a P = 0 model: nothing to say
     problem = mismatch_message(record, layer.placement)
     if problem:
-        report(MixLNCheckpointMismatch(problem))
-        error_msgs.append(problem)
+        # One line, exit 2: Megatron-LM's legacy resume retries a failed strict load non-strictly
+        # under `except Exception`, which a SystemExit passes through (no second line, no traceback).
+        refuse(MixLNCheckpointMismatch(problem))
 
