@@ -109,6 +109,24 @@ def refuse(error: BaseException) -> NoReturn:
     raise Refusal(reported(error) or error) from error
 
 
+def in_megatron_lm_training() -> bool:
+    """Whether Megatron-LM's training runtime is up (its global args are set): stock
+    pretrain_gpt.py / pretrain_hybrid.py or the project's entry point. Imports nothing."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    return getattr(global_vars, "_GLOBAL_ARGS", None) is not None
+
+
+def refuse_in_training(error: BaseException) -> NoReturn:
+    """For checks that run inside megatron-core calls (a checkpoint load): under Megatron-LM's
+    training, `refuse` (one line, exit 2 on every rank; a SystemExit also passes Megatron-LM's
+    `except Exception` retries); for a library caller (megatron-core users, the analysis tools),
+    the line, then the error itself, which the caller may catch."""
+    if in_megatron_lm_training():
+        refuse(error)
+    report(error)
+    raise error
+
+
 @contextlib.contextmanager
 def refusals_leave():
     """At an edge stock Megatron-LM calls: a MixLNError raised inside leaves as `refuse` does."""

@@ -224,9 +224,14 @@ def test_spec_edge_refuses_a_checkpoint_of_a_newer_release_in_one_line(mcore_sin
 
 
 @pytest.mark.compat
-def test_settings_mismatch_on_resume_is_one_line_first(mcore_single, monkeypatch, capsys):
+@pytest.mark.parametrize("caller", ["megatron-lm training", "library"])
+def test_settings_mismatch_on_resume_is_one_line_first(mcore_single, monkeypatch, capsys, caller):
     """A resume with other Mix-LN settings, found in the content metadata Megatron-LM's load hands
-    back: one `[mixln_megatron] ERROR:` line, then SystemExit(2) (no traceback) on every rank."""
+    back: one `[mixln_megatron] ERROR:` line, then, under Megatron-LM's training (its global args
+    set), SystemExit(2) (no traceback) on every rank; a library caller (megatron-core's own load,
+    the analysis tools) gets MixLNCheckpointMismatch itself, which it may catch."""
+    import argparse
+
     from mixln_megatron import errors
     from mixln_megatron.dev import testing
     from mixln_megatron.model import checkpoint
@@ -236,9 +241,15 @@ def test_settings_mismatch_on_resume_is_one_line_first(mcore_single, monkeypatch
     model = testing.build_gpt(config, get_mixln_decoder_block_spec(config, backend="local", post_ln_layers=1))
     saved = {checkpoint.METADATA_KEY: {"format": 1, "scheme": "mixln", "num_layers": 4, "post_ln_layers": 2,
                                        "alpha": None}}
-    with pytest.raises(SystemExit, match="Mix-LN settings differ") as left:
-        model.sharded_state_dict(metadata=saved)
-    assert left.value.code == 2 and isinstance(left.value, errors.Refusal)
-    assert isinstance(left.value.error, checkpoint.MixLNCheckpointMismatch)
+    global_vars = pytest.importorskip("megatron.training.global_vars")
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", argparse.Namespace() if caller != "library" else None)
+    if caller == "library":
+        with pytest.raises(checkpoint.MixLNCheckpointMismatch, match="Mix-LN settings differ"):
+            model.sharded_state_dict(metadata=saved)
+    else:
+        with pytest.raises(SystemExit, match="Mix-LN settings differ") as left:
+            model.sharded_state_dict(metadata=saved)
+        assert left.value.code == 2 and isinstance(left.value, errors.Refusal)
+        assert isinstance(left.value.error, checkpoint.MixLNCheckpointMismatch)
     lines = _error_lines(capsys.readouterr().err)
     assert len(lines) == 1 and "P=2 of L=4" in lines[0] and "P=1 of L=4" in lines[0]

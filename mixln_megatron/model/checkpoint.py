@@ -14,9 +14,10 @@ layout does not reveal P. The settings therefore travel with the weights, in thr
    checks it before any tensor is read.
 3. Legacy (per-rank torch) checkpoints: the same record in the regular state_dict of layer 1.
 
-A mismatch is a refusal wherever it is found: one `[mixln_megatron] ERROR:` line, then
-errors.Refusal (SystemExit 2, no traceback; str() is the line) on every rank that finds it
-(errors.refuse). In the content metadata Megatron-LM's load_checkpoint hands back, before any
+A mismatch is a refusal wherever it is found: one `[mixln_megatron] ERROR:` line, then, under
+Megatron-LM's training, errors.Refusal (SystemExit 2, no traceback; str() is the line) on every rank
+that finds it; a library caller (megatron-core's own load, the analysis tools) gets
+MixLNCheckpointMismatch itself (errors.refuse_in_training). In the content metadata Megatron-LM's load_checkpoint hands back, before any
 tensor is read; in the sharded record or a legacy checkpoint's record (Megatron-LM's
 load_state_dict of the rank's model_optim_rng.pt, --ckpt-format torch) when load_state_dict reaches
 layer 1. A SystemExit passes through Megatron-LM's `except Exception` retry of a failed strict load
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..errors import MixLNError, refuse
+from ..errors import MixLNError, refuse_in_training
 from .checkpoint_keys import METADATA_KEY, RECORD as RECORD_NAME  # noqa: F401  (METADATA_KEY: API)
 from .placement import Placement
 
@@ -89,7 +90,7 @@ def add_settings_record(layer, sharded: dict, prefix: str, metadata: Optional[di
         if loaded is not None:
             problem = mismatch_message(loaded, placement)
             if problem:
-                refuse(MixLNCheckpointMismatch(problem))  # one line, exit 2 on every rank
+                refuse_in_training(MixLNCheckpointMismatch(problem))  # under Megatron-LM: one line, exit 2
         else:
             # Megatron-LM offers no hook to add content metadata: it saves the dict it passes here.
             # One key added, never an existing one changed, to a dict made for this one save
@@ -119,7 +120,7 @@ def check_settings_record(layer, state_dict: dict, prefix: str, error_msgs: list
         return  # a stock checkpoint into a P = 0 model: nothing to say
     problem = mismatch_message(record, layer.placement)
     if problem:
-        # One line, exit 2: Megatron-LM's legacy resume retries a failed strict load non-strictly
-        # under `except Exception`, which a SystemExit passes through (no second line, no traceback).
-        refuse(MixLNCheckpointMismatch(problem))
+        # Under Megatron-LM, one line and exit 2: its legacy resume retries a failed strict load
+        # non-strictly under `except Exception`, which a SystemExit passes (no second line, no traceback).
+        refuse_in_training(MixLNCheckpointMismatch(problem))
 
