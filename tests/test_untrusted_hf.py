@@ -331,7 +331,7 @@ def test_from_hf_refuses_a_bad_config(base, tmp_path, capsys, damage):
     assert_refused(case, rc, output, err, names, [says])
 
 
-@pytest.mark.parametrize("key", ["num_hidden_layers", "hidden_size"])
+@pytest.mark.parametrize("key", ["num_hidden_layers", pytest.param("hidden_size", marks=pytest.mark.slow)])
 def test_from_hf_config_of_a_billion_is_one_line_at_bounded_memory(base, tmp_path, key):
     """num_hidden_layers 10**9 built a 10.3 GiB tensor plan before: now one line, peak RSS bounded."""
     case = Case(tmp_path, base).config(_set(key, 1000000000)).planted()
@@ -438,7 +438,7 @@ def test_from_hf_refuses_a_bad_safetensors_header(base, tmp_path, capsys, damage
     assert_refused(case, rc, output, err, [case.hf / SHARD], [says])
 
 
-@pytest.mark.parametrize("length", [2 ** 40, 2 ** 64 - 1, 2 ** 20])
+@pytest.mark.parametrize("length", [2 ** 40, 2 ** 64 - 1, pytest.param(2 ** 20, marks=pytest.mark.slow)])
 def test_from_hf_header_length_is_checked_before_reading(base, tmp_path, length):
     """2**40 was a MemoryError, 2**64-1 an OverflowError; 2**20 is within the bound but past the file."""
     case = Case(tmp_path, base).header_length(length).planted()
