@@ -150,8 +150,15 @@ def _ranks(case, nproc=2, timeout=300):
     return [(p.returncode, out) for p, out in zip(procs, outputs)]
 
 
+# Each case is a 2-rank job. The default run (0.19) keeps bad_alpha and newer_checkpoint (which
+# skips there); settings_mismatch and hybrid_pattern are marked slow, and run on every other
+# release in `make test-compat` (which selects by the compat marker alone).
+DEFAULT_CASES = ("bad_alpha", "newer_checkpoint")
+
+
 @pytest.mark.compat
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [c if c in DEFAULT_CASES else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in sorted(CASES)])
 def test_stock_path_refusal_is_one_line_and_exit_2_on_every_rank(case):
     """Each stock-path refusal, met as Megatron-LM's own scripts meet it (the --spec object resolved
     as this release's pretrain_gpt.py / pretrain_hybrid.py does, the checkpoint record checked as its
