@@ -178,7 +178,8 @@ def _saved_settings_sources(args) -> dict:
     """With --use-checkpoint-args: the settings record and the `mixln` content-metadata entry of
     the iteration Megatron-LM will load, read through the project's checkpoint reader, so that
     run_settings cross-checks them against the saved args as strictly as `convert inspect` does
-    (a disagreement is one line naming both sources, not the saved args silently winning)."""
+    (a disagreement is one line naming both sources, not the saved args silently winning); the
+    run's settings still come from run_settings (flags > saved args > defaults)."""
     if not getattr(args, "use_checkpoint_args", False):
         return {}
     from ..convert.megatron_reader import open_checkpoint
@@ -275,7 +276,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_hybrid_args(args)  # --use-checkpoint-args may bring the pattern
         checkpoint_args = _checkpoint_args(args)
         apply_resume_args(args, checkpoint_args, argv)  # the shape flags Megatron-LM does not copy
-        settings = run_settings(args, checkpoint_args, **_saved_settings_sources(args))
+        # The checkpoint's sources (saved args, record, content metadata) must agree, as inspect checks.
+        MixLNSettings.from_checkpoint(checkpoint_args, **_saved_settings_sources(args))
+        settings = run_settings(args, checkpoint_args)
         resolve_placement(hybrid_pattern.blocks_of_args(args), settings)  # a bad setting stops here, in one line
     except MixLNHybridUnsupported as error:
         _report_on_rank_0(error)
