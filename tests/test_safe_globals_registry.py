@@ -26,11 +26,13 @@ def test_the_registry_is_restored_exactly():
 
 
 def test_nothing_is_left_registered_that_was_not_before():
+    registered = list(torch.serialization.get_safe_globals())  # megatron-core's, when imported
     torch.serialization.clear_safe_globals()
     try:
         buf = io.BytesIO()
         torch.save(argparse.Namespace(a=1), buf)
         assert load_torch(buf.getvalue(), "x").a == 1
         assert torch.serialization.get_safe_globals() == []
-    finally:
-        torch.serialization.add_safe_globals([argparse.Namespace])
+    finally:  # the process's registry as it was: later tests load with megatron's registrations
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(registered)
