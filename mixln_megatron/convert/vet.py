@@ -203,6 +203,9 @@ def vet_load_args(args) -> List[VetReport]:
         done.add(os.path.realpath(path))
         reports.append(vet_iteration_dir(path))  # first: a payload is named as such on every release
         _check_release(path)
+    # A --load folder that is itself one saved iteration (no tracker: Megatron-LM would silently start
+    # from scratch) of a newer release is refused too, as the --spec edge does.
+    check_load_dir(getattr(args, "load", None))
     return reports
 
 
