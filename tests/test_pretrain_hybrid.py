@@ -215,7 +215,8 @@ def test_bad_pattern_is_printed_once_across_ranks():
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert len(_error_lines(out)) == 1, out[-3000:]
-    # torchrun's summary: rank 0 exited 2 first (the other rank waits for it), nothing was built.
+    # torchrun's summary: whichever rank left first (errors.report: the line is printed before any
+    # rank of the node exits) exited 2; nothing was built.
     root_cause = out.split("Root Cause")[1]
-    assert "rank      : 0 (local_rank: 0)" in root_cause and "exitcode  : 2" in root_cause, out[-3000:]
+    assert "exitcode  : 2" in root_cause, out[-3000:]
     assert "initializing torch distributed" not in out
