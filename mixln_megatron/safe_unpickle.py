@@ -431,34 +431,22 @@ class _AllowListUnpickler(pickle._Unpickler):
         pickle._Unpickler.load_newobj_ex(self)
         self._mark_created()
 
+    def _check_below(self, depth: int, op: str) -> None:
+        """The object `depth` items under the stack's top is what `op` changes: one the file built."""
+        if len(self.stack) <= depth:
+            raise pickle.UnpicklingError(f"{op} with a short stack")
+        self._target(op, under=(self.stack[-1 - depth],))
+
     def load_build(self):
-        if len(self.stack) < 2:
-            raise pickle.UnpicklingError("BUILD with an empty stack")
-        state = self.stack.pop()
-        try:
-            self._target("BUILD")
-        finally:
-            self.stack.append(state)
+        self._check_below(1, "BUILD")
         pickle._Unpickler.load_build(self)
 
     def load_setitem(self):
-        if len(self.stack) < 3:
-            raise pickle.UnpicklingError("SETITEM with a short stack")
-        value, key = self.stack.pop(), self.stack.pop()
-        try:
-            self._target("SETITEM")
-        finally:
-            self.stack += [key, value]
+        self._check_below(2, "SETITEM")
         pickle._Unpickler.load_setitem(self)
 
     def load_append(self):
-        if len(self.stack) < 2:
-            raise pickle.UnpicklingError("APPEND with a short stack")
-        value = self.stack.pop()
-        try:
-            self._target("APPEND")
-        finally:
-            self.stack.append(value)
+        self._check_below(1, "APPEND")
         pickle._Unpickler.load_append(self)
 
     def _marked(name, base):  # noqa: N805
