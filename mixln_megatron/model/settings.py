@@ -401,4 +401,3 @@ def analysis_cache_dir(environ: Optional[Mapping[str, str]] = None) -> Optional[
     return ((os.environ if environ is None else environ).get(ANALYSIS_CACHE) or "").strip() or None
 
 
-settings_from_environ = MixLNSettings.from_environ  # the names other modules and tests use
