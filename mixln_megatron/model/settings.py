@@ -399,5 +399,3 @@ def cpu_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
 def analysis_cache_dir(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """MIXLN_ANALYSIS_CACHE: where the analysis tools cache tokenized text (None: a temp dir)."""
     return ((os.environ if environ is None else environ).get(ANALYSIS_CACHE) or "").strip() or None
-
-
