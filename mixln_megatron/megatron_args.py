@@ -32,10 +32,6 @@ def has_mixln_args(args) -> bool:
     return hasattr(args, "mixln_alpha")
 
 
-settings_from_args = MixLNSettings.from_args
-settings_from_checkpoint_args = MixLNSettings.from_checkpoint
-
-
 def run_settings(args, checkpoint_args=None, record=None, metadata=None) -> MixLNSettings:
     """A run's settings: the --mixln-* flags, then the resumed checkpoint's (its saved args, settings
     record and content-metadata entry, cross-checked: MixLNSettings.from_checkpoint), then defaults."""

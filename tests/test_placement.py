@@ -5,7 +5,6 @@ from fractions import Fraction
 
 import pytest
 
-from mixln_megatron.model.settings import settings_from_environ
 from mixln_megatron.model.placement import (
     MixLNConfigError,
     MixLNSettings,
@@ -54,11 +53,11 @@ def test_recorded_integer_and_alpha_text():
 
 
 def test_precedence_arguments_env_default():
-    env = settings_from_environ({"MIXLN_ALPHA": "0.5"})
+    env = MixLNSettings.from_environ({"MIXLN_ALPHA": "0.5"})
     assert resolve_placement(8, layered(MixLNSettings(post_ln_layers=1), env)).post_ln_layers == 1
     assert resolve_placement(8, layered(MixLNSettings(), env)).post_ln_layers == 4
     assert resolve_placement(8, layered(MixLNSettings(), env)).source == "MIXLN_ALPHA"
-    assert resolve_placement(8, settings_from_environ({"MIXLN_POST_LN_LAYERS": "3"})).post_ln_layers == 3
+    assert resolve_placement(8, MixLNSettings.from_environ({"MIXLN_POST_LN_LAYERS": "3"})).post_ln_layers == 3
     assert resolve_placement(12, None).post_ln_layers == 3  # default alpha 0.25
     assert resolve_placement(12, None).source == "default"
     assert resolve_placement(24, None).post_ln_layers == 6
@@ -67,7 +66,7 @@ def test_precedence_arguments_env_default():
 def test_deep_model_without_setting_is_an_error():
     with pytest.raises(MixLNConfigError, match="32 layers and no Mix-LN setting"):
         resolve_placement(32, None)
-    assert resolve_placement(32, settings_from_environ({"MIXLN_ALPHA": "0.0625"})).post_ln_layers == 2
+    assert resolve_placement(32, MixLNSettings.from_environ({"MIXLN_ALPHA": "0.0625"})).post_ln_layers == 2
 
 
 @pytest.mark.parametrize(
@@ -108,11 +107,11 @@ def test_post_ln_layers_above_num_layers():
 )
 def test_bad_environment(env, match):
     with pytest.raises(MixLNConfigError, match=match):
-        settings_from_environ(env)
+        MixLNSettings.from_environ(env)
 
 
 def test_empty_env_values_are_unset():
-    empty = settings_from_environ({"MIXLN_ALPHA": "", "MIXLN_POST_LN_LAYERS": " "})
+    empty = MixLNSettings.from_environ({"MIXLN_ALPHA": "", "MIXLN_POST_LN_LAYERS": " "})
     assert (empty.alpha, empty.post_ln_layers, empty.scheme) == (None, None, None)
     assert empty.placement_source == "default"
 

@@ -7,13 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from mixln_megatron.model.settings import settings_from_environ
 from mixln_megatron.errors import MixLNConfigError
-from mixln_megatron.megatron_args import (
-    add_mixln_args,
-    settings_from_args,
-    settings_from_checkpoint_args,
-)
+from mixln_megatron.megatron_args import add_mixln_args
 from mixln_megatron.model.placement import resolve_placement
 from mixln_megatron.model.settings import MixLNSettings, SpikeSettings, TelemetrySettings, layered
 
@@ -21,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mixln_megatron"
 
 
 def flags(*argv):
-    return settings_from_args(add_mixln_args(argparse.ArgumentParser()).parse_args(list(argv)))
+    return MixLNSettings.from_args(add_mixln_args(argparse.ArgumentParser()).parse_args(list(argv)))
 
 
 def test_each_value_names_its_source():
@@ -30,7 +25,7 @@ def test_each_value_names_its_source():
     assert s.source("post_ln_layers") == "default" and s.source("scheme") == "default"
     assert s.spike.source("enabled") == "--mixln-spike-scaler" and s.spike.source("beta") == "default"
     assert s.telemetry.source("interval") == "--mixln-telemetry-interval"
-    env = settings_from_environ({"MIXLN_POST_LN_LAYERS": "2", "MIXLN_SPIKE_BETA": "0.9"})
+    env = MixLNSettings.from_environ({"MIXLN_POST_LN_LAYERS": "2", "MIXLN_SPIKE_BETA": "0.9"})
     assert env.source("post_ln_layers") == "MIXLN_POST_LN_LAYERS" and env.post_ln_layers == 2
     assert env.spike.source("beta") == "MIXLN_SPIKE_BETA"
     assert MixLNSettings(alpha=0.25).source("alpha") == "argument"
@@ -40,8 +35,8 @@ def test_each_value_names_its_source():
 def test_the_build_line_names_the_true_source():
     line = lambda s: resolve_placement(32, s).describe()  # noqa: E731
     assert "alpha=0.0625 (from --mixln-alpha)" in line(flags("--mixln-alpha", "0.0625"))
-    assert "alpha=0.0625 (from MIXLN_ALPHA)" in line(settings_from_environ({"MIXLN_ALPHA": "0.0625"}))
-    ckpt = settings_from_checkpoint_args(SimpleNamespace(mixln_post_ln_layers=2, mixln_scheme="mixln"))
+    assert "alpha=0.0625 (from MIXLN_ALPHA)" in line(MixLNSettings.from_environ({"MIXLN_ALPHA": "0.0625"}))
+    ckpt = MixLNSettings.from_checkpoint(SimpleNamespace(mixln_post_ln_layers=2, mixln_scheme="mixln"))
     assert "P=2 alpha=n/a (P given directly) (from the checkpoint)" in line(ckpt)
     assert "alpha=0.25 (default)" in resolve_placement(12, MixLNSettings()).describe()
     assert "(from the arguments)" in line(MixLNSettings(post_ln_layers=2))
@@ -50,7 +45,7 @@ def test_the_build_line_names_the_true_source():
 
 def test_layered_takes_each_group_from_the_highest_layer_that_sets_it():
     top = flags("--mixln-alpha", "0.5", "--mixln-spike-threshold", "30")
-    env = settings_from_environ({"MIXLN_POST_LN_LAYERS": "3", "MIXLN_SCHEME": "mixln+lns",
+    env = MixLNSettings.from_environ({"MIXLN_POST_LN_LAYERS": "3", "MIXLN_SCHEME": "mixln+lns",
                                  "MIXLN_SPIKE_SCALER": "1", "MIXLN_SPIKE_THRESHOLD": "80"})
     s = layered(top, env)
     # alpha and post_ln_layers are one group: the flag's alpha wins, the variable's P is dropped
@@ -72,9 +67,9 @@ def test_settings_are_frozen_and_validated_with_their_source():
     with pytest.raises(MixLNConfigError, match="spike threshold from --mixln-spike-threshold"):
         flags("--mixln-spike-threshold", "0.5")
     with pytest.raises(MixLNConfigError, match="MIXLN_TELEMETRY_INTERVAL"):
-        settings_from_environ({"MIXLN_TELEMETRY_INTERVAL": "often"})
+        MixLNSettings.from_environ({"MIXLN_TELEMETRY_INTERVAL": "often"})
     with pytest.raises(MixLNConfigError, match="post_ln_layers = 5 \\(from MIXLN_POST_LN_LAYERS\\)"):
-        resolve_placement(4, settings_from_environ({"MIXLN_POST_LN_LAYERS": "5"}))
+        resolve_placement(4, MixLNSettings.from_environ({"MIXLN_POST_LN_LAYERS": "5"}))
     assert SpikeSettings(threshold=30, sources={"threshold": "X"}).source("threshold") == "X"
     assert TelemetrySettings(interval=3).source("interval") == "argument"
 
@@ -90,10 +85,10 @@ def test_one_constructor_per_source():
 
 
 def test_checkpoint_args_are_a_source_below_flags():
-    ckpt = settings_from_checkpoint_args(SimpleNamespace(mixln_post_ln_layers=2, mixln_alpha=None))
+    ckpt = MixLNSettings.from_checkpoint(SimpleNamespace(mixln_post_ln_layers=2, mixln_alpha=None))
     assert (ckpt.post_ln_layers, ckpt.source("post_ln_layers")) == (2, "the checkpoint")
-    assert settings_from_checkpoint_args(SimpleNamespace(num_layers=4)) is None
-    assert settings_from_checkpoint_args(None) is None
+    assert MixLNSettings.from_checkpoint(SimpleNamespace(num_layers=4)) is None
+    assert MixLNSettings.from_checkpoint(None) is None
     resumed = layered(flags(), ckpt)
     assert resolve_placement(4, resumed).source == "the checkpoint"
     assert resolve_placement(4, layered(flags("--mixln-post-ln-layers", "1"), ckpt)).source == "--mixln-post-ln-layers"

@@ -30,9 +30,9 @@ from mixln_megatron.training.spike import (
 
 
 def spike_settings_from_env(env):
-    from mixln_megatron.model.settings import settings_from_environ
+    from mixln_megatron.model.settings import MixLNSettings
 
-    return settings_from_environ(env).spike
+    return MixLNSettings.from_environ(env).spike
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -243,11 +243,12 @@ def test_bad_settings_are_refused(env):
 def test_flags_reach_the_settings():
     import argparse
 
-    from mixln_megatron.megatron_args import add_mixln_args, settings_from_args
+    from mixln_megatron.megatron_args import add_mixln_args
+    from mixln_megatron.model.settings import MixLNSettings
 
     args = add_mixln_args(argparse.ArgumentParser()).parse_args(
         ["--mixln-spike-scaler", "--mixln-spike-threshold", "40", "--mixln-spike-targets", "all"])
-    resolved = resolve_spike_settings(settings_from_args(args).spike)
+    resolved = resolve_spike_settings(MixLNSettings.from_args(args).spike)
     assert resolved.enabled and resolved.threshold == 40 and resolved.targets == "all"
 
 

@@ -61,10 +61,10 @@ def test_tp2pp2_with_and_without_distributed_optimizer(workdir):
 
 
 def test_interval_from_env():
-    from mixln_megatron.model.settings import settings_from_environ
+    from mixln_megatron.model.settings import MixLNSettings
 
-    assert settings_from_environ({}).telemetry.interval is None
-    got = settings_from_environ({"MIXLN_TELEMETRY_INTERVAL": "10", "MIXLN_TELEMETRY_PATH": "/x/t.jsonl"}).telemetry
+    assert MixLNSettings.from_environ({}).telemetry.interval is None
+    got = MixLNSettings.from_environ({"MIXLN_TELEMETRY_INTERVAL": "10", "MIXLN_TELEMETRY_PATH": "/x/t.jsonl"}).telemetry
     assert (got.interval, got.path, got.source("interval")) == (10, "/x/t.jsonl", "MIXLN_TELEMETRY_INTERVAL")
     with pytest.raises(ValueError, match="MIXLN_TELEMETRY_INTERVAL"):
-        settings_from_environ({"MIXLN_TELEMETRY_INTERVAL": "often"})
+        MixLNSettings.from_environ({"MIXLN_TELEMETRY_INTERVAL": "often"})

@@ -113,9 +113,6 @@ def check_supported_args(args, spec_from_checkpoint: bool = False) -> None:
 
 
 # ------------------------------------------------------------------ HybridModel
-hybrid_layer_pattern = hybrid_pattern.pattern_of_args  # the HybridModel pattern a run asks for, None for GPT
-
-
 class MixLNHybridUnsupported(MixLNPretrainUnsupported):
     """A HybridModel run Mix-LN does not support: a pattern other than `*-*-...`, or a release
     without HybridModel."""
@@ -124,7 +121,7 @@ class MixLNHybridUnsupported(MixLNPretrainUnsupported):
 def check_hybrid_args(args) -> None:
     """A hybrid run needs a release with HybridModel and a Mix-LN pattern (model.hybrid_pattern);
     MixLNHybridUnsupported otherwise. A GPT run passes."""
-    pattern = hybrid_layer_pattern(args)
+    pattern = hybrid_pattern.pattern_of_args(args)
     if pattern is None:
         return
     from .. import compat  # imports megatron: after the CPU harness
@@ -202,7 +199,7 @@ def _write_loss_log(loss_log: Optional[LossLog], args, settings: MixLNSettings) 
     loss_log.write(args.loss_log, {
         "mixln": {**placement.record(), "post_ln_layer_numbers": placement.post_ln_layer_numbers},
         "num_layers": args.num_layers,
-        "hybrid_layer_pattern": hybrid_layer_pattern(args),
+        "hybrid_layer_pattern": hybrid_pattern.pattern_of_args(args),
     })
 
 
@@ -298,7 +295,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args, argv,
             datasets_provider=providers.train_valid_test_datasets_provider,
             model_provider=partial(
-                providers.hybrid_model_provider if hybrid_layer_pattern(args) else providers.model_provider,
+                providers.hybrid_model_provider if hybrid_pattern.pattern_of_args(args) else providers.model_provider,
                 settings=settings, backend=backend_from_args(args)),
             forward_step=partial(providers.forward_step, loss_log=loss_log),
             extra_args_provider=add_pretrain_args,
