@@ -46,6 +46,15 @@ WORLD4_LAYOUTS = ["ddp_plain", "tp2pp2_distopt", "dp2tp2_distopt"]  # ddp_plain:
 
 
 # ===================================================================================== the rule
+def _step(state, grad, scale=None, owned=None, stats=None):
+    """One step the way the hook takes it: propose in place on an fp32 buffer, then commit.
+    Returns (out, spike, replacement); the step's statistics go to `stats` (a [3] tensor)."""
+    out = grad.float().clone()
+    spike, replacement = state.propose_in_place(out, scale, owned)
+    state.commit(stats)
+    return out, spike, replacement
+
+
 def _run_both(sizes, steps, threshold=50.0, beta=0.9, warmup=3, scale=None, seed=0, poke=None):
     """SpikeState and the per-element reference on the same random gradients; returns both."""
     gen = torch.Generator().manual_seed(seed)
@@ -57,9 +66,10 @@ def _run_both(sizes, steps, threshold=50.0, beta=0.9, warmup=3, scale=None, seed
         if poke:
             poke(step, grads)
         scaled_in = [g * scale for g in grads] if scale is not None else grads
-        spike, replacement = state.propose(state.rows(scaled_in), None if scale is None else torch.tensor([scale]))
-        out = torch.where(spike, replacement, state.rows(scaled_in))
-        state.commit()
+        rows = torch.zeros(len(sizes), max(sizes))  # the hook's [K, n] buffer, zero padding
+        for row, g in zip(rows, scaled_in):
+            row[: g.numel()] = g
+        out, spike, _ = _step(state, rows, None if scale is None else torch.tensor([scale]))
         if scale is not None:
             out = out / scale
         ref = [r.step(g.tolist()) for r, g in zip(refs, grads)]
@@ -104,17 +114,18 @@ def test_spike_comes_out_at_momentum_and_the_rest_is_untouched():
     state = SpikeState([16], threshold=50, beta=0.9, warmup_steps=3)
     gen = torch.Generator().manual_seed(1)
     for _ in range(5):
-        state.apply(torch.randn(1, 16, generator=gen))
+        _step(state, torch.randn(1, 16, generator=gen))
     grad = torch.randn(1, 16, generator=gen)
     grad[0, 4] = -1000 * grad[0, 4].abs()
     mhat = state.momentum / (1 - 0.9 ** state.step)
     momentum_before = state.momentum.clone()
-    out = state.apply(grad)
+    stats = torch.zeros(3)
+    out, _, _ = _step(state, grad, stats=stats)
     assert out[0, 4] == -mhat[0, 4]
     keep = torch.ones(16, dtype=torch.bool)
     keep[4] = False
     assert torch.equal(out[0, keep], grad[0, keep])  # bit-identical elsewhere
-    assert state.last_stats[0] == 1 and state.last_stats[1] > 50
+    assert stats[0] == 1 and stats[1] > 50
     # the momentum learned the scaled value, not the spike
     expected = 0.9 * momentum_before[0, 4] + 0.1 * mhat[0, 4]
     assert torch.allclose(state.momentum[0, 4], expected, rtol=1e-6)
@@ -123,20 +134,21 @@ def test_spike_comes_out_at_momentum_and_the_rest_is_untouched():
 def test_no_spike_is_bit_identical():
     state = SpikeState([32, 32], threshold=50, beta=0.99, warmup_steps=2)
     gen = torch.Generator().manual_seed(2)
+    stats = torch.zeros(3)
     for _ in range(20):
         grad = torch.randn(2, 32, generator=gen) * 1e-3
-        assert torch.equal(state.apply(grad), grad)
-    assert state.last_stats[0] == 0
+        assert torch.equal(_step(state, grad, stats=stats)[0], grad)
+    assert stats[0] == 0
 
 
 def test_warmup_and_elements_without_history():
     state = SpikeState([4], threshold=50, beta=0.9, warmup_steps=3)
     for step in range(3):  # warm-up: even a 1e6 jump passes
         grad = torch.tensor([[1.0, 1.0, 0.0, 1.0]]) * (1e6 if step == 2 else 1.0)
-        assert torch.equal(state.apply(grad), grad)
+        assert torch.equal(_step(state, grad)[0], grad)
     # element 2 never had a gradient: momentum 0, so it is never scaled (it would freeze at 0)
     grad = torch.tensor([[1.0, 1.0, 5.0, 1.0]])
-    assert torch.equal(state.apply(grad), grad)
+    assert torch.equal(_step(state, grad)[0], grad)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
@@ -144,20 +156,21 @@ def test_nonfinite_elements_leave_state_untouched(bad):
     state = SpikeState([8, 8], threshold=50, beta=0.9, warmup_steps=1)
     gen = torch.Generator().manual_seed(3)
     for _ in range(4):
-        state.apply(torch.randn(2, 8, generator=gen))
+        _step(state, torch.randn(2, 8, generator=gen))
     momentum, step = state.momentum.clone(), state.step.clone()
     grad = torch.randn(2, 8, generator=gen)
     grad[1, 3] = bad
-    out = state.apply(grad)
+    stats = torch.zeros(3)
+    out, _, _ = _step(state, grad, stats=stats)
     assert math.isnan(out[1, 3]) if math.isnan(bad) else out[1, 3] == bad
     assert state.momentum[1, 3] == momentum[1, 3] and state.step[1, 3] == step[1, 3]
-    assert state.last_stats[2] == 1
+    assert stats[2] == 1
     others = torch.ones(2, 8, dtype=torch.bool)
     others[1, 3] = False
     assert (state.step[others] == step[others] + 1).all()
     # a whole step of non-finite gradients changes nothing
     momentum, step = state.momentum.clone(), state.step.clone()
-    state.apply(torch.full((2, 8), bad))
+    _step(state, torch.full((2, 8), bad))
     assert torch.equal(state.momentum, momentum) and torch.equal(state.step, step)
 
 
@@ -165,19 +178,21 @@ def test_propose_commit_discard():
     state = SpikeState([8], threshold=50, beta=0.9, warmup_steps=1)
     gen = torch.Generator().manual_seed(4)
     for _ in range(3):
-        state.apply(torch.randn(1, 8, generator=gen))
+        _step(state, torch.randn(1, 8, generator=gen))
     grad = torch.randn(1, 8, generator=gen)
     grad[0, 0] *= 1000
     before = (state.momentum.clone(), state.step.clone())
-    first = [t.clone() for t in state.propose(grad)]
+    first_out = grad.clone()
+    first = [t.clone() for t in state.propose_in_place(first_out)]
     pending = state.pending_momentum.clone()
-    second = state.propose(grad)  # a rerun of the same step: the same proposal
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    second_out = grad.clone()
+    second = state.propose_in_place(second_out)  # a rerun of the same step: the same proposal
+    assert all(torch.equal(a, b) for a, b in zip(first, second)) and torch.equal(first_out, second_out)
     assert torch.equal(state.pending_momentum, pending)
     state.discard()  # the optimizer skipped the step
     state.commit()  # nothing pending: no-op
     assert torch.equal(state.momentum, before[0]) and torch.equal(state.step, before[1])
-    state.propose(grad)
+    state.propose_in_place(grad.clone())
     state.commit()
     assert torch.equal(state.momentum, pending) and (state.step == before[1] + 1).all()
 
@@ -197,14 +212,12 @@ def test_owned_subset_gives_the_same_decisions():
             grad[0, 10] *= 1000
             grad[0, 12] *= 1000
             grad[1, 3] *= -1000
-        spike, repl = full.propose(grad)
-        full.commit()
+        _, spike, repl = _step(full, grad)
         merged_spike = torch.zeros_like(spike)
         merged_out = torch.zeros_like(grad)
         for part, mine in zip(parts, owned):
             noisy = torch.where(mine, grad, torch.full_like(grad, float("nan")))  # others' data is garbage
-            s, r = part.propose(noisy, owned=mine)
-            part.commit()
+            _, s, r = _step(part, noisy, owned=mine)
             assert not (s & ~mine).any()
             merged_spike |= s
             merged_out = torch.where(mine, torch.where(s, r, grad), merged_out)

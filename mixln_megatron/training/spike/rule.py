@@ -60,23 +60,20 @@ class SpikeState:
     are left untouched, and the decisions do not depend on how the elements are split.
 
     Two-phase, so that a step the optimizer then skips never changes the state, and so that the
-    proposal can run inside a captured CUDA graph: `propose` computes the decisions and writes the
-    candidate next state into preallocated `pending_*` tensors (in place, no host sync); `commit`
-    copies the candidate into the state (in place); `discard` drops it. Between proposals the
-    pending state equals the committed one, so a commit without a proposal changes nothing. Calling
-    `propose` twice before a commit (Megatron's rerun of a step) gives the same result, since it
-    always starts from the committed state.
+    proposal can run inside a captured CUDA graph: `propose_in_place` computes the decisions, writes
+    them into the gradient buffer and the candidate next state into preallocated `pending_*` tensors
+    (in place, no host sync); `commit` copies the candidate into the state (in place); `discard`
+    drops it. Between proposals the pending state equals the committed one, so a commit without a
+    proposal changes nothing. Proposing twice before a commit (Megatron's rerun of a step) gives the
+    same result, since it always starts from the committed state.
 
     Statistics of the proposal (`pending_stats`, over the decided elements): [number of scaled
     elements, largest |g| / momentum over finite elements that have a momentum, number of
-    non-finite elements]. A commit moves them to `last_stats` (or `stats_into`); zeros when
-    nothing was proposed.
+    non-finite elements]. A commit moves them to `stats_into`; zeros when nothing was proposed.
 
     The work is a fixed number of whole-matrix tensor ops, whatever K is: the hook's cost per step
     does not grow with the number of targets.
     """
-
-    STATS = ("scaled", "max_ratio", "nonfinite")
 
     def __init__(
         self,
@@ -103,51 +100,27 @@ class SpikeState:
         self.pending_momentum, self.pending_step = self._pending[0], self._pending[1]
         self.pending_stats = torch.zeros(3, dtype=torch.float32, device=device)
         self._stat_slots = self.pending_stats.unbind(0)  # views made once: no indexing per step
-        self.last_stats = torch.zeros(3, dtype=torch.float32, device=device)
 
     @property
     def device(self) -> torch.device:
         return self.momentum.device
 
-    def rows(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The [K, n] matrix of K flat tensors of this state's sizes (zero padding if needed)."""
-        if len(set(self.sizes)) == 1:
-            return torch.stack([t.reshape(-1) for t in tensors])
-        out = torch.zeros(self.shape, dtype=tensors[0].dtype, device=tensors[0].device)
-        for row, t in zip(out, tensors):
-            row[: t.numel()].copy_(t.reshape(-1))
-        return out
-
     # -- the rule -----------------------------------------------------------------------------
-    @torch.no_grad()
-    def propose(
-        self,
-        grad: torch.Tensor,
-        scale: Optional[torch.Tensor] = None,
-        owned: Optional[torch.Tensor] = None,
-    ):
-        """Decide for one step. `grad`: [K, n], the reduced gradients of the targets (see rows()).
-
-        `scale`: the loss scale `grad` carries (fp16), or None. `owned`: a [K, n] bool mask of the
-        elements to decide for (None: all); `grad` outside it is ignored.
-        Returns (spike, replacement): a bool mask and the values, in `grad`'s units, that the
-        spiking elements take; all other elements must be left exactly as they are. Writes the
-        candidate state into pending_*; no host sync.
-        """
-        g = grad.float()
-        if scale is not None:
-            g = g / scale
-        return self._decide(g, scale, owned)
-
     def propose_in_place(
         self,
         grad: torch.Tensor,
         scale: Optional[torch.Tensor] = None,
         owned: Optional[torch.Tensor] = None,
     ):
-        """propose() on an fp32 [K, n] buffer that then holds the result: the spiking elements
-        replaced, every other element untouched. Returns (spike, replacement) as propose().
-        The hook's path: no grad-mode switch, since neither the buffer nor the state needs grad."""
+        """Decide for one step on `grad`, an fp32 [K, n] buffer of the targets' reduced gradients
+        (a target smaller than n at the start of its row, zero padding), which then holds the
+        result: the spiking elements replaced, every other element untouched.
+
+        `scale`: the loss scale `grad` carries (fp16), or None. `owned`: a [K, n] bool mask of the
+        elements to decide for (None: all); `grad` outside it is ignored and left as it is.
+        Returns (spike, replacement): a bool mask and the values, in `grad`'s units, that the
+        spiking elements took. Writes the candidate state into pending_*; no host sync, no
+        grad-mode switch (neither the buffer nor the state needs grad)."""
         spike, replacement = self._decide(grad if scale is None else grad / scale, scale, owned)
         torch.where(spike, replacement, grad, out=grad)
         return spike, replacement
@@ -174,19 +147,12 @@ class SpikeState:
         torch.sum(bad, dim=(0, 1), dtype=torch.float32, out=nonfinite)
         return spike, replacement
 
-    @torch.no_grad()
-    def apply(self, grad: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """propose + commit in one call: the scaled gradient (a new [K, n] tensor)."""
-        spike, replacement = self.propose(grad, scale)
-        out = torch.where(spike, replacement.to(grad.dtype), grad)
-        self.commit()
-        return out
-
     def commit(self, stats_into: Optional[torch.Tensor] = None) -> None:
-        """Make the pending proposal the state; its statistics go to `stats_into` (a [3] tensor)
-        or last_stats. No host sync. (No grad-mode switch: the state never requires grad.)"""
+        """Make the pending proposal the state; its statistics go to `stats_into` (a [3] tensor;
+        None: dropped). No host sync. (No grad-mode switch: the state never requires grad.)"""
         self._state.copy_(self._pending)
-        (self.last_stats if stats_into is None else stats_into).copy_(self.pending_stats)
+        if stats_into is not None:
+            stats_into.copy_(self.pending_stats)
         self.pending_stats.zero_()
 
     def discard(self) -> None:
