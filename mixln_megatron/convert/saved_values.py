@@ -20,7 +20,8 @@ _ARGS_FIELDS = (
       "make_vocab_size_divisible_by", "tensor_model_parallel_size", "pipeline_model_parallel_size"), "int"),
     (("norm_epsilon", "layernorm_epsilon", "rotary_base", "rotary_percent", "rope_scaling_factor",
       "rotary_seq_len_interpolation_factor"), "number"),
-    (("normalization", "position_embedding_type", "hybrid_layer_pattern", "mixln_scheme"), "str"),
+    (("normalization", "position_embedding_type", "hybrid_layer_pattern", "mixln_scheme", "mixln_layout",
+      "mixln_deepnorm_alpha", "mixln_deepnorm_beta"), "str"),
     (("swiglu", "add_bias_linear", "untie_embeddings_and_output_weights", "group_query_attention",
       "layernorm_zero_centered_gamma", "use_rope_scaling", "add_qkv_bias"), "bool"),
 )
@@ -53,6 +54,21 @@ def check_record(record, where: str) -> dict:
                                                      or _is(record["alpha"], "number")):
         raise ConversionError(f"{where}: the Mix-LN settings record's scheme / alpha are not text / a number "
                               "(a damaged or crafted checkpoint?)")
+    layout = record.get("layout")
+    if not _is(layout, "str") or not all(_is(record.get(k), "number") for k in ("deepnorm_alpha", "deepnorm_beta")):
+        raise ConversionError(f"{where}: the Mix-LN settings record's layout / deepnorm_alpha / deepnorm_beta are "
+                              "not text / numbers (a damaged or crafted checkpoint?)")
+    if layout is not None:
+        from ..errors import MixLNConfigError
+        from ..model.layout import parse_layout
+
+        try:  # bounded: parse_layout refuses text over 4 KiB, and L is checked above
+            if record.get("num_layers") is None or record["num_layers"] > 1 << 16:
+                raise MixLNConfigError("the record's num_layers is missing or over 65536")
+            parse_layout(layout, record["num_layers"], "the record")
+        except MixLNConfigError as e:
+            raise ConversionError(f"{where}: the Mix-LN settings record's layout is not one this project "
+                                  f"writes ({e}); a damaged or crafted checkpoint?") from None
     return record
 
 

@@ -39,15 +39,21 @@ class MixLNCheckpointMismatch(MixLNError, RuntimeError):
 
 
 def _comparable(record: Optional[dict]) -> tuple:
+    """What must agree: scheme, P, a layout other than Mix-LN's first P, DeepNorm's constants."""
     if record is None:
-        return ("mixln", 0)
-    return (record.get("scheme", "mixln"), int(record.get("post_ln_layers", 0)))
+        return ("mixln", 0, None, None, None)
+    return (record.get("scheme", "mixln"), int(record.get("post_ln_layers", 0)), record.get("layout"),
+            record.get("deepnorm_alpha"), record.get("deepnorm_beta"))
 
 
 def describe_record(record: Optional[dict]) -> str:
     if record is None:
         return "no Mix-LN record (a stock Pre-LN checkpoint: P = 0)"
     alpha = record.get("alpha")
+    if record.get("layout") is not None:
+        deepnorm = "" if record.get("deepnorm_alpha") is None else \
+            f" (deepnorm alpha={record['deepnorm_alpha']:.6g} beta={record.get('deepnorm_beta'):.6g})"
+        return f"scheme={record.get('scheme', 'mixln')} layout={record['layout']}{deepnorm}"
     return (
         f"scheme={record.get('scheme', 'mixln')} P={record.get('post_ln_layers')} "
         f"of L={record.get('num_layers')}" + (f" (alpha={alpha})" if alpha is not None else "")
@@ -60,8 +66,8 @@ def mismatch_message(checkpoint_record: Optional[dict], model_placement: Placeme
         return None
     return (
         f"Mix-LN settings differ: the checkpoint has {describe_record(checkpoint_record)}, the model "
-        f"has {describe_record(model_placement.record())}. Set MIXLN_ALPHA / MIXLN_POST_LN_LAYERS "
-        f"(or --mixln-alpha / --mixln-post-ln-layers) to the checkpoint's values to continue it."
+        f"has {describe_record(model_placement.record())}. Set MIXLN_ALPHA / MIXLN_POST_LN_LAYERS / MIXLN_LAYOUT "
+        f"(or --mixln-alpha / --mixln-post-ln-layers / --mixln-layout) to the checkpoint's values to continue it."
     )
 
 

@@ -1,6 +1,6 @@
 """What the user chose, and where each value came from: one frozen `MixLNSettings`. Pure Python.
 
-It holds the placement (alpha | post_ln_layers, scheme) and two groups, the gradient-spike scaler
+It holds the placement (alpha | post_ln_layers | layout, scheme, DeepNorm's alpha and beta) and two groups, the gradient-spike scaler
 (`SpikeSettings`) and the telemetry (`TelemetrySettings`). One constructor per source; every value
 remembers its source by the name the user typed:
     MixLNSettings(alpha=0.25, spike=SpikeSettings(enabled=True))  Python arguments   `argument`
@@ -8,7 +8,7 @@ remembers its source by the name the user typed:
     MixLNSettings.from_args(args)                                 Megatron-LM's --mixln-* flags
     MixLNSettings.from_checkpoint(args_or_record)                 a checkpoint       `the checkpoint`
 `layered(highest, ..., lowest)` combines sources: per group, the first that sets a value wins
-(alpha and post_ln_layers are one group, so a flag's alpha beats an inherited MIXLN_POST_LN_LAYERS).
+(alpha, post_ln_layers and layout are one group, so a flag's alpha beats an inherited MIXLN_LAYOUT).
 Unset values (None) take the defaults when used (placement.resolve_placement, SpikeSettings.resolved).
 This is the only module that reads MIXLN_* (FIELDS names them all); the edges build the object
 once and pass it down. Which layers are Post-LN for a given L is placement.py's rule.
@@ -39,6 +39,16 @@ FIELDS = (
      "up to 1B and 0.0625 at 7B. Exclusive with --mixln-post-ln-layers."),
     ("post_ln_layers", "--mixln-post-ln-layers", "MIXLN_POST_LN_LAYERS", int,
      "Number P of leading Post-LN layers (global numbering). Exclusive with --mixln-alpha."),
+    ("layout", "--mixln-layout", "MIXLN_LAYOUT", str,
+     "The norm kind of every layer (pre, post, deepnorm, sandwich), e.g. 'post:1-2,pre:3-', "
+     "'deepnorm:1-2,pre:3-', 'sandwich:*', 'post:every4,pre:*' (see mixln_megatron.model.layout). "
+     "Exclusive with --mixln-alpha / --mixln-post-ln-layers."),
+    ("deepnorm_alpha", "--mixln-deepnorm-alpha", "MIXLN_DEEPNORM_ALPHA", str,
+     "Residual scale of deepnorm layers, y = N(alpha * x + F(x)); default DeepNet's (2L)^(1/4). "
+     "The Mix-LN authors' arm: 2.8284271247461903."),
+    ("deepnorm_beta", "--mixln-deepnorm-beta", "MIXLN_DEEPNORM_BETA", str,
+     "Init factor of deepnorm layers' fc1, fc2, attention output and value projections (times "
+     "megatron's init); default DeepNet's (8L)^(-1/4). The Mix-LN authors' arm: (8L)^(1/4)."),
     ("scheme", "--mixln-scheme", "MIXLN_SCHEME", str,
      "mixln (default), lns (LayerNorm Scaling: Pre-LN, norm outputs of layer l scaled by "
      "1/sqrt(l)), or mixln+lns (LNS on the Pre-LN layers of a Mix-LN model)."),
@@ -83,6 +93,19 @@ def parse_alpha(value: Union[str, float, int, Fraction], source: str) -> Fractio
     if not 0 <= frac <= 1:
         raise MixLNConfigError(f"alpha from {source} must lie in [0, 1] (0 = all Pre-LN, 1 = all Post-LN), got {value!r}")
     return frac
+
+
+def parse_positive(value: Union[str, float, int], source: str, what: str) -> float:
+    """A finite number > 0 (DeepNorm's alpha and beta), taken from text or a number."""
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        out = float(value if isinstance(value, (int, float)) else str(value).strip())
+    except ValueError:
+        raise MixLNConfigError(f"{what} from {source} must be a number > 0, got {value!r:.80}") from None
+    if not math.isfinite(out) or out <= 0:
+        raise MixLNConfigError(f"{what} from {source} must be a finite number > 0, got {value!r:.80}")
+    return out
 
 
 def parse_count(value: Union[str, int], source: str, what: str) -> int:
@@ -195,11 +218,14 @@ class TelemetrySettings(_Sourced):
 
 @dataclasses.dataclass(frozen=True)
 class MixLNSettings(_Sourced):
-    """What the user asked for. Exactly one of `alpha` and `post_ln_layers` may be given per source."""
+    """What the user asked for. At most one of `alpha`, `post_ln_layers` and `layout` per source."""
 
     alpha: Optional[Union[str, float, Fraction]] = None
     post_ln_layers: Optional[int] = None
+    layout: Optional[str] = None
     scheme: Optional[str] = None
+    deepnorm_alpha: Optional[Union[str, float]] = None
+    deepnorm_beta: Optional[Union[str, float]] = None
     spike: SpikeSettings = dataclasses.field(default_factory=SpikeSettings)
     telemetry: TelemetrySettings = dataclasses.field(default_factory=TelemetrySettings)
     sources: Tuple[Tuple[str, str], ...] = _SOURCES
@@ -208,25 +234,35 @@ class MixLNSettings(_Sourced):
         super().__post_init__()
         object.__setattr__(self, "spike", self.spike or SpikeSettings())
         object.__setattr__(self, "telemetry", self.telemetry or TelemetrySettings())
-        if self.alpha is not None and self.post_ln_layers is not None:
-            a, p = self.source("alpha"), self.source("post_ln_layers")
-            if a == p == ARGUMENT:
+        given = [name for name in PLACEMENT_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            a, b = given[:2]
+            if self.source(a) == self.source(b) == ARGUMENT:
                 raise MixLNConfigError(
-                    f"give either alpha ({self.alpha!r}) or post_ln_layers ({self.post_ln_layers!r}), not both: "
-                    "alpha sets P = floor(alpha * num_layers), post_ln_layers sets P directly")
-            raise MixLNConfigError(f"both {a} {self.alpha} and {p} {self.post_ln_layers} were given; pass one "
-                                   "(alpha sets P = floor(alpha * num_layers), post_ln_layers sets P directly)")
+                    f"give either {a} ({getattr(self, a)!r}) or {b} ({getattr(self, b)!r}), not both: alpha sets P = floor(alpha * num_layers), post_ln_layers sets P "
+                    "directly, layout gives every layer's kind")
+            raise MixLNConfigError(f"both {self.source(a)} {getattr(self, a)} and {self.source(b)} {getattr(self, b)} "
+                                   "were given; pass one (alpha sets P = floor(alpha * num_layers), post_ln_layers "
+                                   "sets P directly, layout gives every layer's kind)")
         if self.alpha is not None:
             parse_alpha(self.alpha, self._where("alpha"))
         if self.post_ln_layers is not None:
             parse_count(self.post_ln_layers, self._where("post_ln_layers"), "post_ln_layers")
+        if self.layout is not None:
+            from .layout import check_layout_syntax
+
+            check_layout_syntax(self.layout, self._where("layout"))
+        for name in ("deepnorm_alpha", "deepnorm_beta"):
+            if getattr(self, name) is not None:
+                parse_positive(getattr(self, name), self._where(name), name.replace("_", " "))
         if self.scheme is not None and str(self.scheme).strip().lower() not in SCHEMES:
             raise MixLNConfigError(f"scheme from {self._where('scheme')} must be one of {', '.join(SCHEMES)}; got {self.scheme!r}")
 
     @property
     def placement_source(self) -> str:
-        """Where P comes from: alpha's or post_ln_layers' source, or 'default'."""
-        return self.source("alpha") if self.alpha is not None else self.source("post_ln_layers")
+        """Where the layer kinds come from: alpha's, post_ln_layers' or layout's source, or 'default'."""
+        given = next((name for name in PLACEMENT_FIELDS if getattr(self, name) is not None), None)
+        return DEFAULT if given is None else self.source(given)
 
     # -- constructors, one per source -----------------------------------------------------------
     @classmethod
@@ -261,9 +297,10 @@ class MixLNSettings(_Sourced):
                 except ValueError:
                     what = "an integer" if kind is int else "a number"
                     raise error(f"environment variable {var} must be {what}, got {text!r}") from None
-        if "alpha" in values and "post_ln_layers" in values:
-            raise MixLNConfigError(f"both MIXLN_ALPHA={values['alpha']!r} and MIXLN_POST_LN_LAYERS="
-                                   f"{env.get('MIXLN_POST_LN_LAYERS')!r} are set; unset one")
+        placement = [var for field, _, var, _, _ in FIELDS if field in PLACEMENT_FIELDS and field in values]
+        if len(placement) > 1:
+            raise MixLNConfigError(f"both {placement[0]}={env.get(placement[0])!r} and {placement[1]}="
+                                   f"{env.get(placement[1])!r} are set; unset one")
         return cls._from_values(values, {field: var for field, _, var, _, _ in FIELDS if field in values})
 
     @classmethod
@@ -289,44 +326,66 @@ class MixLNSettings(_Sourced):
         found = saved_settings(num_layers, record=record, metadata=metadata, args=saved)
         if found is None:
             return None
-        post, scheme = found["post_ln_layers"], found["scheme"]
-        return cls(alpha=found["alpha"] if post is None else None, post_ln_layers=post, scheme=scheme,
-                   sources=dict.fromkeys(("alpha", "post_ln_layers", "scheme"), CHECKPOINT))
+        post, layout = found["post_ln_layers"], found["layout"]
+        placement = {"layout": layout} if layout is not None else (
+            {"alpha": found["alpha"]} if post is None else {"post_ln_layers": post})
+        deepnorm = {k: found[k] for k in ("deepnorm_alpha", "deepnorm_beta") if found[k] is not None}
+        values = {**placement, "scheme": found["scheme"], **deepnorm}
+        return cls(**values, sources=dict.fromkeys(values, CHECKPOINT))
 
 
 class MixLNSavedSettingsDisagree(MixLNConfigError):
     """Two places a checkpoint keeps its Mix-LN settings in say different things."""
 
 
+# One group: which layers are which kind (alpha and post_ln_layers: Mix-LN's first P; layout: any).
+PLACEMENT_FIELDS = ("alpha", "post_ln_layers", "layout")
 SETTINGS_RECORD, CONTENT_METADATA, SAVED_ARGS = ("the settings record", "the content metadata",
                                                  "the saved --mixln-* args")
 
 
 def saved_settings(num_layers: Optional[int] = None, record=None, metadata=None, args=None) -> Optional[dict]:
     """The Mix-LN settings a checkpoint carries, cross-checked: {scheme, post_ln_layers, alpha,
-    source} (a value None where no source gives it; source: the first source that has any), None
+    layout, deepnorm_alpha, deepnorm_beta, source} (a value None where no source gives it; layout
+    only for a layout other than Mix-LN's first P; source: the first source that has any), None
     when no source has any. The one reading, for a resume (MixLNSettings.from_checkpoint) and for
     conversion and analysis (convert.inspect.mixln_record) alike.
 
     Sources: the sharded settings `record` the layers saved, the `mixln` entry of Megatron-LM's
     content `metadata`, the saved --mixln-* `args`. `num_layers` (the checkpoint's transformer
     blocks L, when known) turns a saved alpha into P and must match the record's L. Two sources
-    that disagree on scheme or P are one MixLNSavedSettingsDisagree naming both."""
-    sources = []  # (name, scheme or None, P or None, alpha or None)
+    that disagree on scheme, the layer kinds or DeepNorm's alpha / beta are one
+    MixLNSavedSettingsDisagree naming both."""
+    from .layout import POST_LN_KINDS, first_p_kinds, layout_text, leading_post_count, parse_layout
+
+    sources = []  # dicts: name, scheme, P, alpha, layout (canonical, when L is known or recorded), deepnorm_*
+
+    def kinds_text(layout, p, layers, name):
+        if layout is not None and layers is not None:
+            return layout_text(parse_layout(layout, int(layers), name))
+        if p is not None and layers is not None and p <= int(layers):
+            return layout_text(first_p_kinds(int(layers), p))
+        return None
+
     for name, saved in ((SETTINGS_RECORD, record), (CONTENT_METADATA, metadata)):
         if saved is None:
             continue
         if not isinstance(saved, Mapping):
             raise MixLNSavedSettingsDisagree(f"{name} of the checkpoint is {type(saved).__name__}, not a Mix-LN record")
-        sources.append((name, saved.get("scheme", "mixln"), parse_count(saved.get("post_ln_layers", 0), name,
-                                                                       "post_ln_layers"), saved.get("alpha")))
         saved_layers = saved.get("num_layers")
         if num_layers is not None and saved_layers is not None and int(saved_layers) != num_layers:
             raise MixLNSavedSettingsDisagree(
                 f"the Mix-LN record ({name}) is for {saved_layers} layers but the checkpoint has {num_layers}")
+        layers = num_layers if num_layers is not None else saved_layers
+        p = parse_count(saved.get("post_ln_layers", 0), name, "post_ln_layers")
+        layout = saved.get("layout")
+        sources.append({"name": name, "scheme": saved.get("scheme", "mixln"), "p": p, "alpha": saved.get("alpha"),
+                        "kinds": kinds_text(layout, None if layout else p, layers, name),
+                        "deepnorm_alpha": saved.get("deepnorm_alpha"), "deepnorm_beta": saved.get("deepnorm_beta")})
     p_arg, alpha_arg = getattr(args, "mixln_post_ln_layers", None), getattr(args, "mixln_alpha", None)
-    scheme_arg = getattr(args, "mixln_scheme", None)
-    if p_arg is not None or alpha_arg is not None or scheme_arg is not None:
+    layout_arg, scheme_arg = getattr(args, "mixln_layout", None), getattr(args, "mixln_scheme", None)
+    dn_args = {k: getattr(args, f"mixln_{k}", None) for k in ("deepnorm_alpha", "deepnorm_beta")}
+    if any(v is not None for v in (p_arg, alpha_arg, layout_arg, scheme_arg, *dn_args.values())):
         p = None if p_arg is None else parse_count(p_arg, SAVED_ARGS, "post_ln_layers")
         p_alpha = None if alpha_arg is None or num_layers is None else \
             math.floor(parse_alpha(alpha_arg, SAVED_ARGS) * num_layers)
@@ -334,21 +393,47 @@ def saved_settings(num_layers: Optional[int] = None, record=None, metadata=None,
             raise MixLNSavedSettingsDisagree(
                 f"the checkpoint's Mix-LN settings disagree: the saved --mixln-post-ln-layers says P={p}, the saved "
                 f"--mixln-alpha {alpha_arg} says P={p_alpha} of L={num_layers}")
-        sources.append((SAVED_ARGS, scheme_arg, p if p is not None else p_alpha,
-                        str(alpha_arg) if alpha_arg is not None else None))
-    for i, (n1, s1, p1, _) in enumerate(sources):
-        for n2, s2, p2, _ in sources[i + 1:]:
-            if (s1 is not None and s2 is not None and s1 != s2) or (p1 is not None and p2 is not None and p1 != p2):
+        p = p if p is not None else p_alpha
+        kinds = kinds_text(layout_arg, p, num_layers, SAVED_ARGS)
+        if layout_arg is not None and kinds is not None:
+            p = sum(k in POST_LN_KINDS for k in parse_layout(layout_arg, num_layers, SAVED_ARGS))
+        sources.append({"name": SAVED_ARGS, "scheme": scheme_arg, "p": p, "kinds": kinds,
+                        "alpha": str(alpha_arg) if alpha_arg is not None else None,
+                        **{k: None if v is None else parse_positive(v, SAVED_ARGS, k) for k, v in dn_args.items()}})
+
+    def show(src):
+        return f"scheme={src['scheme']} " + (f"layout {src['kinds']}" if src["kinds"] else f"P={src['p']}")
+
+    for i, one in enumerate(sources):
+        for two in sources[i + 1:]:
+            differ = [key for key in ("scheme", "kinds", "deepnorm_alpha", "deepnorm_beta")
+                      if one[key] is not None and two[key] is not None and one[key] != two[key]]
+            if one["kinds"] is None or two["kinds"] is None:
+                differ += ["p"] if one["p"] is not None and two["p"] is not None and one["p"] != two["p"] else []
+            if differ:
+                extra = "".join(f" ({key}: {one[key]} vs {two[key]})" for key in differ if key.startswith("deepnorm"))
                 raise MixLNSavedSettingsDisagree(
-                    f"the checkpoint's Mix-LN settings disagree: {n1} says scheme={s1} P={p1}, {n2} says "
-                    f"scheme={s2} P={p2}")
+                    f"the checkpoint's Mix-LN settings disagree: {one['name']} says {show(one)}, {two['name']} "
+                    f"says {show(two)}{extra}")
     if not sources:
         return None
 
-    def first(i):
-        return next((x[i] for x in sources if x[i] is not None), None)
+    def first(key):
+        return next((src[key] for src in sources if src[key] is not None), None)
 
-    return {"scheme": first(1), "post_ln_layers": first(2), "alpha": first(3), "source": sources[0][0]}
+    kinds = first("kinds")
+    layout = None
+    if kinds is not None:
+        parsed = parse_layout(kinds, _layers_of(kinds), SETTINGS_RECORD)
+        layout = None if leading_post_count(parsed) is not None else kinds
+    return {"scheme": first("scheme"), "post_ln_layers": first("p"), "alpha": first("alpha"), "layout": layout,
+            "deepnorm_alpha": first("deepnorm_alpha"), "deepnorm_beta": first("deepnorm_beta"),
+            "source": sources[0]["name"]}
+
+
+def _layers_of(canonical: str) -> int:
+    """The layer count of a canonical layout (its last run's last layer)."""
+    return int(canonical.rsplit(":", 1)[1].rsplit("-", 1)[-1])
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -364,10 +449,10 @@ def layered(*layers: Optional[MixLNSettings]) -> MixLNSettings:
         if getattr(owner, name) is not None:
             values[field], names[field] = getattr(owner, name), owner.source(name)
 
-    placement = next((s for s in layers if s.alpha is not None or s.post_ln_layers is not None), None)
+    placement = next((s for s in layers if any(getattr(s, f) is not None for f in PLACEMENT_FIELDS)), None)
     for field, _, _, _, _ in FIELDS:
         group, _, name = field.rpartition(".")
-        if field in ("alpha", "post_ln_layers"):
+        if field in PLACEMENT_FIELDS:
             if placement is not None:
                 take(placement, field, name)
             continue
