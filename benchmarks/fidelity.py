@@ -109,8 +109,18 @@ def lr_at(step: int, r: Recipe) -> float:
 
 def train_one(shape: FreshShape, variant: str, seed: int, alpha: float, recipe: Recipe,
               train_batches, valid_batches) -> dict:
+    from mixln_megatron.model.settings import MixLNSettings
+
     p, scheme = grad_norms.variant_placement(variant, shape.num_layers, alpha)
-    lm = build_megatron_gpt(shape, post_ln_layers=p, scheme=scheme, seed=seed)
+    res = train_settings(shape, MixLNSettings(post_ln_layers=p, scheme=scheme), seed, recipe,
+                         train_batches, valid_batches)
+    return {"variant": variant, "post_ln_layers": p, "scheme": scheme, **res}
+
+
+def train_settings(shape: FreshShape, settings, seed: int, recipe: Recipe, train_batches, valid_batches) -> dict:
+    """Train one model of `settings` (a MixLNSettings) with `recipe` on the given batches; the
+    per-layer gradient-norm profiles at step 0 and recipe.profile_step, losses and timings."""
+    lm = build_megatron_gpt(shape, seed=seed, settings=settings)
     model = lm.module
     model.train()
     params = [q for q in model.parameters() if q.requires_grad]
@@ -144,8 +154,7 @@ def train_one(shape: FreshShape, variant: str, seed: int, alpha: float, recipe: 
     valid_loss = float("nan") if diverged_at is not None else evaluate(lm, valid_batches)["loss"]
     ppl = math.exp(valid_loss) if math.isfinite(valid_loss) and valid_loss < 50 else float("inf")
     return {
-        "variant": variant, "post_ln_layers": p, "scheme": scheme, "seed": seed,
-        "valid_loss": valid_loss, "valid_ppl": ppl, "diverged_at": diverged_at,
+        "seed": seed, "valid_loss": valid_loss, "valid_ppl": ppl, "diverged_at": diverged_at,
         "final_train_loss": statistics.fmean(losses[-10:]) if losses else float("nan"),
         "train_losses": losses, "grad_norm_profiles": profiles,
         "profile_summaries": {k: grad_norms.profile_summary(v) for k, v in profiles.items()},

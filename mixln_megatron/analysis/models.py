@@ -145,8 +145,10 @@ def build_megatron_gpt(
     scheme: str = "mixln",
     seed: int = 1234,
     config_overrides: Optional[dict] = None,
+    settings=None,
 ):
-    """A fresh megatron-core GPTModel over our spec (local backend) on CPU, seeded."""
+    """A fresh megatron-core GPTModel over our spec (local backend) on CPU, seeded. `settings`
+    (a MixLNSettings, e.g. with a per-layer layout) replaces post_ln_layers / scheme."""
     from megatron.core.models.gpt import GPTModel
 
     from ..spec import get_mixln_decoder_block_spec
@@ -154,7 +156,10 @@ def build_megatron_gpt(
     ensure_megatron_cpu(seed)
     seed_everything(seed)
     config = megatron_config(shape, **(config_overrides or {}))
-    spec = get_mixln_decoder_block_spec(config, backend="local", post_ln_layers=post_ln_layers, scheme=scheme)
+    if settings is not None:
+        spec = get_mixln_decoder_block_spec(config, backend="local", settings=settings)
+    else:
+        spec = get_mixln_decoder_block_spec(config, backend="local", post_ln_layers=post_ln_layers, scheme=scheme)
     with _quiet_gpt_deprecation():
         model = GPTModel(
             config=config, transformer_layer_spec=spec, vocab_size=shape.vocab_size,
