@@ -1,8 +1,9 @@
 """Hugging Face model code for Mix-LN / LayerNorm-Scaling LLaMA, and the helpers that export it.
 
   configuration_mixln_llama  MixLNLlamaConfig (model_type "mixln_llama")
-  modeling_mixln_llama       MixLNLlamaForCausalLM, MixLNLlamaModel, the Pre-/Post-LN decoder layers
-  export_code                is_stock_llama, config_for_export, write_model_code, save_hf_folder
+  modeling_mixln_llama       MixLNLlamaForCausalLM, MixLNLlamaModel, the pre / post / deepnorm / sandwich layers
+  export_code                is_stock_llama, placement_export_fields, config_for_export, write_model_code,
+                             save_hf_folder
 
 The two model files are self-contained (transformers only) because they are copied into exported folders.
 Names are imported lazily, so `import mixln_megatron.hf` does not import torch or transformers.
@@ -11,6 +12,7 @@ Names are imported lazily, so `import mixln_megatron.hf` does not import torch o
 import importlib
 
 _EXPORTS = {
+    "LAYER_KINDS": "configuration_mixln_llama",
     "MIXLN_SCHEMES": "configuration_mixln_llama",
     "MixLNConfigValueError": "configuration_mixln_llama",
     "MixLNLlamaConfig": "configuration_mixln_llama",
@@ -19,12 +21,15 @@ _EXPORTS = {
     "MixLNLlamaPreTrainedModel": "modeling_mixln_llama",
     "MixLNLlamaPreLNDecoderLayer": "modeling_mixln_llama",
     "MixLNLlamaPostLNDecoderLayer": "modeling_mixln_llama",
+    "MixLNLlamaDeepNormDecoderLayer": "modeling_mixln_llama",
+    "MixLNLlamaSandwichDecoderLayer": "modeling_mixln_llama",
     "mixln_decoder_layer": "modeling_mixln_llama",
     "AUTO_MAP": "export_code",
     "CODE_FILES": "export_code",
     "config_for_export": "export_code",
     "export_config_fields": "export_code",
     "is_stock_llama": "export_code",
+    "placement_export_fields": "export_code",
     "mark_for_remote_code": "export_code",
     "save_hf_folder": "export_code",
     "write_model_code": "export_code",

@@ -4,12 +4,22 @@ This file is copied verbatim next to config.json in exported checkpoints (remote
 nothing but `transformers`.
 
 Extra fields on top of `LlamaConfig`:
-  post_ln_layers  P: the layers with 0-based index < P are Post-LN, all others Pre-LN.
-  mixln_scheme    "mixln"     Mix-LN, no scaling;
-                  "lns"       LayerNorm Scaling: all layers Pre-LN (P must be 0), each norm output of
+  post_ln_layers  P: the number of Post-LN-kind layers ("post" and "deepnorm"). Without layer_kinds the
+                  layers with 0-based index < P are "post", all others "pre" (Mix-LN's own layout).
+  mixln_scheme    "mixln"     no scaling;
+                  "lns"       LayerNorm Scaling: no Post-LN-kind layer (P must be 0), the pre-norm outputs of
                               layer l (1-based) multiplied by 1/sqrt(l);
-                  "mixln+lns" Mix-LN whose Pre-LN layers (l > P) get the LNS scaling 1/sqrt(l).
+                  "mixln+lns" the pre-norm outputs of the "pre" and "sandwich" layers get 1/sqrt(l).
   mixln_alpha     informational only: the text of the alpha that produced P, or None.
+  layer_kinds     None (Mix-LN's layout from P: the config.json of earlier releases, which has no such key)
+                  or one kind per layer, in order:
+                    "pre"       h = x + Attn(N(x))                 (LLaMA)
+                    "post"      h = N(x + Attn(x))                 (Post-LN)
+                    "deepnorm"  h = N(deepnorm_alpha * x + Attn(x)) (DeepNet's Post-LN, arXiv 2203.00555)
+                    "sandwich"  h = x + N_b(Attn(N_a(x)))           (Sandwich-LN / Gemma 2's four norms)
+                  and the same for the MLP; P must count the "post" and "deepnorm" layers.
+  deepnorm_alpha  the residual scale of the "deepnorm" layers: set exactly when there is one (float > 0).
+  deepnorm_beta   informational only: the init factor of the "deepnorm" layers in training, or None.
 
 Tested with transformers 5.24; written for transformers >= 4.56, < 6 (the legacy `__init__` style
 works with both the v4 configs and the v5 dataclass configs).
@@ -20,13 +30,49 @@ import math
 from transformers import LlamaConfig
 
 MIXLN_SCHEMES = ("mixln", "lns", "mixln+lns")
+LAYER_KINDS = ("pre", "post", "deepnorm", "sandwich")
+POST_LN_KINDS = ("post", "deepnorm")  # the residual stream goes through the norm
+# Present in config.json only when layer_kinds is given, so that Mix-LN's own layout keeps its config.json.
+LAYOUT_FIELDS = ("layer_kinds", "deepnorm_alpha", "deepnorm_beta")
 
 
 class MixLNConfigValueError(ValueError):
     """A Mix-LN field of the config is invalid."""
 
 
-def _check_mixln_fields(post_ln_layers, mixln_scheme, num_hidden_layers) -> None:
+def _positive_float(name, value, required_by):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise MixLNConfigValueError(f"{name} must be a finite number > 0 ({required_by}), got {value!r:.60}")
+    return float(value)
+
+
+def _check_layer_kinds(layer_kinds, num_hidden_layers):
+    """layer_kinds as a list of kinds (validated), or None."""
+    if layer_kinds is None:
+        return None
+    if isinstance(layer_kinds, str) or not isinstance(layer_kinds, (list, tuple)):
+        raise MixLNConfigValueError(
+            f"layer_kinds must be None or a list with one of {', '.join(LAYER_KINDS)} per layer, "
+            f"got {layer_kinds!r:.120}"
+        )
+    bad = [(i, k) for i, k in enumerate(layer_kinds) if not isinstance(k, str) or k not in LAYER_KINDS]
+    if bad:
+        i, k = bad[0]
+        raise MixLNConfigValueError(
+            f"layer_kinds[{i}] = {k!r:.40} is not one of {', '.join(LAYER_KINDS)} ({len(bad)} invalid entr"
+            f"{'y' if len(bad) == 1 else 'ies'})"
+        )
+    if num_hidden_layers is not None and len(layer_kinds) != num_hidden_layers:
+        raise MixLNConfigValueError(
+            f"layer_kinds has {len(layer_kinds)} entries but num_hidden_layers = {num_hidden_layers}: one kind per layer"
+        )
+    return list(layer_kinds)
+
+
+def _check_mixln_fields(post_ln_layers, mixln_scheme, num_hidden_layers, layer_kinds=None, deepnorm_alpha=None,
+                        deepnorm_beta=None) -> None:
     if isinstance(post_ln_layers, bool) or not isinstance(post_ln_layers, int):
         raise MixLNConfigValueError(
             f"post_ln_layers must be an integer (the number P of leading Post-LN layers), got {post_ln_layers!r}"
@@ -39,26 +85,51 @@ def _check_mixln_fields(post_ln_layers, mixln_scheme, num_hidden_layers) -> None
         )
     if post_ln_layers < 0:
         raise MixLNConfigValueError(f"post_ln_layers must be >= 0, got {post_ln_layers}")
+    kinds = _check_layer_kinds(layer_kinds, num_hidden_layers)
+    if kinds is not None:
+        count = sum(k in POST_LN_KINDS for k in kinds)
+        if post_ln_layers != count:
+            raise MixLNConfigValueError(
+                f"post_ln_layers = {post_ln_layers} but layer_kinds has {count} Post-LN-kind layers "
+                f"(post or deepnorm): post_ln_layers must count them"
+            )
     if mixln_scheme == "lns" and post_ln_layers != 0:
         raise MixLNConfigValueError(
             f"mixln_scheme 'lns' keeps every layer Pre-LN, but post_ln_layers = {post_ln_layers}; "
             "use mixln_scheme 'mixln+lns' for LayerNorm Scaling on top of Mix-LN"
         )
+    has_deepnorm = kinds is not None and "deepnorm" in kinds
+    _positive_float("deepnorm_alpha", deepnorm_alpha, "the residual scale of the deepnorm layers")
+    _positive_float("deepnorm_beta", deepnorm_beta, "the init factor of the deepnorm layers")
+    if has_deepnorm and deepnorm_alpha is None:
+        raise MixLNConfigValueError(
+            "layer_kinds has deepnorm layers but deepnorm_alpha is None: set their residual scale "
+            "(DeepNet's (2 * num_hidden_layers) ** 0.25 unless the model was trained with another)"
+        )
+    if not has_deepnorm and (deepnorm_alpha is not None or deepnorm_beta is not None):
+        name = "deepnorm_alpha" if deepnorm_alpha is not None else "deepnorm_beta"
+        raise MixLNConfigValueError(f"{name} is set but no layer is deepnorm (layer_kinds = {layer_kinds!r:.120})")
 
 
 class MixLNLlamaConfig(LlamaConfig):
-    r"""LLaMA configuration with Mix-LN / LayerNorm Scaling norm placement.
+    r"""LLaMA configuration with Mix-LN / LayerNorm Scaling norm placement, and any per-layer kind.
 
     Args:
-        post_ln_layers (`int`, defaults to 0): number P of leading Post-LN layers (0 <= P <= num_hidden_layers).
+        post_ln_layers (`int`, defaults to 0): number P of Post-LN-kind layers (0 <= P <= num_hidden_layers);
+            without `layer_kinds`, the first P layers.
         mixln_scheme (`str`, defaults to `"mixln"`): one of `"mixln"`, `"lns"`, `"mixln+lns"`.
         mixln_alpha (`str`, *optional*): informational record of the alpha that gave P (numbers are stored as text).
+        layer_kinds (`list[str]`, *optional*): one of `"pre"`, `"post"`, `"deepnorm"`, `"sandwich"` per layer;
+            None means the first P layers `"post"`, the rest `"pre"`.
+        deepnorm_alpha (`float`, *optional*): residual scale of the `"deepnorm"` layers (required iff one exists).
+        deepnorm_beta (`float`, *optional*): informational record of their init factor in training.
         kwargs: every `LlamaConfig` argument.
     """
 
     model_type = "mixln_llama"
 
-    def __init__(self, post_ln_layers: int = 0, mixln_scheme: str = "mixln", mixln_alpha=None, **kwargs):
+    def __init__(self, post_ln_layers: int = 0, mixln_scheme: str = "mixln", mixln_alpha=None, layer_kinds=None,
+                 deepnorm_alpha=None, deepnorm_beta=None, **kwargs):
         # Set before the parent init so that validation hooks running inside it can see them.
         if isinstance(mixln_alpha, (int, float)) and not isinstance(mixln_alpha, bool):
             mixln_alpha = repr(mixln_alpha) if isinstance(mixln_alpha, float) else str(mixln_alpha)
@@ -67,12 +138,17 @@ class MixLNLlamaConfig(LlamaConfig):
         self.post_ln_layers = post_ln_layers
         self.mixln_scheme = mixln_scheme
         self.mixln_alpha = mixln_alpha
+        self.layer_kinds = _check_layer_kinds(layer_kinds, None)  # a list (JSON), the length checked below
+        self.deepnorm_alpha = _positive_float("deepnorm_alpha", deepnorm_alpha, "the residual scale of the deepnorm layers")
+        self.deepnorm_beta = _positive_float("deepnorm_beta", deepnorm_beta, "the init factor of the deepnorm layers")
         super().__init__(**kwargs)
         self.validate_mixln()
 
     def validate_mixln(self) -> None:
         """Raise `MixLNConfigValueError` (a `ValueError`) when the Mix-LN fields are inconsistent."""
-        _check_mixln_fields(self.post_ln_layers, self.mixln_scheme, getattr(self, "num_hidden_layers", None))
+        _check_mixln_fields(self.post_ln_layers, self.mixln_scheme, getattr(self, "num_hidden_layers", None),
+                            getattr(self, "layer_kinds", None), getattr(self, "deepnorm_alpha", None),
+                            getattr(self, "deepnorm_beta", None))
 
     def validate_architecture(self):
         # Part of transformers v5's config validation when called on this class; absent in v4.
@@ -86,18 +162,36 @@ class MixLNLlamaConfig(LlamaConfig):
         self.validate_mixln()
         return super().save_pretrained(save_directory, *args, **kwargs)
 
+    def to_dict(self):
+        out = super().to_dict()
+        if out.get("layer_kinds") is None:
+            # Mix-LN's own layout: config.json stays what it was before layer_kinds existed.
+            for key in LAYOUT_FIELDS:
+                if out.get(key) is None:
+                    out.pop(key, None)
+        return out
+
+    def layer_kind(self, layer_idx: int) -> str:
+        """"pre", "post", "deepnorm" or "sandwich": the kind of the layer with 0-based index `layer_idx`."""
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_hidden_layers:
+            raise IndexError(f"layer_idx {layer_idx!r} outside 0..{self.num_hidden_layers - 1}")
+        if self.layer_kinds is not None:
+            return self.layer_kinds[layer_idx]
+        return "post" if layer_idx < self.post_ln_layers else "pre"
+
     def is_post_ln_layer(self, layer_idx: int) -> bool:
-        """Whether the layer with 0-based index `layer_idx` is Post-LN."""
-        return layer_idx < self.post_ln_layers
+        """Whether the layer with 0-based index `layer_idx` is of a Post-LN kind ("post" or "deepnorm")."""
+        return self.layer_kind(layer_idx) in POST_LN_KINDS
 
     def norm_output_scale(self, layer_idx: int) -> float:
-        """Factor applied to the norm outputs of the layer with 0-based index `layer_idx`.
+        """Factor applied to the pre-norm outputs of the layer with 0-based index `layer_idx`.
 
-        1/sqrt(layer_idx + 1) on Pre-LN layers under "lns" / "mixln+lns", else 1.0.
+        1/sqrt(layer_idx + 1) on "pre" and "sandwich" layers under "lns" / "mixln+lns", else 1.0 (never on
+        Post-LN kinds, and never on the norms a sandwich layer applies after attention and MLP).
         """
         if self.mixln_scheme == "mixln" or self.is_post_ln_layer(layer_idx):
             return 1.0
         return 1.0 / math.sqrt(layer_idx + 1)
 
 
-__all__ = ["MIXLN_SCHEMES", "MixLNConfigValueError", "MixLNLlamaConfig"]
+__all__ = ["LAYER_KINDS", "MIXLN_SCHEMES", "MixLNConfigValueError", "MixLNLlamaConfig", "POST_LN_KINDS"]

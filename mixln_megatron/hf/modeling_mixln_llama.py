@@ -1,14 +1,21 @@
 """Mix-LN / LayerNorm-Scaling LLaMA (arXiv 2412.13795) for Hugging Face transformers.
 
-Relative to LLaMA only the placement (and, for LNS, the output scale) of the decoder-layer norms changes:
+Relative to LLaMA only the placement (and, for LNS, the output scale) of the decoder-layer norms changes,
+and for DeepNorm the weight of the residual. Each layer has one kind (config.layer_kind(index); without
+config.layer_kinds the first P layers are "post", the rest "pre"):
 
-  Pre-LN layer (index >= P), stock LLaMA plus an optional norm-output scale s:
+  "pre"      stock LLaMA plus an optional norm-output scale s (MixLNLlamaPreLNDecoderLayer):
       h = x + Attn(s * input_layernorm(x));   y = h + MLP(s * post_attention_layernorm(h))
-  Post-LN layer (index < P), no norm in front of attention, never scaled:
+  "post"     no norm in front of attention, never scaled (MixLNLlamaPostLNDecoderLayer):
       h = post_attention_layernorm(x + Attn(x));   y = post_feedforward_layernorm(h + MLP(h))
+  "deepnorm" DeepNet's Post-LN, a = config.deepnorm_alpha (MixLNLlamaDeepNormDecoderLayer):
+      h = post_attention_layernorm(a * x + Attn(x));   y = post_feedforward_layernorm(a * h + MLP(h))
+  "sandwich" Sandwich-LN with Gemma 2's four norm names (MixLNLlamaSandwichDecoderLayer):
+      h = x + post_attention_layernorm(Attn(s * input_layernorm(x)))
+      y = h + post_feedforward_layernorm(MLP(s * pre_feedforward_layernorm(h)))
 
-s = 1/sqrt(index + 1) on Pre-LN layers under the "lns" and "mixln+lns" schemes, else 1. The final model
-norm is always applied. Attention, MLP, norms, rotary embeddings, the model loop, caching and generation
+s = 1/sqrt(index + 1) on "pre" and "sandwich" layers under the "lns" and "mixln+lns" schemes, else 1. The
+final model norm is always applied. Attention, MLP, norms, rotary embeddings, the model loop, caching and generation
 are transformers' LLaMA components, reused by subclassing.
 
 This file is copied verbatim next to config.json in exported checkpoints (remote code): it imports only
@@ -104,24 +111,90 @@ class MixLNLlamaPostLNDecoderLayer(_MixLNDecoderLayer):
         return f"layer_idx={self.layer_idx}, post_ln=True"
 
 
+class MixLNLlamaDeepNormDecoderLayer(MixLNLlamaPostLNDecoderLayer):
+    """DeepNet's Post-LN layer (arXiv 2203.00555): the Post-LN layer with the residual scaled before each add.
+
+    Same parameters as the Post-LN layer; alpha = `config.deepnorm_alpha` (DeepNet: (2N)^(1/4) for N layers).
+    DeepNet's init (fc1, fc2, value and output projections times beta = (8N)^(-1/4)) is done by the Megatron
+    side at training time; these weights come from conversion, so `_init_weights` does not reproduce it.
+
+    The Mix-LN authors' `deeppost` (pixeli99/MixLN, peft_pretraining/modeling_llama.py) has the same forward
+    structure with alpha fixed at 2.8284271247461903 (= (2N)^(1/4) at N = 32) for every depth and every layer
+    of the model; their init multiplies by (8N)^(1/4) (xavier_normal_ gain, also on gate_proj) where DeepNet
+    divides. Exporting their model means deepnorm_alpha = 2.8284271247461903 here.
+    """
+
+    def __init__(self, config: MixLNLlamaConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.deepnorm_alpha = float(config.deepnorm_alpha)
+
+    def residuals_and_mlp(self, hidden_states: torch.Tensor, attn_output: torch.Tensor) -> torch.Tensor:
+        alpha = self.deepnorm_alpha
+        hidden_states = self.post_attention_layernorm(alpha * hidden_states + attn_output)
+        return self.post_feedforward_layernorm(alpha * hidden_states + self.mlp(hidden_states))
+
+    def extra_repr(self) -> str:
+        return f"layer_idx={self.layer_idx}, post_ln=True, deepnorm_alpha={self.deepnorm_alpha:.6g}"
+
+
+class MixLNLlamaSandwichDecoderLayer(MixLNLlamaPreLNDecoderLayer):
+    """Sandwich-LN layer (Ding et al. 2021; Peri-LN; Gemma 2's four norms): a norm before and after each sublayer.
+
+    input_layernorm -> Attn -> post_attention_layernorm -> residual add, then pre_feedforward_layernorm -> MLP
+    -> post_feedforward_layernorm -> residual add. LNS (`norm_output_scale`) scales the two pre-norms only.
+    Note that `post_attention_layernorm` is the norm after attention here (Gemma 2's naming), whereas in a
+    Pre-LN layer it is the norm in front of the MLP.
+
+    The Mix-LN authors' `sandwich` (pixeli99/MixLN) has the same structure and names, every layer sandwich,
+    no scaling.
+    """
+
+    def __init__(self, config: MixLNLlamaConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.pre_feedforward_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_feedforward_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def residuals_and_mlp(self, hidden_states: torch.Tensor, attn_output: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states + self.post_attention_layernorm(attn_output)
+        mlp_output = self.mlp(self._scaled(self.pre_feedforward_layernorm(hidden_states)))
+        return hidden_states + self.post_feedforward_layernorm(mlp_output)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", sandwich=True"
+
+
 class MixLNLlamaPreTrainedModel(LlamaPreTrainedModel):
     config_class = MixLNLlamaConfig
     config: MixLNLlamaConfig
-    _no_split_modules = ["MixLNLlamaPreLNDecoderLayer", "MixLNLlamaPostLNDecoderLayer"]
+    _no_split_modules = [
+        "MixLNLlamaPreLNDecoderLayer",
+        "MixLNLlamaPostLNDecoderLayer",
+        "MixLNLlamaDeepNormDecoderLayer",
+        "MixLNLlamaSandwichDecoderLayer",
+    ]
     # Attention goes through transformers' attention interface (ALL_ATTENTION_FUNCTIONS, chosen by
     # config._attn_implementation) in LlamaAttention, and every layer passes its **kwargs down to it:
     # what the Transformers backend of vLLM / SGLang needs to put its own attention in. LLaMA's value,
     # stated here so that the base model (AutoModel) keeps it whatever LlamaPreTrainedModel does.
     _supports_attention_backend = True
-    # Both layer classes subclass LlamaDecoderLayer, so the inherited output recording
+    # Every layer class subclasses LlamaDecoderLayer, so the inherited output recording
     # (`_can_record_outputs`: hidden states per decoder layer, attentions per LlamaAttention) applies as is.
+    # `_init_weights` is LLaMA's for every kind (norm weights 1, linears normal(0, initializer_range)): it does
+    # not reproduce DeepNet's init of the deepnorm layers, which the Megatron side does in training; exported
+    # weights come from conversion.
+
+
+DECODER_LAYER_CLASSES = {
+    "pre": MixLNLlamaPreLNDecoderLayer,
+    "post": MixLNLlamaPostLNDecoderLayer,
+    "deepnorm": MixLNLlamaDeepNormDecoderLayer,
+    "sandwich": MixLNLlamaSandwichDecoderLayer,
+}
 
 
 def mixln_decoder_layer(config: MixLNLlamaConfig, layer_idx: int) -> nn.Module:
-    """The decoder layer for 0-based `layer_idx`: Post-LN when layer_idx < config.post_ln_layers."""
-    if config.is_post_ln_layer(layer_idx):
-        return MixLNLlamaPostLNDecoderLayer(config, layer_idx)
-    return MixLNLlamaPreLNDecoderLayer(config, layer_idx)
+    """The decoder layer for 0-based `layer_idx`, of kind `config.layer_kind(layer_idx)`."""
+    return DECODER_LAYER_CLASSES[config.layer_kind(layer_idx)](config, layer_idx)
 
 
 class MixLNLlamaModel(MixLNLlamaPreTrainedModel, LlamaModel):
@@ -157,10 +230,13 @@ class MixLNLlamaForCausalLM(MixLNLlamaPreTrainedModel, LlamaForCausalLM):
 
 
 __all__ = [
+    "DECODER_LAYER_CLASSES",
+    "MixLNLlamaDeepNormDecoderLayer",
     "MixLNLlamaForCausalLM",
     "MixLNLlamaModel",
     "MixLNLlamaPostLNDecoderLayer",
     "MixLNLlamaPreLNDecoderLayer",
     "MixLNLlamaPreTrainedModel",
+    "MixLNLlamaSandwichDecoderLayer",
     "mixln_decoder_layer",
 ]
