@@ -48,48 +48,10 @@ warnings.filterwarnings("ignore", message=".*absl.logging is not installed.*")
 import fidelity  # noqa: E402  (the recipe, data, training loop and worker pool of the fidelity benchmark)
 
 from mixln_megatron.analysis import grad_norms  # noqa: E402
+from mixln_megatron.analysis.arms import ARM_BY_NAME, ARMS  # noqa: E402
 from mixln_megatron.analysis.models import FreshShape  # noqa: E402
 from mixln_megatron.dev import cpu  # noqa: E402
 from mixln_megatron.model.placement import resolve_placement  # noqa: E402
-from mixln_megatron.model.settings import MixLNSettings  # noqa: E402
-
-ALPHA = 0.25  # Mix-LN's alpha up to 1B: P = floor(L / 4) Post-LN layers
-AUTHORS_DEEPNORM_ALPHA = "2.8284271247461903"  # pixeli99/MixLN's fixed alpha: (2N)^(1/4) at N = 32
-
-
-@dataclass(frozen=True)
-class Arm:
-    name: str
-    label: str
-    layout: str  # with {P} (Mix-LN's floor(alpha * L)) and {Q} (L - P) filled in per depth
-    scheme: str = "mixln"
-    authors_deepnorm: bool = False  # the Mix-LN authors' DeepNorm constants instead of DeepNet's
-
-    def settings(self, num_layers: int) -> MixLNSettings:
-        p = math.floor(ALPHA * num_layers)
-        text = self.layout.format(P=p, Q=num_layers - p)
-        extra = {}
-        if self.authors_deepnorm:  # their alpha for every depth, their init gain (8N)^(1/4) (a multiplier)
-            extra = {"deepnorm_alpha": AUTHORS_DEEPNORM_ALPHA, "deepnorm_beta": repr((8.0 * num_layers) ** 0.25)}
-        return MixLNSettings(layout=text, scheme=self.scheme, **extra)
-
-
-ARMS = (
-    Arm("pre_ln", "Pre-LN", "pre:*"),
-    Arm("post_ln", "Post-LN", "post:*"),
-    Arm("deepnorm", "DeepNorm (DeepNet)", "deepnorm:*"),
-    Arm("deepnorm_authors", "DeepNorm (authors' constants)", "deepnorm:*", authors_deepnorm=True),
-    Arm("sandwich", "Sandwich-LN", "sandwich:*"),
-    Arm("lns", "LayerNorm Scaling", "pre:*", scheme="lns"),
-    Arm("mix_ln", "Mix-LN (Post-LN first L/4)", "post:1-{P},pre:*"),
-    Arm("mix_deepnorm", "DeepNorm first L/4, then Pre-LN", "deepnorm:1-{P},pre:*"),
-    Arm("pre_post", "Pre-LN, Post-LN last L/4", "pre:1-{Q},post:*"),
-    Arm("post_every4", "Post-LN every 4th layer", "post:every4,pre:*"),
-    Arm("pre_every4", "Pre-LN every 4th layer, else Post-LN", "pre:every4,post:*"),
-    Arm("pre_sandwich", "Pre-LN, Sandwich last L/4", "pre:1-{Q},sandwich:*"),
-)
-ARM_BY_NAME = {arm.name: arm for arm in ARMS}
-
 
 @dataclass(frozen=True)
 class Setup:

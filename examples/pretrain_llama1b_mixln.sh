@@ -40,8 +40,12 @@ CHECKPOINT_DIR=${CHECKPOINT_DIR:-/checkpoints/llama1b-mixln}
 SEQ_LENGTH=${SEQ_LENGTH:-256}
 TRAIN_ITERS=${TRAIN_ITERS:-100000}
 
-# Mix-LN: 6 of 24 layers Post-LN. (Or MIXLN_POST_LN_LAYERS=6 instead; setting both is an error.)
-export MIXLN_ALPHA=${MIXLN_ALPHA:-0.25}
+# Mix-LN: 6 of 24 layers Post-LN.
+# Another arm of the paper's comparison (a per-layer MIXLN_LAYOUT, see examples/compare_schemes.sh)
+# or MIXLN_POST_LN_LAYERS=6 replaces the default alpha; two of them at once are an error.
+if [[ -z "${MIXLN_LAYOUT:-}${MIXLN_POST_LN_LAYERS:-}" ]]; then
+    export MIXLN_ALPHA=${MIXLN_ALPHA:-0.25}
+fi
 
 # Megatron-LM 0.19 logs a --spec that fails to import and then trains the stock Pre-LN model
 # (unless patches/<release>/0002-fatal-spec-import.patch is applied): fail here instead.

@@ -47,8 +47,12 @@ CHECKPOINT_DIR=${CHECKPOINT_DIR:-/checkpoints/llama7b-mixln}
 SEQ_LENGTH=${SEQ_LENGTH:-256}
 TRAIN_ITERS=${TRAIN_ITERS:-150000}
 
-# Mix-LN: 2 of 32 layers Post-LN. (Or MIXLN_POST_LN_LAYERS=2 instead; setting both is an error.)
-export MIXLN_ALPHA=${MIXLN_ALPHA:-0.0625}
+# Mix-LN: 2 of 32 layers Post-LN.
+# Another arm of the paper's comparison (a per-layer MIXLN_LAYOUT, see examples/compare_schemes.sh)
+# or MIXLN_POST_LN_LAYERS=2 replaces the default alpha; two of them at once are an error.
+if [[ -z "${MIXLN_LAYOUT:-}${MIXLN_POST_LN_LAYERS:-}" ]]; then
+    export MIXLN_ALPHA=${MIXLN_ALPHA:-0.0625}
+fi
 # Tensor + sequence parallelism need one CUDA connection before Blackwell (validate_args checks).
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 

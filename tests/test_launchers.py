@@ -58,6 +58,12 @@ LAUNCHERS = {
         world_size=32, target="pretrain_gpt.py", post_ln_layers=2, num_layers=32,
         parallel=dict(tp=2, pp=4, vpp=2, dp=4, sequence_parallel=True),
     ),
+    # the paper's comparison: one arm (DeepNorm in the first alpha*L = 6 layers) through the 1B launcher
+    "compare_schemes.sh": dict(
+        env={"ARM": "mix_deepnorm", "MODEL": "1b"}, world_size=8, target="pretrain_gpt.py", post_ln_layers=6,
+        num_layers=24, parallel=dict(tp=1, pp=1, vpp=None, dp=8, sequence_parallel=False),
+        exports={"MIXLN_LAYOUT": "deepnorm:1-6,pre:*", "MIXLN_SCHEME": "mixln"},
+    ),
     "cpu_tiny_mixln.sh": dict(
         env={}, world_size=1, target="-m mixln_megatron.training.pretrain", post_ln_layers=2, num_layers=8,
         backend="local",
@@ -89,6 +95,8 @@ echo "scontrol stub: unsupported: $*" >&2; exit 2
 _STUB_PYTHON = r"""#!/usr/bin/env bash
 # test stub for `$PYTHON -m torch.distributed.run ...`: the torchrun stub records it
 if [[ "$1" == "-m" && "$2" == "torch.distributed.run" ]]; then shift 2; exec "$(dirname "$0")/torchrun" "$@"; fi
+# the arm table of examples/compare_schemes.sh is the real one
+if [[ "$1" == "-m" && "$2" == "mixln_megatron.analysis.arms" ]]; then exec "${MIXLN_TEST_PYTHON}" "$@"; fi
 # test stub for the launchers' pre-flight `$PYTHON -c 'import ...'`: record it, succeed
 printf '%s\0' "$@" >> "${MIXLN_TEST_CAPTURE}/python.calls"
 printf '\n' >> "${MIXLN_TEST_CAPTURE}/python.calls"
@@ -230,6 +238,7 @@ def _run_launcher(name: str, tmp: Path, stub_bin: Path, python=None, extra_env=N
         PYTHON=python or str(stub_bin / "python-preflight"),
         MEGATRON_LM_DIR=str(megatron_lm),
         MIXLN_TEST_CAPTURE=str(capture),
+        MIXLN_TEST_PYTHON=sys.executable,
         OUT_DIR=str(tmp / "out"),
     )
     if path.suffix == ".sbatch":
@@ -309,14 +318,16 @@ def test_launcher_arguments_parse_and_validate(name, tmp_path, stub_bin):
     env_lines = _read_nul(capture / "torchrun.env")
     launch_env = dict(line.split("=", 1) for line in env_lines if "=" in line)
     passed_env = {k: v for k, v in launch_env.items()
-                  if k.startswith("MIXLN_") and k != "MIXLN_TEST_CAPTURE"}
+                  if k.startswith("MIXLN_") and k not in ("MIXLN_TEST_CAPTURE", "MIXLN_TEST_PYTHON")}
     if "CUDA_DEVICE_MAX_CONNECTIONS" in launch_env:
         passed_env["CUDA_DEVICE_MAX_CONNECTIONS"] = launch_env["CUDA_DEVICE_MAX_CONNECTIONS"]
     if not any(a.startswith("--mixln-") for a in megatron_argv):
         # Stock pretrain_gpt.py: the settings can only travel as exported MIXLN_* variables.
-        assert "MIXLN_ALPHA" in passed_env or "MIXLN_POST_LN_LAYERS" in passed_env, (
+        assert {"MIXLN_ALPHA", "MIXLN_POST_LN_LAYERS", "MIXLN_LAYOUT"} & set(passed_env), (
             f"{name}: no exported MIXLN_* variable reaches torchrun"
         )
+    for key, value in want.get("exports", {}).items():
+        assert passed_env.get(key) == value, (key, passed_env)
 
     job = tmp_path / "job.json"
     result = tmp_path / "result.json"
