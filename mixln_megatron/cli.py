@@ -5,7 +5,7 @@
     mixln-megatron convert to-hf | from-hf | gpt-to-hybrid | hybrid-to-gpt | inspect ...
                                                                checkpoints: Megatron <-> HF, GPT <-> Hybrid
     mixln-megatron analyze grad-norms | angular-distance | layer-drop | train-health ...
-    mixln-megatron placement --num-layers L [--alpha A | --post-ln-layers P]
+    mixln-megatron placement --num-layers L [--alpha A | --post-ln-layers P | --layout TEXT]
 
 Each sub-command's module is imported only when it runs, so `--help` stays fast. A user error
 (any mixln_megatron.errors.MixLNError: a bad setting, an unsupported configuration, a refused
@@ -48,10 +48,16 @@ def placement_main(argv=None) -> int:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--alpha", type=str)
     group.add_argument("--post-ln-layers", type=int)
+    group.add_argument("--layout", type=str, help="per-layer kinds, e.g. 'deepnorm:1-2,pre:3-' (model.layout)")
     parser.add_argument("--scheme", type=str)
+    parser.add_argument("--deepnorm-alpha", type=str)
+    parser.add_argument("--deepnorm-beta", type=str)
     args = parser.parse_args(argv)
-    settings = MixLNSettings(alpha=args.alpha, post_ln_layers=args.post_ln_layers, scheme=args.scheme,
-                             sources={"alpha": "--alpha", "post_ln_layers": "--post-ln-layers", "scheme": "--scheme"})
+    settings = MixLNSettings(alpha=args.alpha, post_ln_layers=args.post_ln_layers, layout=args.layout,
+                             scheme=args.scheme, deepnorm_alpha=args.deepnorm_alpha, deepnorm_beta=args.deepnorm_beta,
+                             sources={"alpha": "--alpha", "post_ln_layers": "--post-ln-layers", "layout": "--layout",
+                                      "scheme": "--scheme", "deepnorm_alpha": "--deepnorm-alpha",
+                                      "deepnorm_beta": "--deepnorm-beta"})
     if args.hybrid_layer_pattern is None:
         print(resolve_placement(args.num_layers, settings).describe())
         return 0

@@ -63,6 +63,13 @@ def _layout_of(hf_config) -> dict:
         raise ValueError(f"post_ln_layers must be an integer in [0, num_hidden_layers], got {post_ln!r}")
     if scheme not in MIXLN_SCHEMES:
         raise ValueError(f"mixln_scheme must be one of {', '.join(MIXLN_SCHEMES)}; got {scheme!r}")
+    kinds = getattr(hf_config, "layer_kinds", None)
+    if kinds is not None and list(kinds) != ["post"] * post_ln + ["pre"] * (hf_config.num_hidden_layers - post_ln):
+        # Bridge's mappings here cover Mix-LN's first-P layout (two norms per layer); a per-layer
+        # layout (deepnorm, sandwich, interleaved Post-LN) converts with `mixln-megatron convert`.
+        raise ValueError(
+            f"this HF config has a per-layer layout (layer_kinds {kinds!r:.120}) that the Megatron-Bridge path "
+            "does not map; convert it with `mixln-megatron convert from-hf` instead")
     return {"post_ln_layers": post_ln, "mixln_scheme": scheme, "mixln_alpha": alpha}
 
 
