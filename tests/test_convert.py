@@ -266,11 +266,13 @@ def test_qkv_and_glu_layouts():
         t = torch.randn(shape.megatron_layer_shapes()[role])
         assert torch.equal(merge_tp_shards(role, [split_tp_shard(role, t, 2, r) for r in range(2)]), t)
     # every role of a layer becomes the HF tensors hf_role_tensors names, with their shapes
+    from mixln_megatron.convert.mapping import hf_role_tensors, layer_roles
     from mixln_megatron.convert.to_hf import hf_layer_tensors
 
+    assert sorted(layer_roles(shape)) == sorted(shape.megatron_layer_shapes())  # the same roles, biases or not
     for role, megatron_shape in shape.megatron_layer_shapes().items():
         hf = hf_layer_tensors(role, torch.randn(megatron_shape), shape)
-        assert [tuple(t.shape) for t in hf] == [s for _, s in shape.hf_role_tensors(role, False)], role
+        assert [tuple(t.shape) for t in hf] == [s for _, s in hf_role_tensors(shape, role, False)], role
     assert padded_vocab_size(32000, 128, 4) == 32256 and padded_vocab_size(250, 128, 2) == 256
 
 

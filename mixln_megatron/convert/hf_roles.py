@@ -91,11 +91,11 @@ class HFRoleSource:
             out[M.HF_OUTPUT] = (s.vocab_size, s.hidden_size)
         for layer in range(s.num_layers):
             p = M.hf_layer_prefix(layer)
-            for role in s.roles():
+            for role in M.layer_roles(s):
                 if role in ("norm_a", "norm_b"):
                     out[p + self.norm_source(layer)[role]] = (s.hidden_size,)
                 else:
-                    for name, shp in s.hf_role_tensors(role, False):
+                    for name, shp in M.hf_role_tensors(s, role, False):
                         out[p + name] = shp
         return out
 

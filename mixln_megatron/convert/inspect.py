@@ -28,7 +28,7 @@ from typing import Optional
 
 from ..errors import ConversionError, UnsupportedModelError
 from . import hybrid_keys
-from .shape import ArgsShape, args_hybrid_pattern, args_shape  # noqa: F401  (ArgsShape, args_shape: API)
+from .shape import ArgsShape, ModelShape, args_hybrid_pattern, args_shape, read_checkpoint_shape  # noqa: F401
 
 NO_RECORD = "no Mix-LN record (a stock Pre-LN checkpoint: P = 0)"
 
@@ -95,6 +95,8 @@ class CheckpointInfo:
     record_source: str
     model_kind: str = hybrid_keys.GPT  # or hybrid_keys.HYBRID (a HybridModel checkpoint)
     hybrid_pattern: Optional[str] = None  # the args' --hybrid-layer-pattern, else the one the keys hold
+    model_shape: Optional[ModelShape] = None  # the Llama shape, when read for an export (true vocabulary given)
+    layer_shapes: Optional[dict] = None  # model_shape.megatron_layer_shapes(), read with it
 
     @property
     def num_blocks(self) -> int:
@@ -114,19 +116,26 @@ def inspect_checkpoint(load: str, iteration=None) -> CheckpointInfo:
     """Open the checkpoint in `load` (a --save directory or one iteration in it) and read its model."""
     from .megatron_reader import open_checkpoint
 
-    reader = open_checkpoint(load, iteration)
+    return inspect_reader(open_checkpoint(load, iteration))
+
+
+def inspect_reader(reader, vocab_size: Optional[int] = None) -> CheckpointInfo:
+    """What an open checkpoint reader says about its model: the model kind, the shape (read once,
+    convert.shape.read_checkpoint_shape: with `vocab_size`, the true vocabulary of an export, also
+    the Llama ModelShape), then the Mix-LN record."""
     reader._require_args()
     kind = _model_kind(reader)
     if kind == hybrid_keys.HYBRID:  # before anything counts its layers as blocks
         problem = hybrid_keys.pattern_problem(args_hybrid_pattern(reader.args), reader.hybrid_pattern)
         if problem:
             raise UnsupportedModelError(f"{reader.path} is not a Mix-LN model: {problem}")
-    shape = args_shape(reader.args)
+    shape, model_shape, layer_shapes = read_checkpoint_shape(reader.args, vocab_size)
     record, source = mixln_record(reader, shape.num_layers)
     pattern = args_hybrid_pattern(reader.args) or getattr(reader, "hybrid_pattern", None)
     return CheckpointInfo(reader=reader, path=reader.path, format=reader.format, iteration=reader.iteration,
                           args=reader.args, shape=shape, record=record, record_source=source, model_kind=kind,
-                          hybrid_pattern=pattern if kind == hybrid_keys.HYBRID else None)
+                          hybrid_pattern=pattern if kind == hybrid_keys.HYBRID else None,
+                          model_shape=model_shape, layer_shapes=layer_shapes)
 
 
 def describe_checkpoint(load: str, iteration=None) -> dict:

@@ -38,7 +38,8 @@ def _ranges(start: int, stop: int, step: int):
 
 def split_qkv(qkv, shape: ModelShape):
     """Megatron's grouped QKV rows -> (q, k, v) in HF head order (weight [rows, h] or bias [rows])."""
-    d, ng, qpg = shape.kv_channels, shape.num_query_groups, shape.q_per_group
+    d, ng = shape.kv_channels, shape.num_query_groups
+    qpg = shape.num_attention_heads // ng  # the shape's fields only: an export's writing never calls back into it
     rest = tuple(qkv.shape[1:])
     grouped = qkv.reshape(ng, qpg + 2, d, *rest)
     q = grouped[:, :qpg].reshape(ng * qpg * d, *rest)

@@ -216,7 +216,8 @@ class LegacyCheckpoint(ReaderBase):
             del sd
         return total
 
-    def check_shapes(self, shape: ModelShape) -> None:
+    def check_shapes(self, shape: ModelShape, layer_shapes=None) -> None:
+        """The rank files hold as many layers as the args describe."""
         if self.num_layers_found != shape.num_layers:
             raise ConversionError(
                 f"the checkpoint holds {self.num_layers_found} layers but its args say num_layers={shape.num_layers}"

@@ -22,12 +22,15 @@ change use the stock keys. Readers accept both layouts. Legacy per-rank files na
 instead (TE fused names, local names, Post-LN names): LEGACY_LAYER_NAMES.
 
 Shapes live in convert.shape, tensor layouts (QKV groups, [gate; up], TP shards) in
-convert.layouts, the args a written checkpoint carries in convert.written_args.
+convert.layouts, the args a written checkpoint carries in convert.written_args. The roles of a
+model and the HF tensors each becomes (`layer_roles`, `hf_role_tensors`, `map_roles`) are here:
+an export reads the checkpoint's facts (convert.facts), maps the roles once, then writes.
 """
 
 from __future__ import annotations
 
-from typing import Dict
+import dataclasses
+from typing import Dict, List, Optional, Tuple
 
 from ..model import checkpoint_keys as keys
 
@@ -55,11 +58,13 @@ LAYER_ROLE_NAMES: Dict[str, str] = {
 MIXLN_NORM_NAMES: Dict[str, str] = {"norm_a": keys.MIXLN_NORM_A + "weight", "norm_b": keys.MIXLN_NORM_B + "weight"}
 
 
+# {Mix-LN layout?: {role: layer-local torch_dist name}}: a stock (False) or Mix-LN (True) checkpoint.
+TD_LAYER_NAMES: Dict[bool, Dict[str, str]] = {False: LAYER_ROLE_NAMES, True: {**LAYER_ROLE_NAMES, **MIXLN_NORM_NAMES}}
+
+
 def td_layer_name(role: str, mixln_layout: bool) -> str:
     """The layer-local torch_dist name of a role in a stock (False) or Mix-LN (True) checkpoint."""
-    if mixln_layout and role in MIXLN_NORM_NAMES:
-        return MIXLN_NORM_NAMES[role]
-    return LAYER_ROLE_NAMES[role]
+    return TD_LAYER_NAMES[bool(mixln_layout)][role]
 
 
 def uses_mixln_layout(placement_record: dict) -> bool:
@@ -124,3 +129,70 @@ def hf_norm_names(is_post_ln: bool) -> Dict[str, str]:
     if is_post_ln:
         return {"norm_a": "post_feedforward_layernorm.weight", "norm_b": "post_attention_layernorm.weight"}
     return {"norm_a": "input_layernorm.weight", "norm_b": "post_attention_layernorm.weight"}
+
+
+# ---------------------------------------------------------------------------------------- roles
+# Per-layer roles in the order they are converted (and written to HF); the biases only with add_bias_linear.
+LAYER_ROLES = ("qkv.weight", "qkv.bias", "proj.weight", "proj.bias", "fc1.weight", "fc1.bias",
+               "fc2.weight", "fc2.bias", "norm_b", "norm_a")
+
+
+def layer_roles(shape) -> List[str]:
+    """The per-layer roles of a model of this shape (convert.shape.ModelShape), in conversion order."""
+    return [r for r in LAYER_ROLES if shape.add_bias_linear or not r.endswith(".bias")]
+
+
+def hf_role_tensors(shape, role: str, is_post_ln: bool) -> List[Tuple[str, Tuple[int, ...]]]:
+    """HF (layer-local name, shape) pairs a role turns into, in write order."""
+    h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.kv_channels
+    nq, nkv = shape.num_attention_heads * d, shape.num_query_groups * d
+    if role in ("norm_a", "norm_b"):
+        return [(hf_norm_names(is_post_ln)[role], (h,))]
+    kind = role.split(".")[1]
+    tail = (h,) if kind == "weight" else ()
+    if role.startswith("qkv."):
+        return [(f"self_attn.q_proj.{kind}", (nq, *tail)), (f"self_attn.k_proj.{kind}", (nkv, *tail)),
+                (f"self_attn.v_proj.{kind}", (nkv, *tail))]
+    if role == "proj.weight":
+        return [("self_attn.o_proj.weight", (h, nq))]
+    if role == "proj.bias":
+        return [("self_attn.o_proj.bias", (h,))]
+    if role.startswith("fc1."):
+        return [(f"mlp.gate_proj.{kind}", (f, *tail)), (f"mlp.up_proj.{kind}", (f, *tail))]
+    if role == "fc2.weight":
+        return [("mlp.down_proj.weight", (h, f))]
+    if role == "fc2.bias":
+        return [("mlp.down_proj.bias", (h,))]
+    raise KeyError(role)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleMap:
+    """Where every Megatron tensor of a model goes in its HF export, worked out once (map_roles).
+
+    `layers[i]`: ((role, ((HF name, shape), ...)), ...) of layer i in conversion order; `plan`: every
+    HF tensor (name, shape) in the order the export writes them (embedding, layers, final norm,
+    output layer unless tied)."""
+
+    roles: Tuple[str, ...]
+    layers: Tuple[Tuple[Tuple[str, Tuple[Tuple[str, Tuple[int, ...]], ...]], ...], ...]
+    embedding: Tuple[str, Tuple[int, ...]]
+    final_norm: Tuple[str, Tuple[int, ...]]
+    output: Optional[Tuple[str, Tuple[int, ...]]]
+    plan: Tuple[Tuple[str, Tuple[int, ...]], ...]
+
+
+def map_roles(shape, post_ln_layers: int) -> RoleMap:
+    """The RoleMap of a model of this shape whose first `post_ln_layers` layers are Post-LN."""
+    roles = tuple(layer_roles(shape))
+    layers = tuple(
+        tuple((role, tuple((hf_layer_prefix(i) + name, shp)
+                           for name, shp in hf_role_tensors(shape, role, i < post_ln_layers)))
+              for role in roles)
+        for i in range(shape.num_layers))
+    vocab = (shape.vocab_size, shape.hidden_size)
+    embedding, final_norm = (HF_EMBEDDING, vocab), (HF_FINAL_NORM, (shape.hidden_size,))
+    output = None if shape.tie_embeddings else (HF_OUTPUT, vocab)
+    plan = (embedding, *(t for layer in layers for _, tensors in layer for t in tensors), final_norm)
+    return RoleMap(roles, layers, embedding, final_norm, output, plan + ((output,) if output else ()))
+

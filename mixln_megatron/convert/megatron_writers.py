@@ -41,7 +41,7 @@ def write_torch_dist(out_dir: str, src: HFRoleSource, shape: ModelShape, padded_
     vocab(M.TD_EMBEDDING, M.HF_EMBEDDING)
     layer_shapes = shape.megatron_layer_shapes()
     for layer in range(L):
-        for role in shape.roles():
+        for role in M.layer_roles(shape):
             shp = layer_shapes[role]
             row_bytes = dtype.itemsize * (shp[1] if len(shp) > 1 else 1)
             # Chunks of <= PIECE_BYTES: megatron-core reshards them at load like any other layout.
@@ -84,7 +84,7 @@ def write_legacy(out_dir: str, src: HFRoleSource, shape: ModelShape, padded_voca
                 is_post = layer < src.post_ln
                 names = M.LEGACY_WRITE_NAMES[(transformer_impl, is_post)]
                 prefix = f"decoder.layers.{local}."
-                for role in shape.roles():
+                for role in M.layer_roles(shape):
                     full = src.role(layer, role)
                     model[prefix + names.get(role, M.LAYER_ROLE_NAMES[role])] = split_tp_shard(role, full, tp, t)
                     del full

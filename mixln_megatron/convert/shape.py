@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from ..model import hybrid_pattern, support
 from ..errors import ConversionError, UnsupportedModelError
-from .mapping import HF_EMBEDDING, HF_FINAL_NORM, HF_OUTPUT, hf_layer_prefix, hf_norm_names
 
 # Upper bounds of what a checkpoint or config.json may say. Real models for comparison: Llama 3.1
 # 405B has 126 layers, hidden 16384, 128 heads (8 KV), FFN 53248, vocabulary 128256; the largest
@@ -267,48 +266,6 @@ class ModelShape:
             shapes.update({"qkv.bias": (self.qkv_rows,), "proj.bias": (h,), "fc1.bias": (2 * f,), "fc2.bias": (h,)})
         return shapes
 
-    def roles(self) -> List[str]:
-        """Per-layer roles in the order they are converted (and written to HF)."""
-        order = ["qkv.weight", "qkv.bias", "proj.weight", "proj.bias", "fc1.weight", "fc1.bias",
-                 "fc2.weight", "fc2.bias", "norm_b", "norm_a"]
-        present = self.megatron_layer_shapes()
-        return [r for r in order if r in present]
-
-    def hf_role_tensors(self, role: str, is_post_ln: bool) -> List[Tuple[str, Tuple[int, ...]]]:
-        """HF (layer-local name, shape) pairs a role turns into, in write order."""
-        h, f, d = self.hidden_size, self.ffn_hidden_size, self.kv_channels
-        nq, nkv = self.num_attention_heads * d, self.num_query_groups * d
-        if role in ("norm_a", "norm_b"):
-            return [(hf_norm_names(is_post_ln)[role], (h,))]
-        kind = role.split(".")[1]
-        tail = (h,) if kind == "weight" else ()
-        if role.startswith("qkv."):
-            return [(f"self_attn.q_proj.{kind}", (nq, *tail)), (f"self_attn.k_proj.{kind}", (nkv, *tail)),
-                    (f"self_attn.v_proj.{kind}", (nkv, *tail))]
-        if role == "proj.weight":
-            return [("self_attn.o_proj.weight", (h, nq))]
-        if role == "proj.bias":
-            return [("self_attn.o_proj.bias", (h,))]
-        if role.startswith("fc1."):
-            return [(f"mlp.gate_proj.{kind}", (f, *tail)), (f"mlp.up_proj.{kind}", (f, *tail))]
-        if role == "fc2.weight":
-            return [("mlp.down_proj.weight", (h, f))]
-        if role == "fc2.bias":
-            return [("mlp.down_proj.bias", (h,))]
-        raise KeyError(role)
-
-    def hf_plan(self, post_ln_layers: int) -> List[Tuple[str, Tuple[int, ...]]]:
-        """Every HF tensor (name, shape) of the model, in the order the export writes them."""
-        plan = [(HF_EMBEDDING, (self.vocab_size, self.hidden_size))]
-        for i in range(self.num_layers):
-            for role in self.roles():
-                for name, shape in self.hf_role_tensors(role, i < post_ln_layers):
-                    plan.append((hf_layer_prefix(i) + name, shape))
-        plan.append((HF_FINAL_NORM, (self.hidden_size,)))
-        if not self.tie_embeddings:
-            plan.append((HF_OUTPUT, (self.vocab_size, self.hidden_size)))
-        return plan
-
 
 def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: int) -> int:
     """Megatron's padding rule: a multiple of make_vocab_size_divisible_by x TP."""
@@ -359,7 +316,24 @@ def check_megatron_args_supported(args) -> None:
 def shape_from_megatron_args(args, vocab_size: int) -> ModelShape:
     """The model shape recorded in a Megatron-LM checkpoint's args (after the support check)."""
     check_megatron_args_supported(args)
+    return _model_shape(args_shape(args), vocab_size)
+
+
+def read_checkpoint_shape(args, vocab_size: Optional[int] = None):
+    """The one reading of a checkpoint's args (convert.inspect): (ArgsShape, ModelShape, layer shapes).
+
+    Without `vocab_size`: (ArgsShape, None, None), any GPT. With the true vocabulary (an export to
+    Llama): the args' fields checked first, then what Llama cannot express (one
+    UnsupportedModelError), then the ModelShape and its per-layer role shapes."""
     a = args_shape(args)
+    if vocab_size is None:
+        return a, None, None
+    check_megatron_args_supported(args)
+    model = _model_shape(a, vocab_size)
+    return a, model, model.megatron_layer_shapes()
+
+
+def _model_shape(a: ArgsShape, vocab_size: int) -> ModelShape:
     rope_scaling = None
     if a.rotary_seq_len_interpolation_factor:
         rope_scaling = {"rope_type": "linear", "factor": float(a.rotary_seq_len_interpolation_factor)}
@@ -395,19 +369,7 @@ def llama3_rope_scaling(factor: float) -> dict:
     }
 
 
-# ----------------------------------------------------------------------------- HF <-> shape
-def v4_rope_keys(shape: ModelShape) -> dict:
-    """rope_theta / rope_scaling as transformers 4.x reads them (5.x reads rope_parameters)."""
-    out = {"rope_theta": shape.rotary_base}
-    if shape.rope_scaling is not None:
-        scaling = dict(shape.rope_scaling)
-        scaling.setdefault("type", scaling.get("rope_type"))
-        out["rope_scaling"] = scaling
-    else:
-        out["rope_scaling"] = None
-    return out
-
-
+# ----------------------------------------------------------------------------- HF config.json -> shape
 HF_MODEL_TYPES = ("llama", "mixln_llama")
 
 

@@ -15,7 +15,9 @@ config.json and tensors as the GPTModel checkpoint with the same weights.
 
 The model shape and the Mix-LN settings come from the checkpoint (args, settings record, content
 metadata); nothing about the model is taken from the command line except the true vocabulary
-size when the args do not record it.
+size when the args do not record it. One way through: the checkpoint's facts are read once
+(convert.facts), the roles mapped once (convert.mapping.map_roles), then everything is written
+from those two objects (tests/test_conversion_walk.py).
 
 Memory: every tensor is read (as a sub-box of the checkpoint), converted and appended to its
 safetensors shard before the next is read. The shard headers are written first from the known
@@ -36,9 +38,9 @@ import torch
 from ..errors import ConversionError, UnsupportedModelError
 from .staging import prepare_output, staged_output_dir
 from . import mapping as M
-from .inspect import inspect_checkpoint
+from .facts import TOKENIZER_FILES, CheckpointFacts, read_checkpoint_facts
 from .layouts import deinterleave_rope_rows, split_qkv
-from .shape import ModelShape, shape_from_megatron_args, v4_rope_keys
+from .shape import ModelShape
 
 TRANSFORMERS_RANGE = ("4.56", "6")  # >= 4.56, < 6 (tested with 5.24)
 _ST_DTYPES = {
@@ -48,9 +50,6 @@ _ST_DTYPES = {
 }
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "spiece.model",
-                   "chat_template.jinja", "chat_template.json")
 
 
 def transformers_version() -> str:
@@ -230,6 +229,19 @@ def hf_config_dict(shape: ModelShape, post_ln: int, scheme: str, alpha, dtype_na
     return cfg
 
 
+def v4_rope_keys(shape: ModelShape) -> dict:
+    """rope_theta / rope_scaling as transformers 4.x reads them (5.x reads rope_parameters)."""
+    out = {"rope_theta": shape.rotary_base}
+    if shape.rope_scaling is not None:
+        scaling = dict(shape.rope_scaling)
+        scaling.setdefault("type", scaling.get("rope_type"))
+        out["rope_scaling"] = scaling
+    else:
+        out["rope_scaling"] = None
+    return out
+
+
+
 def generation_config_dict(token_ids: dict) -> dict:
     out = {"_from_model_config": True, "transformers_version": transformers_version()}
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -242,33 +254,6 @@ def _write_json(path: str, obj: dict) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")
-
-
-# --------------------------------------------------------------------------- vocabulary
-def resolve_true_vocab(reader, vocab_size: Optional[int], tokenizer_dir: Optional[str]) -> Tuple[int, str]:
-    """The true (unpadded) vocabulary size and where it came from."""
-    if vocab_size is not None:
-        return int(vocab_size), "--vocab-size"
-    args_vocab = getattr(reader.args, "vocab_size", None)
-    if args_vocab:
-        return int(args_vocab), "the checkpoint's args (vocab_size)"
-    for source, path in (("--tokenizer", tokenizer_dir), ("the checkpoint's args (tokenizer_model)",
-                                                           getattr(reader.args, "tokenizer_model", None))):
-        if path and os.path.isdir(str(path)):
-            return len(_load_tokenizer(str(path))), f"the tokenizer in {path} ({source})"
-    raise ConversionError(
-        "cannot tell the true vocabulary size: the checkpoint's args record none and no local tokenizer "
-        f"is known; pass --vocab-size N or --tokenizer DIR (the padded size is {reader.padded_vocab_size})"
-    )
-
-
-def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 - any tokenizer loading problem is a user input problem
-        raise ConversionError(f"cannot load a tokenizer from {path}: {e}") from None
 
 
 # --------------------------------------------------------------------------- conversion
@@ -293,59 +278,29 @@ def convert_to_hf(
 
     prepare_output(load, save, HF_FOLDER, overwrite)  # before any work: never lose the input or a foreign folder
     tf_version = check_transformers_version()
-    info = inspect_checkpoint(load, iteration)
-    reader = info.reader
-    true_vocab, vocab_source = resolve_true_vocab(reader, vocab_size, tokenizer)
-    shape = shape_from_megatron_args(reader.args, true_vocab)
-    if true_vocab > reader.padded_vocab_size:
-        raise ConversionError(
-            f"true vocabulary {true_vocab} ({vocab_source}) exceeds the checkpoint's embedding rows "
-            f"{reader.padded_vocab_size}"
-        )
-    reader.check_shapes(shape)
-    record, record_source = info.record, info.record_source
-    post_ln, scheme, alpha = int(record["post_ln_layers"]), record["scheme"], record.get("alpha")
-    reader.check_layer_kinds(post_ln)
-    if not shape.tie_embeddings and not reader.has_output_layer:
-        raise ConversionError("the args say the output layer is untied, but the checkpoint has no output_layer.weight")
-    if dtype in (None, "auto"):
-        out_dtype = reader.dtype
-        if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise UnsupportedModelError(f"the checkpoint's weights are {out_dtype}; pass --dtype bfloat16/float32")
-    else:
-        if dtype not in DTYPES:
-            raise ConversionError(f"--dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
-        out_dtype = DTYPES[dtype]
+    if dtype not in (None, "auto") and dtype not in DTYPES:
+        raise ConversionError(f"--dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
+    facts = read_checkpoint_facts(load, iteration, vocab_size=vocab_size, tokenizer=tokenizer)  # 1. read
+    out_dtype = facts.dtype if dtype in (None, "auto") else DTYPES[dtype]
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise UnsupportedModelError(f"the checkpoint's weights are {out_dtype}; pass --dtype bfloat16/float32")
+    roles = M.map_roles(facts.shape, facts.post_ln_layers)  # 2. map
+    from ..hf.export_code import is_stock_llama, write_model_code  # 3. write
 
-    tok = None
-    if tokenizer:
-        tok = _load_tokenizer(tokenizer)
-    else:
-        recorded = getattr(reader.args, "tokenizer_model", None)
-        if recorded and os.path.isdir(str(recorded)) and any(
-                os.path.isfile(os.path.join(str(recorded), n)) for n in TOKENIZER_FILES[:4]):
-            try:
-                tok = _load_tokenizer(str(recorded))  # only for the special token ids
-            except ConversionError:
-                tok = None
-    # Special token ids only come from a tokenizer; without one they stay unset (not Llama's 1 / 2).
-    token_ids = {k: getattr(tok, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    from ..hf.export_code import is_stock_llama, write_model_code
-
+    post_ln, scheme, alpha = facts.post_ln_layers, facts.scheme, facts.alpha
     stock = is_stock_llama(post_ln, scheme)
     dtype_name = str(out_dtype).replace("torch.", "")
-    config = hf_config_dict(shape, post_ln, scheme, alpha, dtype_name, token_ids)
-
-    plan = [(name, shp, out_dtype) for name, shp in shape.hf_plan(post_ln)]
+    config = hf_config_dict(facts.shape, post_ln, scheme, alpha, dtype_name, facts.token_ids)
+    plan = [(name, shp, out_dtype) for name, shp in roles.plan]
     with staged_output_dir(save, overwrite, HF_FOLDER) as tmp:
         _write_json(os.path.join(tmp, "config.json"), config)
-        _write_json(os.path.join(tmp, "generation_config.json"), generation_config_dict(token_ids))
+        _write_json(os.path.join(tmp, "generation_config.json"), generation_config_dict(facts.token_ids))
         if not stock:
             write_model_code(tmp)
         writer = StreamingSafetensorsWriter(tmp, plan, parse_size(max_shard_size))
         bar = _progress(progress, writer.total_bytes, f"to-hf {os.path.basename(os.path.abspath(save))}")
         try:
-            _write_tensors(reader, shape, post_ln, out_dtype, writer, bar)
+            _write_tensors(facts, roles, out_dtype, writer, bar)
             writer.close()
         finally:
             writer.abort()
@@ -354,18 +309,19 @@ def convert_to_hf(
             _copy_tokenizer(tokenizer, tmp)
         files = sorted(f for f in os.listdir(tmp) if not f.startswith("."))  # not the owner file
     return {
-        "format": reader.format, "checkpoint": reader.path, "iteration": reader.iteration,
-        "model_kind": info.model_kind, "hybrid_pattern": info.hybrid_pattern,
-        "post_ln_layers": post_ln, "scheme": scheme, "alpha": alpha, "settings_source": record_source,
+        "format": facts.format, "checkpoint": facts.path, "iteration": facts.iteration,
+        "model_kind": facts.model_kind, "hybrid_pattern": facts.hybrid_pattern,
+        "post_ln_layers": post_ln, "scheme": scheme, "alpha": alpha, "settings_source": facts.settings_source,
         "architecture": "LlamaForCausalLM" if stock else "MixLNLlamaForCausalLM",
-        "vocab_size": true_vocab, "vocab_source": vocab_source, "padded_vocab_size": reader.padded_vocab_size,
+        "vocab_size": facts.vocab_size, "vocab_source": facts.vocab_source,
+        "padded_vocab_size": facts.padded_vocab_size,
         "dtype": dtype_name, "bytes": writer.total_bytes, "files": files, "save": os.path.abspath(save),
         "transformers": tf_version, "seconds": round(time.time() - t0, 2),
     }
 
 
 def hf_layer_tensors(role: str, tensor: torch.Tensor, shape: ModelShape) -> List[torch.Tensor]:
-    """One layer's Megatron tensor of `role` (global layout) -> its HF tensors, in shape.hf_role_tensors order."""
+    """One layer's Megatron tensor of `role` (global layout) -> its HF tensors, in mapping.hf_role_tensors order."""
     if role.startswith("qkv."):
         q, k, v = split_qkv(tensor, shape)
         if shape.rotary_interleaved:  # Megatron's interleaved RoPE -> HF's rotate-half rows
@@ -379,29 +335,28 @@ def hf_layer_tensors(role: str, tensor: torch.Tensor, shape: ModelShape) -> List
     return [tensor]
 
 
-def hf_tensors(reader, shape: ModelShape, post_ln: int) -> Iterator[Tuple[str, torch.Tensor]]:
-    """(HF name, tensor or block of its rows) in the order of shape.hf_plan: reader -> role mapping."""
+def hf_tensors(facts: CheckpointFacts, roles: M.RoleMap) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(HF name, tensor or block of its rows) in the order of roles.plan: the reader's tensors, mapped."""
+    reader, shape = facts.reader, facts.shape
+
     def vocab(which, name):
         for start, stop in reader.vocab_blocks(which, shape.vocab_size):
             yield name, reader.read_vocab_rows(which, start, stop)
 
-    yield from vocab("embedding", M.HF_EMBEDDING)
-    roles = shape.roles()
-    for layer in range(shape.num_layers):
-        prefix = M.hf_layer_prefix(layer)
-        tensors = reader.read_layer(layer, roles)
-        for role in roles:
-            names = shape.hf_role_tensors(role, layer < post_ln)
+    yield from vocab("embedding", roles.embedding[0])
+    for layer, entries in enumerate(roles.layers):
+        tensors = reader.read_layer(layer, roles.roles)
+        for role, names in entries:
             for (name, _), tensor in zip(names, hf_layer_tensors(role, tensors.pop(role), shape)):
-                yield prefix + name, tensor
+                yield name, tensor
     norm = reader.read_final_norm()
-    yield M.HF_FINAL_NORM, norm.float() + 1 if shape.layernorm_1p else norm
-    if not shape.tie_embeddings:
-        yield from vocab("output", M.HF_OUTPUT)
+    yield roles.final_norm[0], norm.float() + 1 if shape.layernorm_1p else norm
+    if roles.output is not None:
+        yield from vocab("output", roles.output[0])
 
 
-def _write_tensors(reader, shape: ModelShape, post_ln: int, out_dtype, writer, bar) -> None:
-    for name, tensor in hf_tensors(reader, shape, post_ln):
+def _write_tensors(facts: CheckpointFacts, roles: M.RoleMap, out_dtype, writer, bar) -> None:
+    for name, tensor in hf_tensors(facts, roles):
         bar.update(writer.write(name, tensor.to(out_dtype)))
         del tensor
 

@@ -71,6 +71,7 @@ class TorchDistCheckpoint(ReaderBase):
         mixln_norm = M.MIXLN_NORM_NAMES["norm_a"]
         self.norm_layout = "mixln" if any(
             k == M.TD_LAYER_PREFIX + mixln_norm or k.endswith("." + mixln_norm) for k in self._tensors) else "stock"
+        self._role_names = M.TD_LAYER_NAMES[self.norm_layout == "mixln"]  # {role: layer-local name}
 
     # ---------------------------------------------------------------- validation
     def _check_keys(self) -> None:
@@ -131,7 +132,7 @@ class TorchDistCheckpoint(ReaderBase):
     def _layer_key(self, layer: int, role: str) -> Tuple[str, bool]:
         """(key, stacked): a GPTModel's stacked key (hybrid_keys.model_kind refuses per-layer GPT
         keys), or the HybridModel layer's own key."""
-        name = M.td_layer_name(role, self.norm_layout == "mixln")
+        name = self._role_names[role]
         if self.hybrid_pattern is not None:
             return self._hybrid_layer_key(layer, role, name), False
         stacked = keys.LAYERS + name
@@ -204,14 +205,15 @@ class TorchDistCheckpoint(ReaderBase):
         return sum(math.prod(md.size) * md.properties.dtype.itemsize for key, md in self._tensors.items()
                    if key.startswith(("decoder.", "embedding.", "output_layer.")))
 
-    def check_shapes(self, shape) -> None:
-        """The stacked tensors have the shapes the args describe."""
+    def check_shapes(self, shape, layer_shapes) -> None:
+        """The stacked tensors have the shapes the args describe (`layer_shapes`:
+        shape.megatron_layer_shapes(), read with the shape)."""
         n = self.num_blocks()
         if n is not None and n != shape.num_layers:
             what = f"holds {len(self.hybrid_pattern)} hybrid layers ({n} blocks)" if self.hybrid_pattern is not None \
                 else f"stacks {n} layers"
             raise ConversionError(f"the checkpoint {what} but its args describe {shape.num_layers} blocks")
-        for role, want in shape.megatron_layer_shapes().items():
+        for role, want in layer_shapes.items():
             key, stacked = self._layer_key(0, role)
             got = self.global_shape(key)[1:] if stacked else self.global_shape(key)
             if tuple(got) != tuple(want):
