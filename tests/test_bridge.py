@@ -203,6 +203,16 @@ else:
         assert config["auto_map"]["AutoModelForCausalLM"].endswith(mixln_bridge.MIXLN_ARCHITECTURE)
         assert config["num_hidden_layers"] == LAYERS
 
+    def test_a_per_layer_layout_is_refused_in_one_line(gloo, tmp_path):
+        """Bridge maps Mix-LN's first-P layout; a deepnorm / sandwich layout is refused, not mis-mapped."""
+        config = config_for_export(1, "mixln", None, layer_kinds=["deepnorm", "sandwich", "pre", "pre"],
+                                   deepnorm_alpha=2.0, deepnorm_beta=0.5, **TINY)
+        folder = export_folder(MixLNLlamaForCausalLM(config).eval(), str(tmp_path / "layout"))
+        bridge = AutoBridge.from_hf_pretrained(folder, trust_remote_code=True)
+        with pytest.raises(ValueError, match="per-layer layout .* convert from-hf") as err:
+            bridge.to_megatron_provider(load_weights=False)
+        assert "\n" not in str(err.value)
+
     @pytest.mark.parametrize("post_ln,scheme", [(1, "mixln"), (0, "lns")], ids=["P1-mixln", "P0-lns"])
     def test_te_backend_builds_loads_and_exports_exactly(gloo, tmp_path, post_ln, scheme):
         reason = cpu.te_unavailable_reason()
