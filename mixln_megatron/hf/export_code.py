@@ -34,10 +34,6 @@ LLAMA_ARCHITECTURES = ["LlamaForCausalLM"]
 _CLASS_KEYS = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
 
 
-# The Mix-LN fields of a config (the arguments of export_config_fields), never taken from llama_kwargs.
-_MIXLN_KEYS = ("post_ln_layers", "mixln_scheme", "mixln_alpha", "layer_kinds", "deepnorm_alpha", "deepnorm_beta")
-
-
 def _first_p(layer_kinds) -> bool:
     """Mix-LN's own layout: some "post" layers, then only "pre" layers."""
     kinds = list(layer_kinds)
@@ -117,23 +113,13 @@ def config_for_export(post_ln_layers: int, mixln_scheme: str, mixln_alpha: Optio
     `llama_kwargs` are LlamaConfig arguments (hidden_size, num_hidden_layers, rope_theta / rope_parameters,
     tie_word_embeddings, ...); a `LlamaConfig.to_dict()` may be passed as is: its class-describing keys
     (model_type, architectures, auto_map, transformers_version, _name_or_path) are dropped. The Mix-LN fields
-    come from the arguments; a `MixLNLlamaConfig.to_dict()` may hold them too, when they agree (None or equal).
+    (post_ln_layers ... deepnorm_beta) are the arguments, as `placement_export_fields(placement)` gives them.
     """
     from transformers import LlamaConfig
 
     from .configuration_mixln_llama import MixLNLlamaConfig
 
-    given = {"post_ln_layers": post_ln_layers, "mixln_scheme": mixln_scheme, "mixln_alpha": mixln_alpha,
-             "layer_kinds": None if layer_kinds is None else list(layer_kinds), "deepnorm_alpha": deepnorm_alpha,
-             "deepnorm_beta": deepnorm_beta}
-    for key in _MIXLN_KEYS:
-        if key in llama_kwargs and llama_kwargs[key] is not None and llama_kwargs[key] != given[key]:
-            value = llama_kwargs[key]
-            value = list(value) if isinstance(value, tuple) else value
-            if value != given[key]:
-                raise ValueError(f"config_for_export: {key} = {given[key]!r:.80} in the arguments but "
-                                 f"{llama_kwargs[key]!r:.80} in the LlamaConfig fields")
-    kwargs = {k: v for k, v in llama_kwargs.items() if k not in _CLASS_KEYS and k not in _MIXLN_KEYS}
+    kwargs = {k: v for k, v in llama_kwargs.items() if k not in _CLASS_KEYS}
     fields = export_config_fields(post_ln_layers, mixln_scheme, mixln_alpha, layer_kinds, deepnorm_alpha,
                                   deepnorm_beta)
     cls = LlamaConfig if fields["model_type"] == "llama" else MixLNLlamaConfig
