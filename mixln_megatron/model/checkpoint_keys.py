@@ -16,6 +16,7 @@ i (0-based) is hybrid layers 2i (`*`: attention) and 2i+1 (`-`: MLP) (model.hybr
     pre_mlp_layernorm.*, mlp.*, post_mlp_layernorm.*   2i + 1  (the `-` layer)
     mixln_norm_a.* (Pre-LN input norm | Post-LN N2)    Pre-LN: 2i      Post-LN: 2i + 1
     mixln_norm_b.* (Pre-LN MLP norm | Post-LN N1)      Pre-LN: 2i + 1  Post-LN: 2i
+    mixln_norm_c.* | mixln_norm_d.* (sandwich N_b | N_d)  2i | 2i + 1 (HybridModel refuses sandwich today)
     mixln_spike_scaler.layer<i+1>.norm1.* | .norm2.*   2i | 2i + 1 (spike-scaler state)
     decoder.final_layernorm.*  <->  decoder.final_norm.*
 """
@@ -43,14 +44,20 @@ METADATA_KEY = "mixln"
 COMMON_STATE_KEY = "common_state/shard_0_1"
 # A Mix-LN layer (P > 0 or LNS) stores its two norms here, whatever its kind (model.layer).
 MIXLN_NORM_A, MIXLN_NORM_B = "mixln_norm_a.", "mixln_norm_b."
+# A sandwich layer's output norms: N_b after attention (c), N_d after the MLP (d). Stacked over the
+# S sandwich layers of the model only (GPTModel: `decoder.layers.mixln_norm_c.weight` [S, ...], a
+# layer's row its 0-based rank among the sandwich layers), since torch_dist needs a stacked key to
+# cover its whole axis (model.layer).
+MIXLN_NORM_C, MIXLN_NORM_D = "mixln_norm_c.", "mixln_norm_d."
 SPIKE_SCALER = "mixln_spike_scaler."
 
 HYBRID_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-SPIKE = re.compile(r"^mixln_spike_scaler\.layer(\d+)\.(norm[12])\.(.+)$")
+SPIKE = re.compile(r"^mixln_spike_scaler\.layer(\d+)\.(norm[1-4])\.(.+)$")
 
 # ------------------------------------------------------------------------------ halves of a block
-ATTENTION_NAMES = ("input_layernorm.", "self_attention.", "self_attn_bda.", "post_attention_layernorm.")
-MLP_NAMES = ("pre_mlp_layernorm.", "mlp.", "mlp_bda.", "post_mlp_layernorm.")
+ATTENTION_NAMES = ("input_layernorm.", "self_attention.", "self_attn_bda.", "post_attention_layernorm.",
+                   "attn_output_layernorm.", MIXLN_NORM_C)
+MLP_NAMES = ("pre_mlp_layernorm.", "mlp.", "mlp_bda.", "post_mlp_layernorm.", "mlp_output_layernorm.", MIXLN_NORM_D)
 # Names of a layer that make it something other than a Mix-LN `*` or `-` layer.
 FOREIGN_NAMES = {"mixer.": "M (Mamba)", "mlp.experts.": "E (MoE)", "mlp.router.": "E (MoE)",
                  "self_attention.linear_q_down_proj": "+ (MLA)", "self_attention.linear_kv_down_proj": "+ (MLA)"}
@@ -67,7 +74,7 @@ def part_of_name(name: str, post_ln: bool) -> Optional[str]:
     (the block Post-LN or not); None for a name that is neither's."""
     spike = SPIKE.match(name)
     if spike:
-        return ATTENTION if spike.group(2) == "norm1" else MLP
+        return ATTENTION if spike.group(2) in ("norm1", "norm3") else MLP
     if name.startswith(ATTENTION_NAMES) or name == RECORD:
         return ATTENTION
     if name.startswith(MLP_NAMES):

@@ -37,6 +37,21 @@ def hybrid_layer_submodules(layer: TransformerLayerSubmodules, part: str) -> Tra
     raise ValueError(f"part must be {hybrid_pattern.ATTENTION!r} or {hybrid_pattern.MLP!r}, got {part!r}")
 
 
+def check_kinds(placement) -> None:
+    """A Mix-LN HybridModel builds pre and post blocks (any placement of them); DeepNorm's
+    residual scale and Sandwich's output norms span both halves of a block, which a `*` / `-` pair
+    does not express yet: refuse them in one line."""
+    from .layout import POST, PRE
+
+    other = sorted(set(placement.kinds) - {PRE, POST})
+    if other:
+        raise MixLNUnsupportedError(
+            f"layer kind{'s' if len(other) > 1 else ''} {', '.join(other)} (layout {placement.layout}) "
+            f"{'are' if len(other) > 1 else 'is'} not supported in a Mix-LN HybridModel: build a GPTModel (--spec mixln_megatron.spec "
+            "mixln_layer_spec, or get_mixln_decoder_block_spec) for deepnorm and sandwich layers, or "
+            "give the HybridModel a layout of pre and post layers only")
+
+
 def _check_stage(config, layer_type_list, pp_layer_offset: int, post_process: bool) -> None:
     """This pipeline stage's part of the pattern, and that the stages add up to the model."""
     if getattr(config, "mtp_num_layers", None):

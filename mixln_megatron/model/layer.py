@@ -1,7 +1,10 @@
-"""MixLNTransformerLayer: megatron's TransformerLayer, Post-LN for the first P global layers.
+"""MixLNTransformerLayer: megatron's TransformerLayer, of the kind the placement gives its global layer.
 
-Pre-LN (megatron as is):  h = x + Attn(N_in(x));   y = h + MLP(N_mlp(h))
-Post-LN (this module):    h = N1(x + Attn(x));     y = N2(h + MLP(h))
+Pre-LN (megatron as is):  h = x + Attn(N_in(x));           y = h + MLP(N_mlp(h))
+Post-LN (this module):    h = N1(x + Attn(x));             y = N2(h + MLP(h))
+DeepNorm (Post-LN):       h = N1(a * x + Attn(x));         y = N2(a * h + MLP(h))
+Sandwich (Pre-LN):        h = x + N_b(Attn(N_in(x)));      y = h + N_d(MLP(N_mlp(h)))
+(layout.py names the kinds; Mix-LN's own placement is the first P layers post, the rest pre.)
 
 The kind is decided once, before TransformerLayer.__init__, from the global 1-based
 layer_number (megatron's offset already accounts for PP, VPP, uneven stages and layouts), so
@@ -26,10 +29,22 @@ P = 0 with scheme mixln keeps the stock keys and stays interchangeable with the 
     Pre-LN MLP norm       pre_mlp_layernorm          linear_fc1 (fused norm)    mixln_norm_b.*   (stock: mlp.linear_fc1.layer_norm_*)              post_attention_layernorm
     Post-LN N1            post_attention_layernorm   post_attention_layernorm   mixln_norm_b.*                                                     post_attention_layernorm
     Post-LN N2            post_mlp_layernorm         post_mlp_layernorm         mixln_norm_a.*                                                     post_feedforward_layernorm
-Both kinds map their two norms onto the same two stacked keys, so a checkpoint's layout does not
-depend on P: torch_dist stacking and resharding across TP/PP/VPP come for free. What the layout
-cannot tell, the recorded settings do (see checkpoint.py): which layers are Post-LN is checked on
-load.
+    DeepNorm N1 / N2      as Post-LN                 as Post-LN                 as Post-LN
+    Sandwich N_in / N_mlp as Pre-LN                  as Pre-LN                  as Pre-LN
+    Sandwich N_b          attn_output_layernorm      attn_output_layernorm      mixln_norm_c.* (stacked over the S sandwich layers)
+    Sandwich N_d          mlp_output_layernorm       mlp_output_layernorm       mixln_norm_d.* (stacked over the S sandwich layers)
+Every kind maps its two norms onto the same two stacked keys, so a checkpoint's layout does not
+depend on P: torch_dist stacking and resharding across TP/PP/VPP come for free. Only sandwich
+layers have N_b / N_d; torch_dist requires a stacked key to cover its whole axis, so those two keys
+are stacked over the sandwich layers alone ([S, ...], a layer's offset its 0-based rank among
+them, global like the layer number, so every pipeline split agrees). What the layout cannot tell,
+the recorded settings do (see checkpoint.py): every layer's kind is checked on load.
+
+DeepNorm's residual scale and Sandwich's output norms sit in the layer's bias-dropout-add steps
+(self_attn_bda / mlp_bda, wrapped by ResidualStep), which every supported megatron release calls
+as `bda(training, fusion)(out_with_bias, residual, dropout)`. DeepNorm's init (DeepNet's beta on
+fc1, fc2, the attention output projection and the value rows of linear_qkv) multiplies the weights
+megatron's init methods made, on each TP shard, so CPU and TP-sharded init agree.
 """
 
 from __future__ import annotations
@@ -51,15 +66,15 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.utils import get_pg_rank, make_viewless_tensor
 
 from .. import compat
-from . import backends, hybrid_pattern as hybrid
-from .support import MixLNUnsupportedError, check_supported  # noqa: F401  (re-exported)
+from . import backends, hybrid_pattern as hybrid, layout
+from .checkpoint_keys import MIXLN_NORM_A, MIXLN_NORM_B, MIXLN_NORM_C, MIXLN_NORM_D
+from .support import MixLNUnsupportedError, check_kind_supported, check_supported  # noqa: F401  (re-exported)
 from . import checkpoint as mixln_checkpoint
 from .placement import MixLNSettings, Placement, resolve_placement
 
 
 # Where each norm of a Mix-LN model (P > 0 or LNS) is stored in sharded checkpoints (see the
 # table above). Both backends' Pre-LN names map, so the TE and local layouts are one layout.
-MIXLN_NORM_A, MIXLN_NORM_B = "mixln_norm_a.", "mixln_norm_b."
 PRE_LN_KEYS_MAP = {
     "input_layernorm.": MIXLN_NORM_A,
     "self_attention.linear_qkv.layer_norm_": MIXLN_NORM_A,
@@ -71,6 +86,12 @@ POST_LN_KEYS_MAP = {
     "post_mlp_layernorm.": MIXLN_NORM_A,
 }
 POST_LN_NORM_NAMES = ("post_attention_layernorm", "post_mlp_layernorm")
+# A sandwich layer's output norms N_b, N_d and their keys (stacked over the sandwich layers only).
+SANDWICH_KEYS_MAP = {
+    "attn_output_layernorm.": MIXLN_NORM_C,
+    "mlp_output_layernorm.": MIXLN_NORM_D,
+}
+SANDWICH_NORM_NAMES = ("attn_output_layernorm", "mlp_output_layernorm")
 
 
 _ON_LAYER_BUILT = "_mixln_on_layer_built"
@@ -147,6 +168,49 @@ def _check_extra_state_empty(key: str, item) -> None:
     )
 
 
+class ResidualStep:
+    """A deepnorm or sandwich layer's bias-dropout-add (self_attn_bda / mlp_bda): megatron's own,
+    called as megatron calls it, `bda(training, fusion)(out_with_bias, residual, dropout)`, with
+
+        deepnorm  the residual multiplied by `residual_scale` (DeepNet's alpha) before the add;
+        sandwich  the sublayer output (bias added first) through `output_norm` before dropout and add.
+
+    A plain object, not a Module (the norm is the layer's own submodule; this holds a reference,
+    which copy.deepcopy of the layer maps to the copy's norm)."""
+
+    def __init__(self, bda, residual_scale: float = 1.0, output_norm=None):
+        self.bda, self.residual_scale, self.output_norm = bda, float(residual_scale), output_norm
+
+    def __call__(self, training: bool, fused: bool):
+        inner = self.bda(training, fused)
+
+        def step(x_with_bias, residual, prob):
+            if self.output_norm is not None:
+                out, bias = x_with_bias
+                if bias is not None:
+                    out = out + bias
+                x_with_bias = (self.output_norm(out), None)
+            if self.residual_scale != 1.0:
+                residual = residual * self.residual_scale
+            return inner(x_with_bias, residual, prob)
+
+        return step
+
+
+def value_rows(weight_rows: int, attention) -> slice:
+    """The value rows of (a TP shard of) megatron's fused linear_qkv, as [groups, rows] indices:
+    per query group the rows are [q heads..., k, v], each head `hidden_size_per_attention_head`."""
+    groups = attention.num_query_groups_per_partition
+    heads = attention.num_attention_heads_per_partition
+    dim = attention.hidden_size_per_attention_head
+    per_group = (heads // groups + 2) * dim
+    if heads % groups or groups * per_group != weight_rows:
+        raise MixLNUnsupportedError(
+            f"DeepNorm's init cannot find the value rows of linear_qkv ({weight_rows} rows for {groups} query "
+            f"groups of {heads // max(groups, 1)} heads of {dim}): a QKV layout other than megatron's [q, k, v] per group")
+    return slice(per_group - dim, per_group)
+
+
 @compat.keep_release_hooks  # only the MLP residual-step override this release calls stays
 class MixLNTransformerLayer(TransformerLayer):
     """A TransformerLayer that is Post-LN when its global layer_number <= P.
@@ -188,16 +252,29 @@ class MixLNTransformerLayer(TransformerLayer):
         self.placement: Placement = resolve_placement(num_blocks, mixln_settings)
         # MTP layers sit after the decoder and are built from megatron's stock spec; if one ever
         # reaches this class it stays Pre-LN rather than being numbered into the Post-LN group.
-        self.is_post_ln = (not is_mtp_layer) and self.placement.is_post_ln(self.block_number)
+        self.kind = layout.PRE if is_mtp_layer else self.placement.kind(self.block_number)
+        self.is_post_ln = self.kind in layout.POST_LN_KINDS  # post and deepnorm
         self.norm_output_scale = 1.0 if is_mtp_layer else self.placement.norm_output_scale(self.block_number)
         check_supported(config, backend=backends.backend_of_norm(post_ln_norm), post_ln=self.is_post_ln)
+        if hybrid_part is not None:
+            from .hybrid import check_kinds  # HybridModel (megatron-core 0.19+) only
+
+            check_kinds(self.placement)
+        check_kind_supported(config, self.kind)
+        # A sandwich layer's place among the model's sandwich layers: its row of mixln_norm_c / _d.
+        kinds = self.placement.kinds
+        self.sandwich_index = kinds[: self.block_number - 1].count(layout.SANDWICH)
+        self.sandwich_count = kinds.count(layout.SANDWICH)
+        if (self.is_post_ln or self.kind == layout.SANDWICH) and post_ln_norm is None:
+            raise ValueError(
+                "MixLNTransformerLayer needs `post_ln_norm` in its spec params; build the spec "
+                "with mixln_megatron.spec.MixLNTransformerLayerSpec(...)"
+            )
         if self.is_post_ln:
-            if post_ln_norm is None:
-                raise ValueError(
-                    "MixLNTransformerLayer needs `post_ln_norm` in its spec params; build the spec "
-                    "with mixln_megatron.spec.MixLNTransformerLayerSpec(...)"
-                )
             submodules = post_ln_submodules(submodules)
+        elif self.kind == layout.SANDWICH:
+            submodules = dataclasses.replace(
+                submodules, sharded_state_dict_keys_map={**PRE_LN_KEYS_MAP, **SANDWICH_KEYS_MAP})
         elif not self.placement.is_stock:
             submodules = dataclasses.replace(submodules, sharded_state_dict_keys_map=dict(PRE_LN_KEYS_MAP))
         super().__init__(
@@ -212,16 +289,27 @@ class MixLNTransformerLayer(TransformerLayer):
             **kwargs,
         )
         assert self.layer_number == global_number, (self.layer_number, global_number)
+        # Never the fused-residual RMSNorm: the residual add happens in bias-dropout-add.
+        make = functools.partial(
+            post_ln_norm, config=self.config, hidden_size=self.config.hidden_size,
+            eps=self.config.layernorm_epsilon,
+        )
         if self.is_post_ln:
-            # Never the fused-residual RMSNorm: the residual add happens in bias-dropout-add.
-            make = functools.partial(
-                post_ln_norm, config=self.config, hidden_size=self.config.hidden_size,
-                eps=self.config.layernorm_epsilon,
-            )
             # A hybrid `*` layer has only N1, a `-` layer only N2 (the other stays None).
             self.post_attention_layernorm = make() if hybrid_part != hybrid.MLP else None  # N1
             self.post_mlp_layernorm = make() if hybrid_part != hybrid.ATTENTION else None  # N2
-        elif self.norm_output_scale != 1.0:
+        if self.kind == layout.DEEPNORM:
+            alpha = self.placement.deepnorm_alpha
+            self.self_attn_bda = ResidualStep(self.self_attn_bda, residual_scale=alpha)  # N1(a x + Attn(x))
+            self.mlp_bda = ResidualStep(self.mlp_bda, residual_scale=alpha)  # N2(a h + MLP(h))
+            if self.config.perform_initialization:
+                self._apply_deepnorm_init(self.placement.deepnorm_beta)
+        if self.kind == layout.SANDWICH:
+            self.attn_output_layernorm = make()  # N_b
+            self.mlp_output_layernorm = make()  # N_d
+            self.self_attn_bda = ResidualStep(self.self_attn_bda, output_norm=self.attn_output_layernorm)
+            self.mlp_bda = ResidualStep(self.mlp_bda, output_norm=self.mlp_output_layernorm)
+        if not self.is_post_ln and self.norm_output_scale != 1.0:
             self._apply_layernorm_scaling()
         self._register_state_dict_hook(
             lambda module, state_dict, prefix, _meta: mixln_checkpoint.add_legacy_record(module, state_dict, prefix)
@@ -234,10 +322,12 @@ class MixLNTransformerLayer(TransformerLayer):
         """[(role, parameter)] of this layer's two norms, the one answer to "which parameters are
         this layer's norms" (spike scaler, telemetry, grad-norm analysis).
 
-        Roles do not depend on kind or backend: 'norm1.<name>' is the first norm in forward order
-        (Pre-LN: before attention; Post-LN: N1 after the attention residual add), 'norm2.<name>'
-        the second; <name> is 'weight' (and 'bias' for a norm that has one). TE's Pre-LN norms
-        are fused into linear_qkv / linear_fc1 as layer_norm_weight / layer_norm_bias.
+        Roles do not depend on backend: 'norm1.<name>' is the first pre/post norm in forward order
+        (Pre-LN and sandwich: before attention; Post-LN and deepnorm: N1 after the attention
+        residual add), 'norm2.<name>' the second; a sandwich layer adds 'norm3.<name>' (N_b, on the
+        attention output) and 'norm4.<name>' (N_d, on the MLP output). <name> is 'weight' (and
+        'bias' for a norm that has one). TE's Pre-LN norms are fused into linear_qkv / linear_fc1
+        as layer_norm_weight / layer_norm_bias.
         """
         def own(module):
             return list(module.named_parameters()) if module is not None else []
@@ -253,9 +343,29 @@ class MixLNTransformerLayer(TransformerLayer):
                 own(self.input_layernorm) or fused(getattr(self.self_attention, "linear_qkv", None)),
                 own(self.pre_mlp_layernorm) or fused(getattr(self.mlp, "linear_fc1", None)),
             )
+            if self.kind == layout.SANDWICH:  # N_b, N_d: norm3, norm4
+                groups += (own(self.attn_output_layernorm), own(self.mlp_output_layernorm))
         # A hybrid layer holds one of its block's two norms: `*` norm1, `-` norm2 (the other
         # group is empty), so (block_number, role) names a norm in both model kinds.
         return [(f"norm{i}.{name}", p) for i, params in enumerate(groups, 1) for name, p in params]
+
+    # ---------------------------------------------------------------- DeepNorm's init
+    @torch.no_grad()
+    def _apply_deepnorm_init(self, beta: float) -> None:
+        """DeepNet's init on the weights megatron's init methods just made (this TP shard's): fc1,
+        fc2, the attention output projection and the value rows of linear_qkv times `beta`; the
+        query and key rows, biases and norms unchanged."""
+        attention, mlp = self.self_attention, self.mlp
+        for module, name in ((mlp, "linear_fc1"), (mlp, "linear_fc2"), (attention, "linear_proj")):
+            linear = getattr(module, name, None)
+            if linear is not None and getattr(linear, "weight", None) is not None:
+                linear.weight.mul_(beta)
+        qkv = getattr(attention, "linear_qkv", None)
+        if qkv is not None and getattr(qkv, "weight", None) is not None:
+            weight = qkv.weight
+            rows = value_rows(weight.shape[0], attention)
+            groups = attention.num_query_groups_per_partition
+            weight.view(groups, -1, *weight.shape[1:])[:, rows].mul_(beta)
 
     # ---------------------------------------------------------------- LayerNorm Scaling
     def _apply_layernorm_scaling(self) -> None:
@@ -284,50 +394,85 @@ class MixLNTransformerLayer(TransformerLayer):
 
     # ---------------------------------------------------------------- CUDA graphs
     def _get_submodules_under_cudagraphs(self):
-        """Add N1 / N2 to the modules a scoped CUDA graph covers.
+        """Add N1 / N2 (sandwich: N_b / N_d) to the modules a scoped CUDA graph covers.
 
         megatron lists the input, attention, pre-MLP norm and MLP per scope; a Post-LN layer runs
-        N1 inside the attention path and N2 inside the MLP path, so their parameters must be in
-        the list too (DDP's pre-replay hooks wait for their all-gather only if they are).
+        N1 inside the attention path and N2 inside the MLP path (a sandwich layer N_b and N_d), so
+        their parameters must be in the list too (DDP's pre-replay hooks wait for their all-gather
+        only if they are).
         """
         submodules = super()._get_submodules_under_cudagraphs()
-        if not self.is_post_ln or not self.config.cuda_graph_modules:
+        if not self.extra_norm_names or not self.config.cuda_graph_modules:
             return submodules  # unscoped: megatron lists the whole layer
-        scoped = [
-            (self.self_attention, self.post_attention_layernorm),  # N1 follows attention
-            (self.mlp, self.post_mlp_layernorm),  # N2 follows the MLP
-        ]
+        # Post-LN: N1 follows attention, N2 the MLP; sandwich: N_b follows attention, N_d the MLP.
+        first, second = (getattr(self, name) for name in self.extra_norm_names)
+        scoped = [(self.self_attention, first), (self.mlp, second)]
         return submodules + [
             norm for block, norm in scoped
             if norm is not None and any(m is block for m in submodules) and not any(m is norm for m in submodules)
         ]
 
     # ---------------------------------------------------------------- checkpoints
+    @property
+    def extra_norm_names(self) -> tuple:
+        """The norms megatron's TransformerLayer does not have: Post-LN N1 / N2, sandwich N_b / N_d."""
+        if self.is_post_ln:
+            return POST_LN_NORM_NAMES
+        return SANDWICH_NORM_NAMES if self.kind == layout.SANDWICH else ()
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        if self.is_post_ln:
+        if self.kind == layout.SANDWICH:
+            self._stack_over_sandwich_layers(sharded, prefix, sharded_offsets, metadata)
+        if self.extra_norm_names:
             # TE norms carry an (empty, fp8-less) `_extra_state`; Pre-LN layers have no such key,
             # and torch_dist stacks every per-layer key over all layers, so it must not appear.
             for key in [k for k in sharded if k.endswith("_extra_state")]:
-                if any(key.startswith(f"{prefix}{name}.") for name in POST_LN_NORM_NAMES):
+                if any(key.startswith(f"{prefix}{name}.") for name in self.extra_norm_names):
                     _check_extra_state_empty(key, sharded[key])
                     del sharded[key]
         mixln_checkpoint.add_settings_record(self, sharded, prefix, metadata)
         return sharded
 
+    def _stack_over_sandwich_layers(self, sharded: dict, prefix: str, sharded_offsets: tuple, metadata) -> None:
+        """N_b / N_d under mixln_norm_c / _d with their layer axis over the S sandwich layers.
+
+        TransformerBlock hands every layer the offset (0, global layer - 1, L) of the shared layer
+        axis; only sandwich layers have these norms, so their keys take (0, rank among the
+        sandwich layers, S) instead (rank and S global: every pipeline split writes the same
+        checkpoint). Without a layer axis (per-layer keys, non-homogeneous layers) nothing changes.
+        """
+        from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        if not sharded_offsets:
+            return
+        axis, global_layer, num_layers = sharded_offsets[0]
+        if (axis, global_layer, num_layers) != (0, self.layer_number - 1, self.config.num_layers):
+            raise RuntimeError(
+                f"{prefix}: unexpected layer offset {sharded_offsets[0]} for layer {self.layer_number} of "
+                f"{self.config.num_layers}; the sandwich norms cannot be stacked over the sandwich layers")
+        offsets = ((0, self.sandwich_index, self.sandwich_count),) + tuple(sharded_offsets[1:])
+        for name, key in zip(SANDWICH_NORM_NAMES, (MIXLN_NORM_C, MIXLN_NORM_D)):
+            for k in [k for k in sharded if k.startswith(f"{prefix}{name}.")]:
+                del sharded[k]
+            own = sharded_state_dict_default(getattr(self, name), f"{prefix}{name}.", offsets, metadata,
+                                             tp_group=self.tp_group)
+            apply_prefix_mapping(own, {f"{prefix}{name}.": f"{prefix}{key}"})
+            sharded.update(own)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         mixln_checkpoint.check_settings_record(self, state_dict, prefix, error_msgs)
-        if self.is_post_ln:
-            # The dropped `_extra_state` entries (see sharded_state_dict): keep the module's own.
-            for name in POST_LN_NORM_NAMES:
-                module = getattr(self, name)
-                key = f"{prefix}{name}._extra_state"
-                if (
-                    module is not None
-                    and type(module).get_extra_state is not torch.nn.Module.get_extra_state
-                    and key not in state_dict
-                ):
-                    state_dict[key] = module.get_extra_state()
+        # The dropped `_extra_state` entries (see sharded_state_dict): keep the module's own.
+        for name in self.extra_norm_names:
+            module = getattr(self, name)
+            key = f"{prefix}{name}._extra_state"
+            if (
+                module is not None
+                and type(module).get_extra_state is not torch.nn.Module.get_extra_state
+                and key not in state_dict
+            ):
+                state_dict[key] = module.get_extra_state()
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )

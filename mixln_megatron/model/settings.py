@@ -401,8 +401,10 @@ def saved_settings(num_layers: Optional[int] = None, record=None, metadata=None,
                         "alpha": str(alpha_arg) if alpha_arg is not None else None,
                         **{k: None if v is None else parse_positive(v, SAVED_ARGS, k) for k, v in dn_args.items()}})
 
-    def show(src):
-        return f"scheme={src['scheme']} " + (f"layout {src['kinds']}" if src["kinds"] else f"P={src['p']}")
+    def show(src):  # Mix-LN's first-P layouts (canonical runs post, pre) by their P, as before layouts
+        runs = [run.partition(":")[0] for run in src["kinds"].split(",")] if src["kinds"] else []
+        first_p = runs in ([], ["post"], ["pre"], ["post", "pre"]) and src["p"] is not None
+        return f"scheme={src['scheme']} " + (f"P={src['p']}" if first_p else f"layout {src['kinds']}")
 
     for i, one in enumerate(sources):
         for two in sources[i + 1:]:

@@ -23,9 +23,9 @@ from .settings import MixLNSettings, layered
 from .support import check_supported
 
 
-def _with_arguments(settings: Optional[MixLNSettings], alpha, post_ln_layers, scheme) -> MixLNSettings:
+def _with_arguments(settings: Optional[MixLNSettings], alpha, post_ln_layers, scheme, layout=None) -> MixLNSettings:
     """The factory's keyword arguments over `settings` (arguments win, as everywhere)."""
-    given = MixLNSettings(alpha=alpha, post_ln_layers=post_ln_layers, scheme=scheme)
+    given = MixLNSettings(alpha=alpha, post_ln_layers=post_ln_layers, scheme=scheme, layout=layout)
     return given if settings is None else layered(given, settings)
 
 
@@ -38,13 +38,15 @@ def MixLNTransformerLayerSpec(
     qk_layernorm: bool = False,
     settings: Optional[MixLNSettings] = None,
     config=None,
+    layout: Optional[str] = None,
 ) -> ModuleSpec:
     """A layer ModuleSpec; each layer picks Post-LN or Pre-LN from its global layer_number.
 
     alpha / post_ln_layers / scheme override `settings`; left unset, the default applies (alpha
-    0.25, only for models of at most 24 layers).
+    0.25, only for models of at most 24 layers). `layout` gives every layer's kind instead
+    (model.layout: pre, post, deepnorm, sandwich; e.g. 'deepnorm:1-2,pre:3-').
     """
-    settings = _with_arguments(settings, alpha, post_ln_layers, scheme)
+    settings = _with_arguments(settings, alpha, post_ln_layers, scheme, layout)
     return ModuleSpec(
         module=MixLNTransformerLayer,
         submodules=backends.layer_submodules(backend, normalization, qk_layernorm, config=config),
@@ -61,11 +63,12 @@ def get_mixln_decoder_block_spec(
     vp_stage: Optional[int] = None,
     pp_rank: Optional[int] = None,
     settings: Optional[MixLNSettings] = None,
+    layout: Optional[str] = None,
 ) -> TransformerBlockSubmodules:
     """Submodules of the whole decoder on this pipeline stage, final norm included. Plain data:
     nothing is installed on `config` (see install_training_hooks)."""
     config = getattr(config, "transformer", config)  # Megatron-LM's GPTModelConfig wraps it
-    layer = checked_layer_spec(config, backend, _with_arguments(settings, alpha, post_ln_layers, scheme))
+    layer = checked_layer_spec(config, backend, _with_arguments(settings, alpha, post_ln_layers, scheme, layout))
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(
         layer_specs=[layer] * num_layers, layer_norm=backends.norm_class(backend)
@@ -91,6 +94,7 @@ def get_mixln_hybrid_stack_spec(
     scheme: Optional[str] = None,
     settings: Optional[MixLNSettings] = None,
     hybrid_layer_pattern: Optional[str] = None,
+    layout: Optional[str] = None,
 ) -> ModuleSpec:
     """The stack spec for megatron's HybridModel (its `hybrid_stack_spec`) with a `*-*-...` pattern
     of L transformer blocks: P = floor(alpha * L) blocks Post-LN, final norm the backend's. Plain
@@ -102,15 +106,16 @@ def get_mixln_hybrid_stack_spec(
     compat.require_hybrid_model()
     from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
 
-    from .hybrid import MixLNHybridStack, hybrid_layer_submodules
+    from .hybrid import MixLNHybridStack, check_kinds, hybrid_layer_submodules
 
-    settings = _with_arguments(settings, alpha, post_ln_layers, scheme)
+    settings = _with_arguments(settings, alpha, post_ln_layers, scheme, layout)
     if hybrid_layer_pattern is not None:
         hybrid_pattern.check_pattern(hybrid_layer_pattern)
     if config is not None:
         config = getattr(config, "transformer", config)
         check_supported(config, backend=backend)
-        resolve_placement(hybrid_pattern.num_blocks(config.num_layers, hybrid_pattern.ATTENTION), settings)
+        check_kinds(resolve_placement(hybrid_pattern.num_blocks(config.num_layers, hybrid_pattern.ATTENTION),
+                                      settings))
         layer = backends.layer_submodules(backend, config=config)
     else:
         layer = backends.layer_submodules(backend)

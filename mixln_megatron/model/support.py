@@ -141,3 +141,39 @@ def check(obj, where: str, backend: Optional[str] = None, post_ln: bool = False,
 def check_supported(config, backend: Optional[str] = None, post_ln: bool = False) -> None:
     """The model-build check (layer and decoder spec); see TABLE."""
     check(getattr(config, "transformer", config), LAYER, backend=backend, post_ln=post_ln)
+
+
+# What a deepnorm layer cannot honour when megatron initialises the weights (perform_initialization):
+# DeepNet's init multiplies the weights megatron's init methods made, and the value rows of the
+# fused linear_qkv, per TP shard (model.layer). Off when the weights come from a checkpoint.
+DEEPNORM_INIT_TABLE: tuple = (
+    _row("init_model_with_meta_device", "meta-device init (--init-model-with-meta-device)",
+         "the weights are initialised after the model is built, without DeepNorm's init factor; "
+         "build on a real device", {LAYER}),
+    _row("fp8_param fp8_param_gather", "fp8 parameters (--fp8-param-gather)",
+         "DeepNorm's init scales the initialised weights in place, which fp8 weights cannot "
+         "take exactly; initialise without fp8 parameters, save, and continue with them", {LAYER}),
+    _row("attention_output_gate", "a gated attention output (--attention-output-gate)",
+         "linear_qkv then holds gate rows as well, and DeepNorm's init scales the value rows of "
+         "megatron's [q, k, v] layout only", {LAYER}),
+)
+
+
+def check_kind_supported(config, kind: str) -> None:
+    """The model-build check of one layer kind (layout.py) beyond TABLE: DeepNorm's init."""
+    config = getattr(config, "transformer", config)
+    if kind != "deepnorm" or not getattr(config, "perform_initialization", True):
+        return
+    found = []
+    for row in DEEPNORM_INIT_TABLE:
+        for name in row.names:
+            if hasattr(config, name) and _is_on(getattr(config, name), row.off):
+                found.append(f"{row.what} is not supported in deepnorm layers: {row.why} [{name}={getattr(config, name)!r}]")
+                break
+    groups, tp = getattr(config, "num_query_groups", None), getattr(config, "tensor_model_parallel_size", 1) or 1
+    if groups and groups % tp:
+        found.append(f"{groups} query groups over tensor parallelism {tp} is not supported in deepnorm layers: "
+                     "DeepNorm's init scales the value rows of each TP shard of linear_qkv, which needs whole "
+                     f"query groups per shard; use num_query_groups a multiple of {tp} [num_query_groups={groups}]")
+    if found:
+        raise MixLNUnsupportedError("; ".join(found))

@@ -8,13 +8,15 @@ For each Mix-LN layer, i.e. transformer block (global number; a GPTModel layer, 
 `*` layer 2k-1 and `-` layer 2k together), it logs the gradient norm of all the block's parameters
 and, separately, of its two norms (roles of layer.norm_parameters(): first and second in forward
 order, Pre-LN N_in / N_mlp, Post-LN N1 / N2; in a HybridModel norm1 is the `*` layer's, norm2 the
-`-` layer's), plus the Post-LN-group and Pre-LN-group aggregates. Rows are per block in both
+`-` layer's; a sandwich layer's output norms N_b / N_d as norm3 / norm4, logged when the model has
+sandwich layers), plus the Post-LN-group (post and deepnorm layers) and Pre-LN-group (the rest)
+aggregates. Each record names every row's kind (`layer_kinds`). Rows are per block in both
 model kinds, so the same network logs the same numbers.
 Squared sums are formed like megatron's grad norm: TP-duplicated parameters count once (TP rank 0), TP-sharded ones are
 summed over TP, stages are summed over PP (each holds its own layers), and under the
 distributed optimizer each rank adds only the shard of main_grad it owns (the rest is not
 reduced) and the shards are summed over the data-parallel group. One all-reduce of an
-[L, 3] vector per logged step.
+[L, 5] vector per logged step.
 
 Where it goes: Megatron's TensorBoard / W&B writers when they exist (one scalar per layer and
 the group aggregates), and always a JSONL file (`mixln_telemetry.jsonl` next to the checkpoints,
@@ -42,10 +44,14 @@ logger = logging.getLogger(__name__)
 JSONL_NAME = "mixln_telemetry.jsonl"
 
 
+COLUMNS = 5  # per block: all its parameters, then norm1 .. norm4 (norm3 / norm4: sandwich only)
+
+
 def norm_columns(layer) -> dict:
-    """{id(parameter): column} of the layer's norms' parameters: column 1 the block's first norm
-    (role norm1.*), 2 its second (norm2.*); a hybrid layer holds one of the two."""
-    return {id(p): 1 if role.startswith("norm1.") else 2 for role, p in layer.norm_parameters()}
+    """{id(parameter): column} of the layer's norms' parameters: column k the block's norm k
+    (role normk.*): 1 its first, 2 its second, 3 and 4 a sandwich layer's output norms N_b, N_d;
+    a hybrid layer holds one of the first two."""
+    return {id(p): int(role[len("norm")]) for role, p in layer.norm_parameters()}
 
 
 class GradTelemetry:
@@ -87,13 +93,14 @@ class GradTelemetry:
             raise ValueError("mixln telemetry: the model has no Mix-LN layers")
         kept = [it for it in items if not it[5] and it[4] > it[3]]  # skip TP duplicates, empty shards
         device = kept[0][2].main_grad.device if kept else (items[0][2].device if items else torch.device("cpu"))
-        rows = torch.tensor([row * 3 for row, *_ in kept], dtype=torch.long, device=device)
+        rows = torch.tensor([row * COLUMNS for row, *_ in kept], dtype=torch.long, device=device)
         with_norm = [i for i, it in enumerate(kept) if it[1] is not None]
         self._plan = dict(
             slices=[(param, lo, hi) for _, _, param, lo, hi, _ in kept],
             rows=rows,
             norm_select=torch.tensor(with_norm, dtype=torch.long, device=device),
-            norm_rows=torch.tensor([kept[i][0] * 3 + kept[i][1] for i in with_norm], dtype=torch.long, device=device),
+            norm_rows=torch.tensor([kept[i][0] * COLUMNS + kept[i][1] for i in with_norm], dtype=torch.long,
+                                   device=device),
             num_layers=num_layers, placement=placement, distopt=distopt, device=device,
         )
 
@@ -108,14 +115,14 @@ class GradTelemetry:
             self._build_plan(model_chunks)
         plan = self._plan
         device = plan["device"]
-        sq = torch.zeros(plan["num_layers"] * 3, dtype=torch.float64, device=device)
+        sq = torch.zeros(plan["num_layers"] * COLUMNS, dtype=torch.float64, device=device)
         if plan["slices"]:
             # Two kernels for the whole model (foreach norm, then one scatter-add), not 3 per tensor.
             grads = [param.main_grad.view(-1)[lo:hi] for param, lo, hi in plan["slices"]]
             squares = torch.stack(torch._foreach_norm(grads)).double().pow(2)
             sq.index_add_(0, plan["rows"], squares)
             sq.index_add_(0, plan["norm_rows"], squares[plan["norm_select"]])
-        sq = sq.view(plan["num_layers"], 3)
+        sq = sq.view(plan["num_layers"], COLUMNS)
         self._reduce(sq, plan["distopt"])
         record = self._record(sq.sqrt().tolist())
         self.seconds += time.perf_counter() - started
@@ -134,6 +141,8 @@ class GradTelemetry:
     def _record(self, norms: list) -> dict:
         placement = self._plan["placement"]
         P = placement.post_ln_layers
+        post_rows = [layer - 1 for layer in placement.post_ln_layer_numbers]  # post and deepnorm
+        pre_rows = [row for row in range(placement.num_layers) if row not in set(post_rows)]
 
         def group(rows):
             return math.sqrt(sum(norms[r][0] ** 2 for r in rows)) if rows else None
@@ -143,12 +152,16 @@ class GradTelemetry:
             "num_layers": placement.num_layers,
             "post_ln_layers": P,
             "scheme": placement.scheme,
+            "layer_kinds": list(placement.kinds),  # row l-1 is block l's kind (pre, post, deepnorm, sandwich)
             "layer_grad_norm": [r[0] for r in norms],
             "norm1_grad_norm": [r[1] for r in norms],
             "norm2_grad_norm": [r[2] for r in norms],
-            "post_ln_group_grad_norm": group(range(P)),
-            "pre_ln_group_grad_norm": group(range(P, placement.num_layers)),
+            "post_ln_group_grad_norm": group(post_rows),
+            "pre_ln_group_grad_norm": group(pre_rows),
         }
+        if "sandwich" in placement.kinds:  # N_b / N_d of sandwich layers (0 in the other rows)
+            record["norm3_grad_norm"] = [r[3] for r in norms]
+            record["norm4_grad_norm"] = [r[4] for r in norms]
         self.records.append(record)
         return record
 

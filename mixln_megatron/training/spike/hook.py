@@ -27,7 +27,7 @@ from ...model.settings import SpikeSettings
 from ... import compat
 from .. import runtime
 from .scaler import SpikeScaler
-from .targets import mixln_layers, target_layers
+from .targets import mixln_layers, placement_text, target_layers
 
 
 def resolve_spike_settings(settings=None) -> SpikeSettings:
@@ -110,7 +110,8 @@ def remove_spike_scaler(config) -> Optional[SpikeScaler]:
 
 def _no_boundary(placement: Placement) -> str:
     return (f"[mixln_megatron] gradient-spike scaler disabled: the model has no Post/Pre-LN "
-            f"boundary (P={placement.post_ln_layers}, L={placement.num_layers})")
+            f"boundary ({placement_text(placement)}); targets other than 'boundary' "
+            "(--mixln-spike-targets all, or layer numbers) enable it")
 
 
 def _scaler_on(config, settings: SpikeSettings, placement: Placement) -> SpikeScaler:

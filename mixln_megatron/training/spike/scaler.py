@@ -39,7 +39,7 @@ from ...model.settings import SpikeSettings
 from .rule import SpikeState
 from .state import HOLDER_NAME, CheckpointState, SpikeStateHolder
 from .stats import DEFAULT_LOG_INTERVAL, StepStats
-from .targets import Target, TargetSet, find_targets, is_target_layer, mixln_layers, target_layers
+from .targets import Target, TargetSet, find_targets, is_target_layer, mixln_layers, placement_text, target_layers
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +115,7 @@ class SpikeScaler:
     def describe(self) -> str:
         return (
             f"[mixln_megatron] gradient-spike scaler on the norms of global layers "
-            f"{', '.join(map(str, self.layers))} (P={self.placement.post_ln_layers} of "
-            f"L={self.placement.num_layers}): {self.settings.describe()}"
+            f"{', '.join(map(str, self.layers))} ({placement_text(self.placement)}): {self.settings.describe()}"
         )
 
     @property

@@ -31,11 +31,24 @@ from ...model.settings import SpikeConfigError
 from ..ddp_shards import owned_range
 
 
+def placement_text(placement) -> str:
+    """How the scaler's lines name the model's layout: 'P=2 of L=24' for Mix-LN's first P,
+    'layout post:1-2,pre:3-4,... of L=...' (with its boundaries) otherwise."""
+    if placement.is_first_p:
+        return f"P={placement.post_ln_layers} of L={placement.num_layers}"
+    pairs = ", ".join(f"{a}|{b}" for a, b in placement.boundaries[:8]) + (", ..." if len(placement.boundaries) > 8 else "")
+    return (f"layout {placement.layout} of L={placement.num_layers}, Post/Pre boundaries: "
+            f"{pairs or 'none'}")
+
+
 def target_layers(targets: Union[str, Tuple[int, ...]], placement) -> Tuple[int, ...]:
     """Global 1-based Mix-LN layer (transformer block) numbers whose norm parameters the scaler
-    watches: "boundary" (the last Post-LN and first Pre-LN block; () when the model has none, and
-    the scaler is then disabled), "all" (every block; not the decoder's final norm), or the given
-    blocks. `placement` counts blocks (a HybridModel's `*-` pair is one)."""
+    watches: "boundary" (the blocks on either side of every place where a Post-LN kind, post or
+    deepnorm, is followed by a Pre-LN kind, pre or sandwich: Placement.boundary_layers; several
+    for an interleaved layout, () when the model has none, and the scaler is then disabled and
+    says so), "all" (every block; not the decoder's final norm), or the given blocks. A target
+    block's norms are all of its layer's norm_parameters() (a sandwich layer's four).
+    `placement` counts blocks (a HybridModel's `*-` pair is one)."""
     if targets == "boundary":
         return tuple(placement.boundary_layers)
     if targets == "all":
