@@ -12,13 +12,15 @@ Python API (same options as the command line, see cli.py):
     convert_from_hf("hf/out", "runs/ckpt2", tp=2, pp=2)
 
 Modules (one way each: reader -> role mapping -> writer)
-  mapping           tensor names on both sides (torch_dist keys, legacy module names, HF names)
+  mapping           tensor names on both sides (torch_dist keys, legacy module names, HF names);
+                    the roles of a layer and the HF tensors each becomes (map_roles: once per export)
   shape             the model shape from Megatron args / HF config; what Llama cannot express
   layouts           QKV (per query group), fc1 ([gate; up]) and TP-shard layouts; import row chunks
   inspect           what a checkpoint says about its model (args, shape, epsilon, Mix-LN record)
+  facts             an export's CheckpointFacts, read once: reader, vocabulary, inspect, reader checks
   megatron_reader   open_checkpoint over locate, torch_dist_reader (over dcp_files:
                     torch.distributed.checkpoint with the allow-list) and legacy_reader
-  to_hf             reader -> hf_layer_tensors -> streaming safetensors writer; config.json
+  to_hf             facts -> map_roles -> hf_layer_tensors -> streaming safetensors writer; config.json
                     (hf_config_dict, the one builder), the model code when P > 0
   from_hf           streaming import over hf_folder, hf_roles, megatron_writers, written_args
   staging           the temporary output directory renamed in at the end
