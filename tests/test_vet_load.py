@@ -67,6 +67,23 @@ def inspect_check(ckpt):
                            str(ckpt)], capture_output=True, text=True, env=_env(), timeout=300, cwd=REPO)
 
 
+def inspect_check_in_process(ckpt, capsys):
+    """The same command through mixln_megatron.cli.main in this process (no interpreter start):
+    (returncode, stdout, stderr) as the process would give them. The real process's exit status and
+    stderr are test_inspect_check_refuses[torch_dist-.metadata]'s."""
+    import types
+
+    from mixln_megatron import cli
+
+    capsys.readouterr()
+    try:
+        rc = cli.main(["convert", "inspect", "--check", "--load", str(ckpt)])
+    except SystemExit as e:
+        rc = e.code
+    captured = capsys.readouterr()
+    return types.SimpleNamespace(returncode=rc, stdout=captured.out, stderr=captured.err)
+
+
 def _lines(text):
     return [line for line in text.splitlines() if line.strip() and "CUDA runtime" not in line]
 
@@ -108,14 +125,16 @@ def test_pretrain_refuses_payload_before_megatron_reads(bases, tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind", ["torch_dist-.metadata", "legacy-model_optim_rng.pt"])
-def test_inspect_check_refuses(bases, tmp_path, kind):
+def test_inspect_check_refuses(bases, tmp_path, capsys, kind):
+    """The .metadata case in its own process (exit status, stderr); the legacy one in-process."""
     ckpt, marker, target = plant(bases, tmp_path, kind)
-    assert_refused(inspect_check(ckpt), marker, target, "mixln-megatron convert inspect: error: ")
+    proc = inspect_check(ckpt) if kind == "torch_dist-.metadata" else inspect_check_in_process(ckpt, capsys)
+    assert_refused(proc, marker, target, "mixln-megatron convert inspect: error: ")
 
 
 @pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
-def test_inspect_check_clean(bases, fmt):
-    proc = inspect_check(bases[fmt])
+def test_inspect_check_clean(bases, capsys, fmt):
+    proc = inspect_check_in_process(bases[fmt], capsys)
     assert proc.returncode == 0, proc.stderr
     assert "clean" in proc.stdout and str(bases[fmt]) in proc.stdout, proc.stdout
 
