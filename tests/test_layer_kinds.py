@@ -144,6 +144,7 @@ def build_model(cfg, layout, seed=0, **settings):
 
 
 # ------------------------------------------------------------------ each kind = its formula
+@pytest.mark.compat
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("kind", ["pre", "post", "deepnorm", "sandwich"])
 def test_each_kind_equals_its_formula_in_output_and_gradients(kind, bias):
@@ -171,6 +172,7 @@ def test_each_kind_equals_its_formula_in_output_and_gradients(kind, bias):
         assert (out - ref_layer(x_ref, ref, "", "pre", cfg)).abs().max().item() > 1e-3
 
 
+@pytest.mark.compat
 def test_mixed_layout_model_equals_reference_in_logits_and_gradients():
     cfg = mu.tiny_config(num_layers=4)
     model = build_model(cfg, MIXED)
@@ -288,6 +290,7 @@ def _sharded_tensors(model):
     return {v.key: v for v in nested_values(model.sharded_state_dict()) if hasattr(v, "global_shape")}
 
 
+@pytest.mark.compat
 def test_sandwich_norms_are_stacked_over_the_sandwich_layers_only():
     cfg = mu.tiny_config(num_layers=6)
     model = build_model(cfg, "sandwich:1,deepnorm:2,sandwich:3,post:4,sandwich:5,pre:6")

@@ -213,11 +213,14 @@ def value_rows(weight_rows: int, attention) -> slice:
 
 @compat.keep_release_hooks  # only the MLP residual-step override this release calls stays
 class MixLNTransformerLayer(TransformerLayer):
-    """A TransformerLayer that is Post-LN when its global layer_number <= P.
+    """A TransformerLayer of the kind (pre, post, deepnorm, sandwich) the placement gives its global
+    layer (Mix-LN's default: Post-LN when layer_number <= P). `kind` names it; `is_post_ln` is True
+    for post and deepnorm.
 
     Extra spec params (ModuleSpec.params):
         mixln_settings: MixLNSettings (None: environment, then defaults).
-        post_ln_norm:   the norm class for N1 / N2, called as (config=, hidden_size=, eps=).
+        post_ln_norm:   the norm class for N1 / N2 and sandwich's N_b / N_d, called as
+                        (config=, hidden_size=, eps=).
     """
 
     def __init__(
