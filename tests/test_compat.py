@@ -116,20 +116,46 @@ def test_pretrain_runs_the_finalize_hooks_every_iteration(tmp_path):
 
 
 # ------------------------------------------------------------------ checkpoints across releases
-def _worker(overlay, action, directory):
+def _worker(overlay, *steps):
+    """The worker in its own process with `overlay`'s release first on PYTHONPATH: one result per
+    (action, directory) step, in order, all in that one process."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and ".compat" not in p]
     env["PYTHONPATH"] = os.pathsep.join(([overlay] if overlay else []) + [REPO, *paths])
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, WORKER, action, str(directory)], capture_output=True,
+    proc = subprocess.run([sys.executable, WORKER, *map(str, steps)], capture_output=True,
                           text=True, env=env, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == len(steps) // 2, proc.stdout[-3000:]
+    return results
 
 
-def test_checkpoint_saved_by_0_17_loads_in_0_19_and_not_back(tmp_path):
+def _in_process(action, directory):
+    """The same worker step on this process's release (the venv's), in the mcore_single group, on
+    one thread as the worker processes run (the losses are compared bit for bit), this process's
+    RNG state left as it was."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("release_checkpoint_worker", WORKER)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return worker.run(action, str(directory))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_checkpoint_saved_by_0_17_loads_in_0_19_and_not_back(tmp_path, request):
+    """0.17 saves, 0.19 loads it (the same loss); 0.19 saves, 0.17 refuses it in one line. The 0.19
+    side runs in this process (the venv's release), the 0.17 side in one process of its own."""
     import megatron.core
 
     overlay = os.path.join(REPO, ".compat", "0.17")
@@ -137,12 +163,13 @@ def test_checkpoint_saved_by_0_17_loads_in_0_19_and_not_back(tmp_path):
         pytest.skip("megatron-core 0.17 overlay absent: run `scripts/compat_env.sh 0.17` (make test-compat does)")
     if not megatron.core.__version__.startswith("0.19."):
         pytest.skip("runs from the 0.19 venv (make test)")
-    saved17 = _worker(overlay, "save", tmp_path / "by17")
-    loaded19 = _worker(None, "load", tmp_path / "by17")
+    request.getfixturevalue("mcore_single")
+    saved19 = _in_process("save", tmp_path / "by19")
+    saved17, refused = _worker(overlay, "save", tmp_path / "by17", "load", tmp_path / "by19")
+    loaded19 = _in_process("load", tmp_path / "by17")
     assert saved17["release"].startswith("0.17.") and loaded19["release"].startswith("0.19.")
+    assert refused["release"].startswith("0.17.")
     assert loaded19["loss"] == saved17["loss"]  # bit-identical weights
-    saved19 = _worker(None, "save", tmp_path / "by19")
-    refused = _worker(overlay, "load", tmp_path / "by19")
     assert "saved by megatron-core 0.19 or newer" in refused["error"] and "cannot load it" in refused["error"]
     assert not (tmp_path / "by19" / "common.pt").exists() and saved19["release"].startswith("0.19.")
     # The entry point on 0.17 refuses it the same way, before Megatron reads anything.

@@ -2,10 +2,12 @@
 this process imports (tests/test_compat.py runs it once per release, with that release's overlay
 on PYTHONPATH). One process, gloo.
 
-    python release_checkpoint_worker.py save|load DIR
+    python release_checkpoint_worker.py save|load DIR [save|load DIR ...]
 
-Prints one JSON line: {"release", "loss"} (the eval loss on a fixed batch after the save / load),
-or {"release", "error"} when the load is refused with a MixLNError.
+Prints one JSON line per action, in order: {"release", "loss"} (the eval loss on a fixed batch
+after the save / load), or {"release", "error"} when the load is refused with a MixLNError.
+`run(action, directory)` is the same step for a caller that already holds a gloo group and
+megatron's parallel state (tests/test_compat.py runs the venv's release's side in-process).
 """
 
 import json
@@ -39,11 +41,8 @@ def loss_of(model):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1)).item()
 
 
-def main():
-    action, directory = sys.argv[1], sys.argv[2]
-    from mixln_megatron.dev import testing
-
-    testing.init_distributed()
+def run(action, directory) -> dict:
+    """One save or load in this process (a gloo group and parallel state already set up)."""
     from megatron.core import dist_checkpointing
 
     from mixln_megatron import compat
@@ -62,10 +61,19 @@ def main():
             metadata = dist_checkpointing.load_content_metadata(directory)
             loaded = compat.dist_load({"model": model.sharded_state_dict(metadata=metadata)}, directory)
         except MixLNError as error:
-            print(json.dumps({**result, "error": one_line(error)}), flush=True)
-            return
+            return {**result, "error": one_line(error)}
         model.load_state_dict(loaded["model"])
-    print(json.dumps({**result, "loss": loss_of(model)}), flush=True)
+    return {**result, "loss": loss_of(model)}
+
+
+def main():
+    steps = sys.argv[1:]
+    assert steps and len(steps) % 2 == 0, "usage: save|load DIR [save|load DIR ...]"
+    from mixln_megatron.dev import testing
+
+    testing.init_distributed()
+    for action, directory in zip(steps[::2], steps[1::2]):
+        print(json.dumps(run(action, directory)), flush=True)
     testing.shutdown()
 
 
