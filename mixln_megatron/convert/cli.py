@@ -160,7 +160,9 @@ def _run(args) -> int:
         print(f"[mixln-megatron convert] {json.dumps(summary)}")
         entry = "pretrain_hybrid.py" if summary["target_kind"] == "HybridModel" else "pretrain_gpt.py"
         print(f"[mixln-megatron convert] {summary['source_kind']} -> {summary['target_kind']}: {summary['blocks']} "
-              f"blocks, scheme={summary['scheme']} P={summary['post_ln_layers']}; model weights only (optimizer and "
+              f"blocks, scheme={summary['scheme']} "
+              + (f"layout={summary['layout']}" if summary["layout"] else f"P={summary['post_ln_layers']}")
+              + "; model weights only (optimizer and "
               f"RNG state are not converted): resume with {entry} --load {summary['save']} --no-load-optim "
               "--no-load-rng (or --finetune)"
               + (f" --hybrid-layer-pattern '{summary['hybrid_pattern']}'" if entry == "pretrain_hybrid.py" else ""))
@@ -196,7 +198,9 @@ def _run(args) -> int:
         print(
             f"[mixln-megatron convert] {summary['format']} checkpoint {summary['checkpoint']} "
             f"(iteration {summary['iteration']}) -> {summary['save']}: {summary['architecture']}, "
-            f"scheme={summary['scheme']} P={summary['post_ln_layers']} ({summary['settings_source']}), "
+            f"scheme={summary['scheme']} "
+            + (f"layout={summary['layout']}" if summary["layout"] else f"P={summary['post_ln_layers']}")
+            + f" ({summary['settings_source']}), "
             f"vocab {summary['vocab_size']} of {summary['padded_vocab_size']} rows ({summary['vocab_source']}), "
             f"{summary['dtype']}, {summary['bytes'] / 2**20:.1f} MiB in {summary['seconds']} s"
         )
@@ -219,14 +223,13 @@ def _run(args) -> int:
         spec = "mixln_layer_spec" if summary["transformer_impl"] == "transformer_engine" else "mixln_local_layer_spec"
         print(
             f"[mixln-megatron convert] resume with: mixln-megatron pretrain --load {summary['save']} "
-            f"--use-checkpoint-args --mixln-post-ln-layers {summary['post_ln_layers']}"
-            + (f" --mixln-scheme {summary['scheme']}" if summary["scheme"] != "mixln" else "")
+            f"--use-checkpoint-args {' '.join(summary['mixln_flags'])}"
             + " <training flags> "
             f"(iteration 'release': no optimizer state, training restarts at iteration 0; keep the padded "
             f"vocabulary {summary['padded_vocab_size']}). Megatron-LM's pretrain_gpt.py needs the model flags "
             f"themselves (its --use-checkpoint-args skips the norm epsilon and rope scaling): {flags}"
             + (f" --spec mixln_megatron.spec {spec}" if summary["post_ln_layers"] or summary["scheme"] != "mixln"
-               else "")
+               or summary["layout"] else "")
         )
     return 0
 

@@ -7,7 +7,7 @@ the roles (convert.mapping.map_roles), then write. Nothing after this module goe
 shape or the inspection: what they said is in CheckpointFacts.
 
     facts = read_checkpoint_facts("runs/ckpt", vocab_size=None, tokenizer=None)
-    facts.shape, facts.post_ln_layers, facts.vocab_size, facts.token_ids, facts.reader.read_layer(...)
+    facts.shape, facts.placement.kinds, facts.vocab_size, facts.token_ids, facts.reader.read_layer(...)
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class CheckpointFacts:
     norm_layout: Optional[str]  # torch_dist: "mixln" or "stock" norm keys; legacy: None
     shape: ModelShape  # the Llama shape with the true vocabulary
     post_ln_layers: int
+    placement: object  # model.placement.Placement: every layer's kind (layout), DeepNorm's alpha / beta
     scheme: str
     alpha: object
     settings_source: str
@@ -68,13 +69,13 @@ def read_checkpoint_facts(load: str, iteration=None, *, vocab_size: Optional[int
         )
     reader.check_shapes(shape, info.layer_shapes)
     post_ln = int(record["post_ln_layers"])
-    reader.check_layer_kinds(post_ln)
+    reader.check_layer_kinds(info.placement.kinds)
     if not shape.tie_embeddings and not reader.has_output_layer:
         raise ConversionError("the args say the output layer is untied, but the checkpoint has no output_layer.weight")
     return CheckpointFacts(
         reader=reader, path=reader.path, format=reader.format, iteration=reader.iteration,
         model_kind=info.model_kind, hybrid_pattern=info.hybrid_pattern, norm_layout=reader.norm_layout,
-        shape=shape, post_ln_layers=post_ln, scheme=record["scheme"], alpha=record.get("alpha"),
+        shape=shape, post_ln_layers=post_ln, placement=info.placement, scheme=record["scheme"], alpha=record.get("alpha"),
         settings_source=info.record_source, vocab_size=true_vocab, vocab_source=vocab_source,
         padded_vocab_size=reader.padded_vocab_size, token_ids=_token_ids(reader, tokenizer), dtype=reader.dtype,
     )

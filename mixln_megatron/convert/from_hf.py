@@ -39,6 +39,7 @@ config.json claiming 10**9 layers is one line at bounded memory, never a 10**9-l
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Optional, Tuple
@@ -53,7 +54,7 @@ from .hf_roles import HFRoleSource
 from .locate import TRACKER
 from .megatron_writers import write_legacy, write_torch_dist
 from .shape import ModelShape, check_tp_divisibility, padded_vocab_size, shape_from_hf_config
-from .written_args import launch_flags, megatron_args_namespace
+from .written_args import launch_flags, megatron_args_namespace, placement_flags
 
 RELEASE = "release"
 CONTENT_METADATA_BASE = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
@@ -82,6 +83,40 @@ def check_layers_against_files(hf: HFCheckpoint, shape: ModelShape) -> None:
                           f"{len(found)} decoder layers ({detail}); the config does not match the files")
 
 
+def _layout_fields(config: dict, num_layers: int, source: str = "config.json"):
+    """(layer kinds or None, deepnorm_alpha, deepnorm_beta) of a mixln_llama config.json, checked as
+    untrusted input: layer_kinds a list of one known kind per layer (num_hidden_layers entries, itself
+    bounded by shape.BOUNDS), deepnorm_alpha / deepnorm_beta finite numbers > 0 or null."""
+    from ..model.layout import KINDS
+
+    kinds = config.get("layer_kinds")
+    bad = f"invalid Mix-LN fields in {source}"
+    if kinds is not None:
+        if not isinstance(kinds, list):
+            raise ConversionError(f"{bad}: layer_kinds must be a list with one of {', '.join(KINDS)} per layer, got "
+                                  f"{_shown(kinds)}")
+        if len(kinds) != num_layers:
+            raise ConversionError(f"{bad}: layer_kinds has {len(kinds)} entries but num_hidden_layers is {num_layers}: "
+                                  "one kind per layer")
+        wrong = next(((i, k) for i, k in enumerate(kinds) if not isinstance(k, str) or k not in KINDS), None)
+        if wrong is not None:
+            raise ConversionError(f"{bad}: layer_kinds[{wrong[0]}] is {_shown(wrong[1])}, not one of {', '.join(KINDS)}")
+        kinds = tuple(kinds)
+    constants = []
+    for name in ("deepnorm_alpha", "deepnorm_beta"):
+        value = config.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise ConversionError(f"{bad}: {name} must be a finite number > 0 or null, got {_shown(value)}")
+        constants.append(None if value is None else float(value))
+    return (kinds, *constants)
+
+
+def _shown(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _mixln_fields(config: dict, source: str = "config.json"):
     """(post_ln_layers, scheme, alpha) of a mixln_llama config.json, type-checked."""
     p = config.get("post_ln_layers", 0)
@@ -103,6 +138,36 @@ def _mixln_fields(config: dict, source: str = "config.json"):
 
 
 # --------------------------------------------------------------------------- settings
+def folder_placement(config: dict, num_layers: int, source: str = "config.json"):
+    """The model.placement.Placement of a mixln_llama config.json: Mix-LN's first P layers from
+    post_ln_layers, or every layer's kind from layer_kinds (DeepNorm's alpha from the folder, its
+    beta too when recorded, else DeepNet's default: beta only shapes the initialisation)."""
+    from ..model.layout import DEEPNORM, layout_text
+    from ..model.placement import MixLNConfigError, MixLNSettings, Placement, resolve_placement
+
+    post_ln, scheme, alpha = _mixln_fields(config, source)
+    kinds, dn_alpha, dn_beta = _layout_fields(config, num_layers, source)
+    try:
+        if kinds is None:
+            if dn_alpha is not None or dn_beta is not None:
+                raise MixLNConfigError("deepnorm_alpha / deepnorm_beta are set but there is no layer_kinds")
+            return Placement(num_layers, post_ln, scheme, alpha)
+        if DEEPNORM in kinds and dn_alpha is None:
+            raise MixLNConfigError("layer_kinds has deepnorm layers but deepnorm_alpha is null")
+        if DEEPNORM not in kinds and (dn_alpha is not None or dn_beta is not None):
+            raise MixLNConfigError("deepnorm_alpha / deepnorm_beta are set but no layer is deepnorm")
+        deepnorm = {"deepnorm_alpha": dn_alpha, **({"deepnorm_beta": dn_beta} if dn_beta is not None else {})} \
+            if DEEPNORM in kinds else {}
+        placement = resolve_placement(num_layers, MixLNSettings(layout=layout_text(kinds), scheme=scheme,
+                                                                **deepnorm))
+        if placement.post_ln_layers != post_ln:
+            raise MixLNConfigError(f"post_ln_layers is {post_ln} but layer_kinds has {placement.post_ln_layers} "
+                                   "post / deepnorm layers: post_ln_layers must count them")
+        return placement
+    except MixLNConfigError as e:
+        raise ConversionError(f"invalid Mix-LN fields in {source}: {e}") from None
+
+
 def resolve_settings(config: dict, num_layers: int, post_ln_layers=None, alpha=None, scheme=None,
                      source: str = "config.json") -> Tuple[dict, str, bool]:
     """(placement record, description, whether a stock folder is turned into Mix-LN)."""
@@ -116,19 +181,18 @@ def resolve_settings(config: dict, num_layers: int, post_ln_layers=None, alpha=N
     except MixLNConfigError as e:
         raise ConversionError(str(e)) from None
     if config.get("model_type") == "mixln_llama":
-        try:
-            folder = Placement(num_layers, *_mixln_fields(config, source))
-        except MixLNConfigError as e:
-            raise ConversionError(f"invalid Mix-LN fields in {source}: {e}") from None
+        folder = folder_placement(config, num_layers, source)
+        shown = (f"P={folder.post_ln_layers}" if folder.is_first_p else f"layout={folder.layout}")
         if explicit:
-            want_p = asked.post_ln_layers if asked is not None else folder.post_ln_layers
+            want_kinds = asked.kinds if asked is not None else folder.kinds
             want_scheme = scheme or folder.scheme
-            if (want_p, want_scheme) != (folder.post_ln_layers, folder.scheme):
+            if (want_kinds, want_scheme) != (folder.kinds, folder.scheme):
+                want = (f"P={asked.post_ln_layers}" if asked is not None else shown)
                 raise ConversionError(
-                    f"the folder is a Mix-LN model with scheme={folder.scheme} P={folder.post_ln_layers}; the "
-                    f"settings given (scheme={want_scheme} P={want_p}) would change the network. Drop them."
+                    f"the folder is a Mix-LN model with scheme={folder.scheme} {shown}; the "
+                    f"settings given (scheme={want_scheme} {want}) would change the network. Drop them."
                 )
-        return folder.record(), f"config.json (scheme={folder.scheme}, P={folder.post_ln_layers})", False
+        return folder.record(), f"config.json (scheme={folder.scheme}, {shown})", False
     # stock Llama
     if not explicit:
         return Placement(num_layers, 0, "mixln").record(), "stock Llama folder: Pre-LN, P = 0", False
@@ -185,6 +249,7 @@ def convert_from_hf(
     record, settings_source, changed = resolve_settings(hf.config, shape.num_layers, post_ln_layers, alpha, scheme,
                                                        os.path.join(hf.path, "config.json"))
     post_ln = int(record["post_ln_layers"])
+    kinds = _record_kinds(record, shape.num_layers)
     stock = not M.uses_mixln_layout(record)
     if changed:
         print(f"[mixln-megatron convert] WARNING: {settings_source}: the Post-LN layers reuse the Llama norm "
@@ -196,7 +261,7 @@ def convert_from_hf(
         out_dtype = DTYPES[dtype]
     else:
         raise ConversionError(f"--dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
-    src = HFRoleSource(hf, shape, post_ln, hf.config.get("model_type") == "llama", out_dtype)
+    src = HFRoleSource(hf, shape, kinds, hf.config.get("model_type") == "llama", out_dtype)
     src.check()
     padded = padded_vocab_size(shape.vocab_size, make_vocab_size_divisible_by, tp)
     if tokenizer_model is None and hf.tokenizer_files():
@@ -209,7 +274,7 @@ def convert_from_hf(
     )
     common = {"args": ns, "checkpoint_version": 3.0, "iteration": 0, "num_floating_point_operations_so_far": 0,
               "content_metadata": {**CONTENT_METADATA_BASE, "mixln": dict(record)}}
-    total = _total_bytes(shape, padded, out_dtype, ckpt_format, pp)
+    total = _total_bytes(shape, padded, out_dtype, ckpt_format, pp, kinds)
     with staged_output_dir(save, overwrite, MEGATRON_FOLDER) as tmp:
         release = os.path.join(tmp, RELEASE)
         os.makedirs(release)
@@ -227,15 +292,28 @@ def convert_from_hf(
             f.write(RELEASE)
     return {
         "format": ckpt_format, "save": os.path.abspath(save), "iteration": RELEASE, "tp": tp, "pp": pp,
-        "post_ln_layers": post_ln, "scheme": record["scheme"], "settings_source": settings_source,
+        "post_ln_layers": post_ln, "scheme": record["scheme"], "layout": record.get("layout"),
+        "deepnorm_alpha": record.get("deepnorm_alpha"), "deepnorm_beta": record.get("deepnorm_beta"),
+        "settings_source": settings_source,
         "vocab_size": shape.vocab_size, "padded_vocab_size": padded, "dtype": str(out_dtype).replace("torch.", ""),
-        "transformer_impl": transformer_impl, "launch_flags": launch_flags(ns),
+        "transformer_impl": transformer_impl, "launch_flags": launch_flags(ns), "mixln_flags": placement_flags(ns),
         "seconds": round(time.time() - t0, 2),
     }
 
 
-def _total_bytes(shape: ModelShape, padded: int, dtype, ckpt_format: str, pp: int) -> int:
+def _record_kinds(record: dict, num_layers: int):
+    """Every layer's kind of a placement record (model.placement.Placement.record(): format 1 is
+    Mix-LN's first P layers post, format 2 names its layout)."""
+    from ..model.layout import first_p_kinds, parse_layout
+
+    if record.get("layout") is not None:
+        return parse_layout(record["layout"], num_layers, "the placement record")
+    return first_p_kinds(num_layers, int(record["post_ln_layers"]))
+
+
+def _total_bytes(shape: ModelShape, padded: int, dtype, ckpt_format: str, pp: int, kinds=()) -> int:
     n = padded * shape.hidden_size * (1 if shape.tie_embeddings else 2) + shape.hidden_size
+    n += 2 * shape.hidden_size * sum(k == "sandwich" for k in kinds)  # the sandwich layers' output norms
     if shape.tie_embeddings and ckpt_format == "torch" and pp > 1:
         n += padded * shape.hidden_size
     for shp in shape.megatron_layer_shapes().values():

@@ -40,7 +40,7 @@ from ..errors import ConversionError, UnsupportedModelError
 from ..model import checkpoint_keys as CK, hybrid_pattern
 from . import hybrid_keys as K
 from .dcp_writer import LazyTorchDistWriter
-from .inspect import _model_kind, mixln_record
+from .inspect import _model_kind, mixln_placement
 from .locate import TRACKER, detect_format, resolve_checkpoint_dir
 from .shape import args_hybrid_pattern
 from .staging import prepare_output, staged_output_dir
@@ -99,11 +99,12 @@ def convert_model_kind(load: str, save: str, target: str, *, iteration=None, ove
     blocks = reader.num_blocks()
     if not blocks:
         raise ConversionError(f"{path} holds no transformer layers (decoder.layers.*)")
-    record, record_source = mixln_record(reader, blocks)
+    record, record_source, placement = mixln_placement(reader, blocks)
     post_ln = int(record["post_ln_layers"])
+    check_hybrid_kinds(placement, path)
 
     plan = LazyTorchDistWriter()
-    mapper = _KeyMap(reader, source, blocks, post_ln)
+    mapper = _KeyMap(reader, source, blocks, placement.kinds)
     not_converted = mapper.plan(plan)
     common = dict(reader.common)
     notes = []
@@ -134,12 +135,24 @@ def convert_model_kind(load: str, save: str, target: str, *, iteration=None, ove
     return {
         "source_kind": KIND_NAME[source], "target_kind": KIND_NAME[target], "checkpoint": path,
         "save": os.path.abspath(save), "iteration": label, "blocks": blocks, "post_ln_layers": post_ln,
-        "scheme": record["scheme"], "settings_source": record_source,
+        "scheme": record["scheme"], "layout": record.get("layout"), "settings_source": record_source,
         "hybrid_pattern": hybrid_pattern.pattern_for(blocks) if target == K.HYBRID else reader.hybrid_pattern,
         "tensors": len(mapper.tensor_keys), "objects": len(mapper.object_keys), "bytes": total,
         "not_converted": not_converted, "args": common.get("args") is not None, "notes": notes,
         "seconds": round(time.time() - t0, 2),
     }
+
+
+def check_hybrid_kinds(placement, path: str) -> None:
+    """A Mix-LN HybridModel has pre and post blocks only (model.hybrid.check_kinds): a deepnorm
+    or sandwich layer is refused in one line, whichever way the conversion goes."""
+    from ..model.layout import POST, PRE
+
+    other = sorted(set(placement.kinds) - {PRE, POST})
+    if other:
+        raise UnsupportedModelError(
+            f"{path} has {', '.join(other)} layers (layout {placement.layout}), which a Mix-LN HybridModel does not "
+            "support (pre and post layers only, any placement): keep the GPTModel checkpoint")
 
 
 # ------------------------------------------------------------------------------------ args
@@ -195,13 +208,17 @@ def _source_metadata(path: str) -> Optional[dict]:
 class _KeyMap:
     """Plans every model tensor and object of the source under its key in the other model kind."""
 
-    def __init__(self, reader, source: str, blocks: int, post_ln: int):
-        self.reader, self.source, self.blocks, self.post_ln = reader, source, blocks, post_ln
+    def __init__(self, reader, source: str, blocks: int, kinds):
+        from ..model.layout import POST_LN_KINDS
+
+        self.reader, self.source, self.blocks, self.kinds = reader, source, blocks, tuple(kinds)
+        self.post_ln_blocks = frozenset(i for i, kind in enumerate(self.kinds) if kind in POST_LN_KINDS)
         self.tensor_keys: List[str] = []
         self.object_keys: List[str] = []
 
     def is_post_ln(self, block: int) -> bool:
-        return block < self.post_ln
+        """Whether 0-based block `block` is a post layer (which half holds each Mix-LN norm)."""
+        return block in self.post_ln_blocks
 
     def plan(self, out: LazyTorchDistWriter) -> Dict[str, int]:
         """Add every converted tensor and object to `out`; {what: count} of what is not converted."""

@@ -21,8 +21,25 @@ from .shape import ModelShape
 class HFRoleSource:
     """Megatron role tensors (global layout) computed from the HF tensors, on demand."""
 
-    def __init__(self, hf: HFCheckpoint, shape: ModelShape, post_ln: int, stock_source: bool, dtype):
-        self.hf, self.shape, self.post_ln, self.stock_source, self.dtype = hf, shape, post_ln, stock_source, dtype
+    def __init__(self, hf: HFCheckpoint, shape: ModelShape, kinds, stock_source: bool, dtype):
+        """`kinds`: every layer's kind (model.layout), or an integer P for Mix-LN's first P post layers."""
+        from ..model.layout import POST_LN_KINDS, SANDWICH, first_p_kinds
+
+        if isinstance(kinds, int):
+            kinds = first_p_kinds(shape.num_layers, kinds)
+        self.hf, self.shape, self.kinds, self.stock_source, self.dtype = hf, shape, tuple(kinds), stock_source, dtype
+        self.post_ln = sum(k in POST_LN_KINDS for k in self.kinds)
+        # a sandwich layer's row of the norms stacked over the sandwich layers (mixln_norm_c / _d)
+        self.sandwich_rows = {layer: row for row, layer in enumerate(i for i, k in enumerate(self.kinds) if k == SANDWICH)}
+
+    def is_post_ln(self, layer: int) -> bool:
+        from ..model.layout import POST_LN_KINDS
+
+        return self.kinds[layer] in POST_LN_KINDS
+
+    def layer_roles(self, layer: int):
+        """The roles of layer `layer` (mapping.layer_roles of its kind)."""
+        return M.layer_roles(self.shape, self.kinds[layer])
 
     def hf_tensor(self, name, start=None, stop=None):
         """HF tensor `name` (rows start:stop if given) in the output dtype."""
@@ -70,10 +87,9 @@ class HFRoleSource:
         return self.hf_tensor(name, start, stop)
 
     def norm_source(self, layer: int) -> Dict[str, str]:
-        is_post = layer < self.post_ln
-        if is_post and self.stock_source:
+        if self.is_post_ln(layer) and self.stock_source:
             return {"norm_a": "input_layernorm.weight", "norm_b": "post_attention_layernorm.weight"}
-        return M.hf_norm_names(is_post)
+        return M.hf_norm_names(self.kinds[layer])
 
     def vocab_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of the padded vocabulary: real rows from HF, zeros past the true vocab."""
@@ -91,8 +107,8 @@ class HFRoleSource:
             out[M.HF_OUTPUT] = (s.vocab_size, s.hidden_size)
         for layer in range(s.num_layers):
             p = M.hf_layer_prefix(layer)
-            for role in M.layer_roles(s):
-                if role in ("norm_a", "norm_b"):
+            for role in self.layer_roles(layer):
+                if role in M.NORM_ROLES:
                     out[p + self.norm_source(layer)[role]] = (s.hidden_size,)
                 else:
                     for name, shp in M.hf_role_tensors(s, role, False):

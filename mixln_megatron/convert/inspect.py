@@ -61,17 +61,34 @@ def resume_args(checkpoint_args) -> dict:
 def mixln_record(reader, num_layers: int):
     """(record dict, where it came from) of an open checkpoint reader; disagreeing sources are an
     error (model.settings.saved_settings: the same cross-check a resume makes)."""
-    from ..model.placement import MixLNConfigError, Placement
-    from ..model.settings import saved_settings
+    record, source, _ = mixln_placement(reader, num_layers)
+    return record, source
+
+
+def mixln_placement(reader, num_layers: int):
+    """(record dict, where it came from, the model.placement.Placement: every layer's kind and
+    DeepNorm's constants) of an open checkpoint reader; see mixln_record."""
+    from ..model.placement import MixLNConfigError, Placement, deepnorm_defaults, resolve_placement
+    from ..model.settings import MixLNSettings, saved_settings
 
     meta = reader.content_metadata.get("mixln") if isinstance(reader.content_metadata, dict) else None
     try:
         found = saved_settings(num_layers, record=reader.settings_record, metadata=meta, args=reader.args)
     except MixLNConfigError as e:
         raise ConversionError(str(e)) from None
-    found = found or {"scheme": None, "post_ln_layers": None, "alpha": None, "source": None}
+    found = found or {"scheme": None, "post_ln_layers": None, "alpha": None, "source": None, "layout": None}
     try:
-        placement = Placement(num_layers, found["post_ln_layers"] or 0, found["scheme"] or "mixln", found["alpha"])
+        if found.get("layout") is not None:  # a layout other than Mix-LN's first P (format-2 record, --mixln-layout)
+            # DeepNorm's constants as saved; a source without them (saved args) means DeepNet's defaults
+            alpha, beta = (found.get(k) for k in ("deepnorm_alpha", "deepnorm_beta"))
+            defaults = deepnorm_defaults(num_layers)
+            deepnorm = {} if "deepnorm" not in found["layout"] else {
+                "deepnorm_alpha": defaults[0] if alpha is None else alpha,
+                "deepnorm_beta": defaults[1] if beta is None else beta}
+            placement = resolve_placement(num_layers, MixLNSettings(
+                layout=found["layout"], scheme=found["scheme"] or "mixln", **deepnorm))
+        else:
+            placement = Placement(num_layers, found["post_ln_layers"] or 0, found["scheme"] or "mixln", found["alpha"])
     except MixLNConfigError as e:
         raise ConversionError(f"the checkpoint's Mix-LN settings are invalid: {e}") from None
     if reader.norm_layout == "mixln" and placement.is_stock:
@@ -79,7 +96,7 @@ def mixln_record(reader, num_layers: int):
             f"{reader.path} stores its norms under the Mix-LN keys (decoder.layers.mixln_norm_*) but "
             + (f"{found['source']} says P = 0 with scheme mixln" if found["source"] else "has no Mix-LN settings record")
             + ": the checkpoint is damaged or was edited")
-    return placement.record(), (f"from {found['source']}" if found["source"] else NO_RECORD)
+    return placement.record(), (f"from {found['source']}" if found["source"] else NO_RECORD), placement
 
 
 # ------------------------------------------------------------------------------- one call
@@ -93,6 +110,7 @@ class CheckpointInfo:
     shape: ArgsShape
     record: dict  # Placement.record() of the checkpoint's Mix-LN settings
     record_source: str
+    placement: object = None  # model.placement.Placement of the record: every layer's kind (a field, read once)
     model_kind: str = hybrid_keys.GPT  # or hybrid_keys.HYBRID (a HybridModel checkpoint)
     hybrid_pattern: Optional[str] = None  # the args' --hybrid-layer-pattern, else the one the keys hold
     model_shape: Optional[ModelShape] = None  # the Llama shape, when read for an export (true vocabulary given)
@@ -130,10 +148,11 @@ def inspect_reader(reader, vocab_size: Optional[int] = None) -> CheckpointInfo:
         if problem:
             raise UnsupportedModelError(f"{reader.path} is not a Mix-LN model: {problem}")
     shape, model_shape, layer_shapes = read_checkpoint_shape(reader.args, vocab_size)
-    record, source = mixln_record(reader, shape.num_layers)
+    record, source, placement = mixln_placement(reader, shape.num_layers)
     pattern = args_hybrid_pattern(reader.args) or getattr(reader, "hybrid_pattern", None)
     return CheckpointInfo(reader=reader, path=reader.path, format=reader.format, iteration=reader.iteration,
-                          args=reader.args, shape=shape, record=record, record_source=source, model_kind=kind,
+                          args=reader.args, shape=shape, record=record, record_source=source, placement=placement,
+                          model_kind=kind,
                           hybrid_pattern=pattern if kind == hybrid_keys.HYBRID else None,
                           model_shape=model_shape, layer_shapes=layer_shapes)
 
@@ -151,9 +170,15 @@ def describe_checkpoint(load: str, iteration=None) -> dict:
         out["hybrid_pattern"] = info.hybrid_pattern
         out["hybrid_layers"] = len(info.reader.hybrid_pattern)
         out["blocks"] = "'*-' pairs: hybrid layers 2k-1 / 2k are transformer block k"
+    placement = info.placement
     out.update({
         "transformer_blocks": s.num_layers, "scheme": info.scheme, "post_ln_layers": info.post_ln_layers,
-        "post_ln_blocks": list(range(1, info.post_ln_layers + 1)), "alpha": info.record.get("alpha"),
+        "post_ln_blocks": placement.post_ln_layer_numbers, "alpha": info.record.get("alpha"),
+        "layout": placement.layout,
+    })
+    if placement.deepnorm_alpha is not None:
+        out.update({"deepnorm_alpha": placement.deepnorm_alpha, "deepnorm_beta": placement.deepnorm_beta})
+    out.update({
         "settings_source": info.record_source, "norm_keys": getattr(info.reader, "norm_layout", None),
         "hidden_size": s.hidden_size, "ffn_hidden_size": s.ffn_hidden_size,
         "num_attention_heads": s.num_attention_heads, "num_query_groups": s.num_query_groups,

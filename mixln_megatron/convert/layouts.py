@@ -28,6 +28,8 @@ LEGACY_TP_LAYOUT: Dict[str, object] = {
     "fc2.bias": "replicated",
     "norm_a": "replicated",
     "norm_b": "replicated",
+    "norm_c": "replicated",
+    "norm_d": "replicated",
 }
 
 

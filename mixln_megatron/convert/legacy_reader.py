@@ -123,7 +123,13 @@ class LegacyCheckpoint(ReaderBase):
     def _model(self, sd: dict, key: str) -> dict:
         return sd[key]
 
-    def check_layer_kinds(self, post_ln_layers: int) -> None:
+    def check_layer_kinds(self, kinds) -> None:
+        """Each layer's norm modules are those of its kind in the settings: Post-LN N1 / N2 for post
+        and deepnorm (which the names cannot tell apart), the output norms for sandwich, neither for pre."""
+        from ..model.layout import POST_LN_KINDS, SANDWICH, layout_text, leading_post_count
+
+        if len(kinds) != len(self._layer_index):
+            return  # check_shapes names the layer count
         for t in range(1):
             for p in range(self.pp):
                 sd = self._load(t, p)
@@ -133,11 +139,17 @@ class LegacyCheckpoint(ReaderBase):
                     prefix = f"decoder.layers.{local}."
                     names = [k[len(prefix):] for k in sd[key] if k.startswith(prefix)]
                     has_post = any(n in M.LEGACY_POST_LN_NAMES for n in names)
-                    want_post = layer < post_ln_layers
-                    if has_post != want_post:
+                    has_sandwich = any(n in M.LEGACY_SANDWICH_NAMES for n in names)
+                    want_post, want_sandwich = kinds[layer] in POST_LN_KINDS, kinds[layer] == SANDWICH
+                    if (has_post, has_sandwich) != (want_post, want_sandwich):
+                        stored = "a Post-LN" if has_post else ("a sandwich" if has_sandwich else "a Pre-LN")
+                        if has_post and has_sandwich:
+                            stored = "both a Post-LN and a sandwich"
+                        p_count = leading_post_count(kinds)
+                        settings = f"P={p_count}" if p_count is not None else f"layout {layout_text(kinds)}"
                         raise ConversionError(
-                            f"layer {layer + 1} is stored as a {'Post' if has_post else 'Pre'}-LN layer but the "
-                            f"Mix-LN settings (P={post_ln_layers}) make it {'Post' if want_post else 'Pre'}-LN"
+                            f"layer {layer + 1} is stored as {stored} layer but the Mix-LN settings ({settings}) "
+                            f"make it {kinds[layer]}"
                         )
                 del sd
 

@@ -13,8 +13,16 @@ Per-layer tensors are handled under a "role" that is the same for every Megatron
     fc2.bias     mlp.linear_fc2.bias                                       mlp.down_proj.bias
     norm_a       self_attention.linear_qkv.layer_norm_weight               Pre-LN: input_layernorm
                                                                            Post-LN: post_feedforward_layernorm (N2)
-    norm_b       mlp.linear_fc1.layer_norm_weight                          post_attention_layernorm
-                                                                           (Pre-LN MLP norm / Post-LN N1)
+    norm_b       mlp.linear_fc1.layer_norm_weight                          Pre-LN: post_attention_layernorm (MLP norm)
+                                                                           Post-LN: post_attention_layernorm (N1)
+                                                                           Sandwich: pre_feedforward_layernorm (N_c)
+    norm_c       mixln_norm_c.weight (sandwich N_b, stacked [S, ...])      Sandwich: post_attention_layernorm
+    norm_d       mixln_norm_d.weight (sandwich N_d, stacked [S, ...])      Sandwich: post_feedforward_layernorm
+
+Per-layer kinds (model.layout: pre, post, deepnorm, sandwich): deepnorm layers have the norms and
+keys of post layers, sandwich layers those of pre layers (norm_a = N_a, norm_b = N_c) plus norm_c /
+norm_d, which only sandwich layers have: their torch_dist keys are stacked over the S sandwich layers
+of the model (a layer's row: its 0-based rank among them, model.layer).
 
 A model with P > 0 or an LNS scheme stores the two norms of every layer under Mix-LN keys instead
 (mixln_megatron.model.layer), so that a stock model cannot load it; checkpoints saved before that
@@ -33,6 +41,7 @@ import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 from ..model import checkpoint_keys as keys
+from ..model import layout
 
 # ---------------------------------------------------------------------------------------- keys
 # The GPTModel torch_dist keys, as the conversion names them (the values are model.checkpoint_keys').
@@ -58,8 +67,15 @@ LAYER_ROLE_NAMES: Dict[str, str] = {
 MIXLN_NORM_NAMES: Dict[str, str] = {"norm_a": keys.MIXLN_NORM_A + "weight", "norm_b": keys.MIXLN_NORM_B + "weight"}
 
 
+# A sandwich layer's output norms, stacked over the sandwich layers only (model.checkpoint_keys).
+SANDWICH_NORM_NAMES: Dict[str, str] = {"norm_c": keys.MIXLN_NORM_C + "weight", "norm_d": keys.MIXLN_NORM_D + "weight"}
+SANDWICH_ROLES = tuple(SANDWICH_NORM_NAMES)
+NORM_ROLES = ("norm_a", "norm_b") + SANDWICH_ROLES
+
+
 # {Mix-LN layout?: {role: layer-local torch_dist name}}: a stock (False) or Mix-LN (True) checkpoint.
-TD_LAYER_NAMES: Dict[bool, Dict[str, str]] = {False: LAYER_ROLE_NAMES, True: {**LAYER_ROLE_NAMES, **MIXLN_NORM_NAMES}}
+TD_LAYER_NAMES: Dict[bool, Dict[str, str]] = {
+    False: LAYER_ROLE_NAMES, True: {**LAYER_ROLE_NAMES, **MIXLN_NORM_NAMES, **SANDWICH_NORM_NAMES}}
 
 
 def td_layer_name(role: str, mixln_layout: bool) -> str:
@@ -68,9 +84,12 @@ def td_layer_name(role: str, mixln_layout: bool) -> str:
 
 
 def uses_mixln_layout(placement_record: dict) -> bool:
-    """Whether a model with these settings stores its norms under the Mix-LN keys."""
+    """Whether a model with these settings stores its norms under the Mix-LN keys: every model but
+    the stock one (P = 0, scheme mixln, every layer pre). A format-2 record (a layout other than
+    Mix-LN's first P, model.placement) always has a layer of another kind."""
     return not (int(placement_record.get("post_ln_layers", 0)) == 0
-                and placement_record.get("scheme", "mixln") == "mixln")
+                and placement_record.get("scheme", "mixln") == "mixln"
+                and placement_record.get("layout") is None)
 
 
 # Linear modules whose (empty) `_extra_state` megatron-core saves per layer in torch_dist.
@@ -97,7 +116,10 @@ LEGACY_LAYER_NAMES: Dict[str, str] = {
     "mlp.linear_fc1.layer_norm_weight": "norm_b",  # TE, Pre-LN
     "pre_mlp_layernorm.weight": "norm_b",  # local, Pre-LN
     "post_attention_layernorm.weight": "norm_b",  # Post-LN N1
+    "attn_output_layernorm.weight": "norm_c",  # sandwich N_b
+    "mlp_output_layernorm.weight": "norm_d",  # sandwich N_d
 }
+LEGACY_SANDWICH_NAMES = ("attn_output_layernorm.weight", "mlp_output_layernorm.weight")
 LEGACY_POST_LN_NAMES = ("post_attention_layernorm.weight", "post_mlp_layernorm.weight")
 LEGACY_IGNORED_SUFFIXES = ("_extra_state", keys.RECORD)
 
@@ -114,6 +136,16 @@ LEGACY_WRITE_NAMES = {
     },
     ("local", True): {"norm_a": "post_mlp_layernorm.weight", "norm_b": "post_attention_layernorm.weight"},
 }
+# A sandwich layer's output norms (both backends); its pre-norms are named as a Pre-LN layer's.
+LEGACY_WRITE_SANDWICH_NAMES = {"norm_c": "attn_output_layernorm.weight", "norm_d": "mlp_output_layernorm.weight"}
+
+
+def legacy_write_names(transformer_impl: str, kind: str) -> Dict[str, str]:
+    """Megatron module names (legacy files) of a layer's norm roles, for a layer of `kind` (model.layout)."""
+    names = dict(LEGACY_WRITE_NAMES[(transformer_impl, kind in layout.POST_LN_KINDS)])
+    if kind == layout.SANDWICH:
+        names.update(LEGACY_WRITE_SANDWICH_NAMES)
+    return names
 
 HF_EMBEDDING = "model.embed_tokens.weight"
 HF_FINAL_NORM = "model.norm.weight"
@@ -124,11 +156,28 @@ def hf_layer_prefix(index: int) -> str:
     return f"model.layers.{index}."
 
 
-def hf_norm_names(is_post_ln: bool) -> Dict[str, str]:
-    """HF names (within a layer) of norm_a / norm_b for a Pre-LN or Post-LN layer."""
-    if is_post_ln:
-        return {"norm_a": "post_feedforward_layernorm.weight", "norm_b": "post_attention_layernorm.weight"}
-    return {"norm_a": "input_layernorm.weight", "norm_b": "post_attention_layernorm.weight"}
+# HF names (within a layer) of each kind's norm roles (mixln_megatron.hf's decoder layers; sandwich as
+# Gemma 2 names its four norms).
+HF_NORM_NAMES: Dict[str, Dict[str, str]] = {
+    layout.PRE: {"norm_a": "input_layernorm.weight", "norm_b": "post_attention_layernorm.weight"},
+    layout.POST: {"norm_a": "post_feedforward_layernorm.weight", "norm_b": "post_attention_layernorm.weight"},
+    layout.DEEPNORM: {"norm_a": "post_feedforward_layernorm.weight", "norm_b": "post_attention_layernorm.weight"},
+    layout.SANDWICH: {"norm_a": "input_layernorm.weight", "norm_b": "pre_feedforward_layernorm.weight",
+                      "norm_c": "post_attention_layernorm.weight", "norm_d": "post_feedforward_layernorm.weight"},
+}
+
+
+def _kind(kind) -> str:
+    """A layer kind (model.layout); True / False stand for post / pre (Mix-LN's two kinds)."""
+    if isinstance(kind, bool):
+        return layout.POST if kind else layout.PRE
+    return kind
+
+
+def hf_norm_names(kind) -> Dict[str, str]:
+    """HF names (within a layer) of the norm roles of a layer of `kind` (pre, post, deepnorm, sandwich;
+    True / False: Post-LN / Pre-LN)."""
+    return HF_NORM_NAMES[_kind(kind)]
 
 
 # ---------------------------------------------------------------------------------------- roles
@@ -137,17 +186,20 @@ LAYER_ROLES = ("qkv.weight", "qkv.bias", "proj.weight", "proj.bias", "fc1.weight
                "fc2.weight", "fc2.bias", "norm_b", "norm_a")
 
 
-def layer_roles(shape) -> List[str]:
-    """The per-layer roles of a model of this shape (convert.shape.ModelShape), in conversion order."""
-    return [r for r in LAYER_ROLES if shape.add_bias_linear or not r.endswith(".bias")]
+def layer_roles(shape, kind=None) -> List[str]:
+    """The per-layer roles of a model of this shape (convert.shape.ModelShape), in conversion order;
+    a sandwich layer (`kind`) also has norm_c / norm_d."""
+    roles = [r for r in LAYER_ROLES if shape.add_bias_linear or not r.endswith(".bias")]
+    return roles + list(SANDWICH_ROLES) if kind == layout.SANDWICH else roles
 
 
-def hf_role_tensors(shape, role: str, is_post_ln: bool) -> List[Tuple[str, Tuple[int, ...]]]:
-    """HF (layer-local name, shape) pairs a role turns into, in write order."""
+def hf_role_tensors(shape, role: str, kind) -> List[Tuple[str, Tuple[int, ...]]]:
+    """HF (layer-local name, shape) pairs a role of a layer of `kind` turns into, in write order
+    (`kind`: pre, post, deepnorm, sandwich; True / False: Post-LN / Pre-LN)."""
     h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.kv_channels
     nq, nkv = shape.num_attention_heads * d, shape.num_query_groups * d
-    if role in ("norm_a", "norm_b"):
-        return [(hf_norm_names(is_post_ln)[role], (h,))]
+    if role in NORM_ROLES:
+        return [(hf_norm_names(kind)[role], (h,))]
     kind = role.split(".")[1]
     tail = (h,) if kind == "weight" else ()
     if role.startswith("qkv."):
@@ -170,11 +222,12 @@ def hf_role_tensors(shape, role: str, is_post_ln: bool) -> List[Tuple[str, Tuple
 class RoleMap:
     """Where every Megatron tensor of a model goes in its HF export, worked out once (map_roles).
 
-    `layers[i]`: ((role, ((HF name, shape), ...)), ...) of layer i in conversion order; `plan`: every
-    HF tensor (name, shape) in the order the export writes them (embedding, layers, final norm,
-    output layer unless tied)."""
+    `layers[i]`: ((role, ((HF name, shape), ...)), ...) of layer i in conversion order (a sandwich
+    layer's ends with norm_c / norm_d); `kinds[i]` its kind; `plan`: every HF tensor (name, shape) in
+    the order the export writes them (embedding, layers, final norm, output layer unless tied)."""
 
-    roles: Tuple[str, ...]
+    roles: Tuple[str, ...]  # the roles every layer has
+    kinds: Tuple[str, ...]
     layers: Tuple[Tuple[Tuple[str, Tuple[Tuple[str, Tuple[int, ...]], ...]], ...], ...]
     embedding: Tuple[str, Tuple[int, ...]]
     final_norm: Tuple[str, Tuple[int, ...]]
@@ -182,17 +235,22 @@ class RoleMap:
     plan: Tuple[Tuple[str, Tuple[int, ...]], ...]
 
 
-def map_roles(shape, post_ln_layers: int) -> RoleMap:
-    """The RoleMap of a model of this shape whose first `post_ln_layers` layers are Post-LN."""
+def map_roles(shape, kinds) -> RoleMap:
+    """The RoleMap of a model of this shape whose layer i is of kind `kinds[i]` (model.layout; an
+    integer P stands for Mix-LN's layout: the first P layers post, the rest pre)."""
+    if isinstance(kinds, int):
+        kinds = layout.first_p_kinds(shape.num_layers, kinds)
+    kinds = tuple(kinds)
+    if len(kinds) != shape.num_layers:
+        raise ValueError(f"{len(kinds)} layer kinds for {shape.num_layers} layers")
     roles = tuple(layer_roles(shape))
     layers = tuple(
-        tuple((role, tuple((hf_layer_prefix(i) + name, shp)
-                           for name, shp in hf_role_tensors(shape, role, i < post_ln_layers)))
-              for role in roles)
-        for i in range(shape.num_layers))
+        tuple((role, tuple((hf_layer_prefix(i) + name, shp) for name, shp in hf_role_tensors(shape, role, kind)))
+              for role in layer_roles(shape, kind))
+        for i, kind in enumerate(kinds))
     vocab = (shape.vocab_size, shape.hidden_size)
     embedding, final_norm = (HF_EMBEDDING, vocab), (HF_FINAL_NORM, (shape.hidden_size,))
     output = None if shape.tie_embeddings else (HF_OUTPUT, vocab)
     plan = (embedding, *(t for layer in layers for _, tensors in layer for t in tensors), final_norm)
-    return RoleMap(roles, layers, embedding, final_norm, output, plan + ((output,) if output else ()))
+    return RoleMap(roles, kinds, layers, embedding, final_norm, output, plan + ((output,) if output else ()))
 

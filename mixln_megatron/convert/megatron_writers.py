@@ -40,8 +40,13 @@ def write_torch_dist(out_dir: str, src: HFRoleSource, shape: ModelShape, padded_
 
     vocab(M.TD_EMBEDDING, M.HF_EMBEDDING)
     layer_shapes = shape.megatron_layer_shapes()
+    sandwiches = len(src.sandwich_rows)
     for layer in range(L):
-        for role in M.layer_roles(shape):
+        for role in src.layer_roles(layer):
+            if role in M.SANDWICH_NORM_NAMES:  # stacked over the S sandwich layers only (model.layer)
+                tensor(M.TD_LAYER_PREFIX + M.SANDWICH_NORM_NAMES[role], (sandwiches, h), (src.sandwich_rows[layer], 0),
+                       (1, h), lambda l=layer, r=role: src.role_rows(l, r, 0, h).unsqueeze(0))
+                continue
             shp = layer_shapes[role]
             row_bytes = dtype.itemsize * (shp[1] if len(shp) > 1 else 1)
             # Chunks of <= PIECE_BYTES: megatron-core reshards them at load like any other layout.
@@ -81,10 +86,9 @@ def write_legacy(out_dir: str, src: HFRoleSource, shape: ModelShape, padded_voca
             if p == 0:
                 model[M.TD_EMBEDDING] = src.vocab_rows(M.HF_EMBEDDING, t * rows, (t + 1) * rows)
             for local, layer in enumerate(layers):
-                is_post = layer < src.post_ln
-                names = M.LEGACY_WRITE_NAMES[(transformer_impl, is_post)]
+                names = M.legacy_write_names(transformer_impl, src.kinds[layer])
                 prefix = f"decoder.layers.{local}."
-                for role in M.layer_roles(shape):
+                for role in src.layer_roles(layer):
                     full = src.role(layer, role)
                     model[prefix + names.get(role, M.LAYER_ROLE_NAMES[role])] = split_tp_shard(role, full, tp, t)
                     del full

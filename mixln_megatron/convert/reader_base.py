@@ -30,8 +30,10 @@ class ReaderBase:
                 f"{self.path} carries no Megatron args (saved without them?): the model shape cannot be read"
             )
 
-    def check_layer_kinds(self, post_ln_layers: int) -> None:
-        """Formats that name the layer kind (legacy) compare it with the settings; torch_dist cannot."""
+    def check_layer_kinds(self, kinds) -> None:
+        """The tensors agree with the settings' layer kinds (model.layout: one per layer), as far as
+        the format can tell: legacy files name each layer's norm modules, torch_dist stacks the
+        sandwich norms over the sandwich layers."""
 
     def vocab_blocks(self, which: str, rows: int):
         """Row blocks in which the embedding / output layer is read (default: all rows at once)."""

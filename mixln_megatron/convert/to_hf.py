@@ -1,8 +1,10 @@
 """Megatron-LM checkpoint -> Hugging Face folder, streamed tensor by tensor.
 
 What is written (into a temporary directory renamed to --save at the end):
-  config.json                LlamaConfig (P = 0, scheme mixln: a stock `LlamaForCausalLM`) or
-                             MixLNLlamaConfig with auto_map (loads with trust_remote_code=True);
+  config.json                LlamaConfig (every layer pre, scheme mixln: a stock `LlamaForCausalLM`)
+                             or MixLNLlamaConfig with auto_map (loads with trust_remote_code=True;
+                             layer_kinds and DeepNorm's alpha for a layout other than Mix-LN's
+                             first P: post, deepnorm and sandwich layers anywhere);
                              rope keys in both the transformers 5 (rope_parameters) and 4
                              (rope_theta / rope_scaling) spellings.
   configuration_mixln_llama.py, modeling_mixln_llama.py   the model code (Mix-LN / LNS only).
@@ -185,13 +187,15 @@ class StreamingSafetensorsWriter:
 
 
 # --------------------------------------------------------------------------- config files
-def hf_config_dict(shape: ModelShape, post_ln: int, scheme: str, alpha, dtype_name: str, token_ids: dict) -> dict:
+def hf_config_dict(shape: ModelShape, post_ln: int, scheme: str, alpha, dtype_name: str, token_ids: dict,
+                   layer_kinds=None, deepnorm_alpha=None, deepnorm_beta=None) -> dict:
     """The one builder of an export's config.json, written without importing transformers.
 
     Holds the LlamaConfig fields of the model shape, the architecture fields of mixln_megatron.hf
     (export_config_fields: model_type llama + LlamaForCausalLM when stock, else mixln_llama +
-    auto_map + the Mix-LN fields), and the rope settings in both transformers 5 (rope_parameters)
-    and 4 spellings.
+    auto_map + the Mix-LN fields, with layer_kinds / deepnorm_alpha / deepnorm_beta for a layout
+    other than Mix-LN's first P: hf.export_code.placement_export_fields), and the rope settings in
+    both transformers 5 (rope_parameters) and 4 spellings.
     """
     from ..hf.export_code import export_config_fields
 
@@ -225,7 +229,10 @@ def hf_config_dict(shape: ModelShape, post_ln: int, scheme: str, alpha, dtype_na
         rope.update(shape.rope_scaling)
     cfg["rope_parameters"] = rope
     cfg.update(v4_rope_keys(shape))
-    cfg.update(export_config_fields(int(post_ln), scheme, alpha))
+    try:
+        cfg.update(export_config_fields(int(post_ln), scheme, alpha, layer_kinds, deepnorm_alpha, deepnorm_beta))
+    except ValueError as e:  # MixLNConfigValueError: settings the HF model cannot express
+        raise ConversionError(f"the checkpoint's Mix-LN settings cannot be exported: {e}") from None
     return cfg
 
 
@@ -284,13 +291,15 @@ def convert_to_hf(
     out_dtype = facts.dtype if dtype in (None, "auto") else DTYPES[dtype]
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise UnsupportedModelError(f"the checkpoint's weights are {out_dtype}; pass --dtype bfloat16/float32")
-    roles = M.map_roles(facts.shape, facts.post_ln_layers)  # 2. map
-    from ..hf.export_code import is_stock_llama, write_model_code  # 3. write
+    roles = M.map_roles(facts.shape, facts.placement.kinds)  # 2. map
+    from ..hf.export_code import is_stock_llama, placement_export_fields, write_model_code  # 3. write
 
     post_ln, scheme, alpha = facts.post_ln_layers, facts.scheme, facts.alpha
-    stock = is_stock_llama(post_ln, scheme)
+    fields = placement_export_fields(facts.placement)  # layer_kinds only off Mix-LN's first-P layout
+    stock = is_stock_llama(post_ln, scheme, fields["layer_kinds"])
     dtype_name = str(out_dtype).replace("torch.", "")
-    config = hf_config_dict(facts.shape, post_ln, scheme, alpha, dtype_name, facts.token_ids)
+    config = hf_config_dict(facts.shape, post_ln, scheme, alpha, dtype_name, facts.token_ids,
+                            fields["layer_kinds"], fields["deepnorm_alpha"], fields["deepnorm_beta"])
     plan = [(name, shp, out_dtype) for name, shp in roles.plan]
     with staged_output_dir(save, overwrite, HF_FOLDER) as tmp:
         _write_json(os.path.join(tmp, "config.json"), config)
@@ -311,7 +320,8 @@ def convert_to_hf(
     return {
         "format": facts.format, "checkpoint": facts.path, "iteration": facts.iteration,
         "model_kind": facts.model_kind, "hybrid_pattern": facts.hybrid_pattern,
-        "post_ln_layers": post_ln, "scheme": scheme, "alpha": alpha, "settings_source": facts.settings_source,
+        "post_ln_layers": post_ln, "scheme": scheme, "alpha": alpha, "layout": None if facts.placement.is_first_p else facts.placement.layout,
+        "deepnorm_alpha": facts.placement.deepnorm_alpha, "settings_source": facts.settings_source,
         "architecture": "LlamaForCausalLM" if stock else "MixLNLlamaForCausalLM",
         "vocab_size": facts.vocab_size, "vocab_source": facts.vocab_source,
         "padded_vocab_size": facts.padded_vocab_size,
@@ -330,7 +340,7 @@ def hf_layer_tensors(role: str, tensor: torch.Tensor, shape: ModelShape) -> List
         return [q, k, v]
     if role.startswith("fc1."):
         return list(tensor.chunk(2, dim=0))  # [gate; up]
-    if role in ("norm_a", "norm_b") and shape.layernorm_1p:
+    if role in M.NORM_ROLES and shape.layernorm_1p:
         return [tensor.float() + 1]  # Megatron stores gamma - 1 (--apply-layernorm-1p)
     return [tensor]
 
@@ -345,7 +355,7 @@ def hf_tensors(facts: CheckpointFacts, roles: M.RoleMap) -> Iterator[Tuple[str, 
 
     yield from vocab("embedding", roles.embedding[0])
     for layer, entries in enumerate(roles.layers):
-        tensors = reader.read_layer(layer, roles.roles)
+        tensors = reader.read_layer(layer, [role for role, _ in entries])  # a sandwich layer's has norm_c / _d
         for role, names in entries:
             for (name, _), tensor in zip(names, hf_layer_tensors(role, tensors.pop(role), shape)):
                 yield name, tensor

@@ -71,7 +71,9 @@ class TorchDistCheckpoint(ReaderBase):
         mixln_norm = M.MIXLN_NORM_NAMES["norm_a"]
         self.norm_layout = "mixln" if any(
             k == M.TD_LAYER_PREFIX + mixln_norm or k.endswith("." + mixln_norm) for k in self._tensors) else "stock"
-        self._role_names = M.TD_LAYER_NAMES[self.norm_layout == "mixln"]  # {role: layer-local name}
+        # {role: layer-local name}; the sandwich norms have their Mix-LN keys in either layout
+        self._role_names = {**M.TD_LAYER_NAMES[self.norm_layout == "mixln"], **M.SANDWICH_NORM_NAMES}
+        self._sandwich_rows: Dict[int, int] = {}  # layer -> its row of mixln_norm_c / _d (check_layer_kinds)
 
     # ---------------------------------------------------------------- validation
     def _check_keys(self) -> None:
@@ -152,13 +154,49 @@ class TorchDistCheckpoint(ReaderBase):
                 f"found {len(found)}: the checkpoint is incomplete or was edited")
         return found[0]
 
+    def check_layer_kinds(self, kinds: Sequence[str]) -> None:
+        """The sandwich norms (mixln_norm_c / _d, model.layer) are stacked over exactly the settings'
+        sandwich layers, [S, hidden], and exist only when S > 0; remembers each sandwich layer's row.
+        Other kinds share the keys, which cannot tell them apart (the settings record does)."""
+        from ..model.layout import POST, PRE, SANDWICH
+
+        rows = [i for i, kind in enumerate(kinds) if kind == SANDWICH]
+        if self.hybrid_pattern is not None:
+            other = sorted(set(kinds) - {PRE, POST})
+            if other:
+                raise UnsupportedModelError(
+                    f"{self.path}: a HybridModel checkpoint whose Mix-LN settings name {', '.join(other)} layers; "
+                    "a Mix-LN HybridModel has pre and post layers only: the checkpoint was edited")
+        hidden = self.global_shape(M.TD_EMBEDDING)[1]
+        for role, name in M.SANDWICH_NORM_NAMES.items():
+            key = keys.LAYERS + name
+            if not rows:
+                if key in self._tensors:
+                    raise ConversionError(f"{self.path} has {key} (sandwich norms) but its Mix-LN settings have no "
+                                          "sandwich layer: the checkpoint's settings do not match its tensors")
+                continue
+            if key not in self._tensors:
+                raise ConversionError(f"{self.path} has no {key}, but its Mix-LN settings have {len(rows)} sandwich "
+                                      "layer(s): the checkpoint is incomplete or was edited")
+            if self.global_shape(key) != (len(rows), hidden):
+                raise ConversionError(f"{key} has shape {self.global_shape(key)}, the {len(rows)} sandwich layer(s) of "
+                                      f"the Mix-LN settings imply {(len(rows), hidden)}")
+        self._sandwich_rows = {layer: row for row, layer in enumerate(rows)}
+
     def read_layer(self, layer: int, roles: Iterable[str]) -> Dict[str, torch.Tensor]:
-        """Every role's tensor of one layer (global layout), read in one pass."""
+        """Every role's tensor of one layer (global layout), read in one pass; a sandwich layer's
+        norm_c / norm_d from its row of the keys stacked over the sandwich layers."""
         boxes = {}
         for role in roles:
             key, stacked = self._layer_key(layer, role)
             shape = self.global_shape(key)
-            if stacked:
+            if role in M.SANDWICH_NORM_NAMES:
+                if layer not in self._sandwich_rows:
+                    raise ConversionError(f"{self.path}: layer {layer + 1} is not a sandwich layer of the checkpoint's "
+                                          f"Mix-LN settings, so it has no {role}")
+                row = self._sandwich_rows[layer]
+                boxes[role] = (key, self._box(key, (row,) + (0,) * (len(shape) - 1), (1,) + shape[1:]), True)
+            elif stacked:
                 boxes[role] = (key, self._box(key, (layer,) + (0,) * (len(shape) - 1), (1,) + shape[1:]), True)
             else:
                 boxes[role] = (key, self._box(key, (0,) * len(shape), shape), False)

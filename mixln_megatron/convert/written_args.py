@@ -90,11 +90,41 @@ def megatron_args_namespace(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         world_size=tp * pp,
-        # Mix-LN: the integer P is authoritative (alpha only informational)
-        mixln_post_ln_layers=int(placement_record.get("post_ln_layers", 0)),
+        # Mix-LN: the integer P is authoritative (alpha only informational); a layout other than
+        # Mix-LN's first P is --mixln-layout instead (the flags are exclusive), DeepNorm's constants as
+        # text, as --mixln-deepnorm-alpha / -beta parse them (convert.saved_values)
+        **placement_args(placement_record),
         mixln_scheme=placement_record.get("scheme", "mixln"),
         mixln_converted_from=source,
     )
+
+
+def placement_args(placement_record: dict) -> dict:
+    """mixln_post_ln_layers, or mixln_layout with mixln_deepnorm_alpha / _beta (text: repr of the
+    float, exact), of a placement record (model.placement.Placement.record())."""
+    layout = placement_record.get("layout")
+    if layout is None:
+        return {"mixln_post_ln_layers": int(placement_record.get("post_ln_layers", 0)), "mixln_layout": None,
+                "mixln_deepnorm_alpha": None, "mixln_deepnorm_beta": None}
+    text = {k: None if placement_record.get(k) is None else repr(float(placement_record[k]))
+            for k in ("deepnorm_alpha", "deepnorm_beta")}
+    return {"mixln_post_ln_layers": None, "mixln_layout": layout, "mixln_deepnorm_alpha": text["deepnorm_alpha"],
+            "mixln_deepnorm_beta": text["deepnorm_beta"]}
+
+
+def placement_flags(ns: argparse.Namespace) -> List[str]:
+    """The --mixln-* placement flags of converted args: --mixln-post-ln-layers P, or --mixln-layout
+    (with DeepNorm's constants when it has deepnorm layers); --mixln-scheme unless mixln."""
+    if getattr(ns, "mixln_layout", None):
+        flags = ["--mixln-layout", ns.mixln_layout]
+        for name in ("deepnorm_alpha", "deepnorm_beta"):
+            if getattr(ns, f"mixln_{name}", None) is not None:
+                flags += [f"--mixln-{name.replace('_', '-')}", getattr(ns, f"mixln_{name}")]
+    else:
+        flags = ["--mixln-post-ln-layers", ns.mixln_post_ln_layers]
+    if ns.mixln_scheme != "mixln":
+        flags += ["--mixln-scheme", ns.mixln_scheme]
+    return [str(f) for f in flags]
 
 
 def launch_flags(ns: argparse.Namespace) -> List[str]:
@@ -118,10 +148,7 @@ def launch_flags(ns: argparse.Namespace) -> List[str]:
         flags += ["--use-rope-scaling", "--rope-scaling-factor", f"{ns.rope_scaling_factor:g}"]
     if ns.untie_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
-    flags += ["--make-vocab-size-divisible-by", ns.make_vocab_size_divisible_by,
-              "--mixln-post-ln-layers", ns.mixln_post_ln_layers]
-    if ns.mixln_scheme != "mixln":
-        flags += ["--mixln-scheme", ns.mixln_scheme]
+    flags += ["--make-vocab-size-divisible-by", ns.make_vocab_size_divisible_by, *placement_flags(ns)]
     if ns.ckpt_format == "torch":
         flags += ["--ckpt-format", "torch", "--tensor-model-parallel-size", ns.tensor_model_parallel_size,
                   "--pipeline-model-parallel-size", ns.pipeline_model_parallel_size]
