@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from mixln_megatron.dev.testing import torchrun
+from mixln_megatron.dev.testing import single_process, torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "telemetry_worker.py")
 pytestmark = pytest.mark.mp
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.mp
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("telemetry")
-    torchrun(WORKER, 1, "--phase", "reference", "--workdir", d)
+    single_process(WORKER, "--phase", "reference", "--workdir", d)  # one rank: no launcher
     return d
 
 
@@ -44,14 +44,19 @@ def test_interval_and_spike_counts_join_the_stream(workdir):
     assert got["interval_has_spike"] is True
 
 
-def test_dp2_with_and_without_distributed_optimizer(workdir):
+def test_dp2_tp2_pp2_with_and_without_distributed_optimizer(workdir):
     torchrun(WORKER, 2, "--phase", "world2", "--workdir", workdir)
     direct = load(workdir, "reference")["tp1pp1"]["direct"]
     got = load(workdir, "world2")
     assert_rows_close(got["dp2"]["logged"], direct, "dp2")
     assert_rows_close(got["dp2_distopt"]["logged"], direct, "dp2 distributed optimizer")
+    assert_rows_close(got["tp2"]["logged"], direct, "tp2")
+    assert_rows_close(got["pp2"]["logged"], direct, "pp2")
 
 
+# Four processes on two cores: slow. Its 2-rank twin is test_dp2_tp2_pp2_with_and_without_distributed_optimizer
+# (DP2 with and without the distributed optimizer, TP2, PP2: each reduction the TP2xPP2 layouts combine).
+@pytest.mark.slow
 def test_tp2pp2_with_and_without_distributed_optimizer(workdir):
     torchrun(WORKER, 4, "--phase", "world4", "--workdir", workdir)
     direct = load(workdir, "reference")["tp1pp1"]["direct"]

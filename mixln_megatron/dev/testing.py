@@ -436,6 +436,20 @@ def torchrun(script, nproc, *args, timeout=600, env: Optional[dict] = None):
     return proc
 
 
+def single_process(script, *args, timeout=600, env: Optional[dict] = None):
+    """Run `script` as one plain process (no torchrun launcher: `init_process_group` makes its
+    one-rank group on a file store); raise with its output when it fails. MIXLN_* and torchrun's
+    variables from the caller's environment are dropped, as `torchrun` does for MIXLN_*."""
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_") and k not in launcher}
+    run_env.update(env or {})
+    cmd = [sys.executable, script, *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
 def last_result(proc) -> dict:
     """The JSON of a worker's last `RESULT {...}` line on stdout (workers print their measurements so)."""
     import json

@@ -1,8 +1,8 @@
 """torchrun worker: logged per-layer gradient norms equal norms computed from the gradients.
 
 Phases: reference (1 proc: base checkpoint; direct norms at TP1PP1 and the telemetry of the
-same step), world2 (DP2 with and without the distributed optimizer), world4 (TP2xPP2 with and
-without it). Rank 0 writes DIR/telemetry_<phase>.json.
+same step), world2 (DP2 with and without the distributed optimizer, TP2, PP2), world4 (TP2xPP2
+with and without it). The reference runs as one plain process, the others under torchrun. Rank 0 writes DIR/telemetry_<phase>.json.
 """
 
 import json
@@ -82,6 +82,8 @@ def phase_world2(workdir):
     return {
         "dp2": telemetry_step(Run(load=base), os.path.join(workdir, "t2.jsonl")),
         "dp2_distopt": telemetry_step(Run(load=base, distopt=True), os.path.join(workdir, "t3.jsonl")),
+        "tp2": telemetry_step(Run(tp=2, load=base), os.path.join(workdir, "t6.jsonl")),
+        "pp2": telemetry_step(Run(pp=2, load=base), os.path.join(workdir, "t7.jsonl")),
     }
 
 
