@@ -1,10 +1,10 @@
 """Mix-LN HybridModel torch_dist checkpoints: settings record, resharding, GPT <-> hybrid, HF export.
 
-Two torchrun launches (2 processes, gloo; tests/workers/hybrid_ckpt_worker.py) around in-process
-conversions: the first saves a HybridModel Mix-LN (P = 2, TP2) and GPTModel Mix-LN checkpoints
-(P = 2 at TP1 and TP2, P = 0 at TP1) as Megatron-LM does (its own parsed args in the common
-state); this process converts them (`mixln-megatron convert gpt-to-hybrid | hybrid-to-gpt`); the
-second launch loads the results into the other model kind at TP1 / TP2 and runs Megatron-LM's
+One torchrun launch (2 processes, gloo; tests/workers/hybrid_ckpt_worker.py) in three steps: it
+saves a HybridModel Mix-LN (P = 2, TP2) and GPTModel Mix-LN checkpoints (P = 2 at TP1 and TP2,
+P = 0 at TP1) as Megatron-LM does (its own parsed args in the common state); its rank 0 converts
+them (`mixln-megatron convert gpt-to-hybrid | hybrid-to-gpt`'s functions) while the other waits;
+then it loads the results into the other model kind at TP1 / TP2 and runs Megatron-LM's
 --use-checkpoint-args on them.
 """
 
@@ -38,16 +38,17 @@ def _launch(workdir, jobs, name):
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    from mixln_megatron.convert.gpt_hybrid import convert_gpt_to_hybrid, convert_hybrid_to_gpt
-
     d = str(tmp_path_factory.mktemp("hybrid_ckpt"))
-    _launch(d, [{"do": "save", "name": n, "kind": k, "P": p, "tp": tp} for n, k, p, tp in SAVES], "save_jobs")
-    summaries = {}
+    jobs = [{"do": "save", "name": n, "kind": k, "P": p, "tp": tp} for n, k, p, tp in SAVES]
     for name in ("gpt2_tp1", "gpt0_tp1", "gpt2_tp2"):
-        summaries[f"{name}_h"] = convert_gpt_to_hybrid(f"{d}/{name}", f"{d}/{name}_h", progress=False)
-        summaries[f"{name}_h_g"] = convert_hybrid_to_gpt(f"{d}/{name}_h", f"{d}/{name}_h_g", progress=False)
-    summaries["hyb_tp2_g"] = convert_hybrid_to_gpt(f"{d}/hyb_tp2", f"{d}/hyb_tp2_g", progress=False)
-    load = [
+        jobs.append({"do": "convert", "name": f"{name}_h", "direction": "gpt-to-hybrid", "path": f"{d}/{name}",
+                     "save": f"{d}/{name}_h"})
+        jobs.append({"do": "convert", "name": f"{name}_h_g", "direction": "hybrid-to-gpt", "path": f"{d}/{name}_h",
+                     "save": f"{d}/{name}_h_g"})
+    jobs.append({"do": "convert", "name": "hyb_tp2_g", "direction": "hybrid-to-gpt", "path": f"{d}/hyb_tp2",
+                 "save": f"{d}/hyb_tp2_g"})
+    conversions = [job["name"] for job in jobs if job["do"] == "convert"]
+    jobs += [
         # HybridModel resharding: TP2 -> TP1 (saved again there) -> TP2
         {"do": "load", "name": "hyb_at_tp1", "path": f"{d}/hyb_tp2", "kind": "hybrid", "P": 2, "tp": 1,
          "resave": f"{d}/hyb_tp1"},
@@ -67,7 +68,9 @@ def work(tmp_path_factory):
         {"do": "megatron_args", "name": "args_h", "path": f"{d}/gpt2_tp1_h"},
         {"do": "megatron_args", "name": "args_h_g", "path": f"{d}/gpt2_tp1_h_g"},
     ]
-    _launch(d, load, "load_jobs")
+    _launch(d, jobs, "jobs")
+    summaries = {name: torch.load(os.path.join(d, f"{name}.summary.pt"), weights_only=False)  # our own file
+                 for name in conversions}
     return d, summaries
 
 

@@ -11,6 +11,9 @@ JOBS.json is a list of actions, run in order (parallel state re-initialised for 
         refused load records its message
   {"do": "megatron_args", "name", "path"}   Megatron-LM's --use-checkpoint-args on the checkpoint:
         load_args_from_checkpoint + validate_args, what they decided
+  {"do": "convert", "name", "direction": "gpt-to-hybrid"|"hybrid-to-gpt", "path", "save"}   rank 0
+        converts `path` into `save` (mixln_megatron.convert, as `mixln-megatron convert` does; the
+        others wait) and writes the conversion's summary to WORKDIR/<name>.summary.pt
 Rank 0 writes WORKDIR/<name>.pt ({"logits", "error"}) and WORKDIR/<name>.json; every rank writes its
 parameters to WORKDIR/<name>.rank<r>.pt (its TP shards).
 """
@@ -169,6 +172,16 @@ def run_args_job(job, workdir):
             json.dump(out, f)
 
 
+def run_convert_job(job, workdir):
+    """A conversion between the launch's saves and loads (one process writes; the others wait)."""
+    from mixln_megatron.convert.gpt_hybrid import convert_gpt_to_hybrid, convert_hybrid_to_gpt
+
+    if torch.distributed.get_rank() == 0:
+        convert = {"gpt-to-hybrid": convert_gpt_to_hybrid, "hybrid-to-gpt": convert_hybrid_to_gpt}[job["direction"]]
+        summary = convert(job["path"], job["save"], progress=False)
+        torch.save(summary, os.path.join(workdir, f"{job['name']}.summary.pt"))
+
+
 def main():
     jobs_file, workdir = sys.argv[1], sys.argv[2]
     with open(jobs_file) as f:
@@ -178,6 +191,8 @@ def main():
     for job in jobs:
         if job["do"] == "megatron_args":
             run_args_job(job, workdir)
+        elif job["do"] == "convert":
+            run_convert_job(job, workdir)
         else:
             run_model_job(job, workdir)
         torch.distributed.barrier()
