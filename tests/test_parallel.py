@@ -2,7 +2,8 @@
 
 Identical weights come from one checkpoint of a model trained a few steps; each layout loads it
 and must reproduce TP1PP1's eval loss, three training losses and gradient norms within 1e-5
-relative. One torchrun launch per world size (see workers/parallel_worker.py).
+relative. One launch per world size (see workers/parallel_worker.py): the one-process reference as
+a plain process, the others under torchrun.
 """
 
 import json
@@ -11,7 +12,7 @@ import re
 
 import pytest
 
-from mixln_megatron.dev.testing import torchrun
+from mixln_megatron.dev.testing import single_process, torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "parallel_worker.py")
 pytestmark = pytest.mark.mp
@@ -21,7 +22,7 @@ REL = 1e-5
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("parallel")
-    torchrun(WORKER, 1, "--phase", "reference", "--workdir", d)
+    single_process(WORKER, "--phase", "reference", "--workdir", d)
     return d
 
 
@@ -82,8 +83,14 @@ def test_two_process_layouts_match_tp1pp1(workdir):
     lns_ref = load(workdir, "reference")["lns_tp1pp1"]
     assert_close(got["lns_tp2_sp"], lns_ref, "mixln+lns tp2+sp")
     assert_close(got["lns_pp2"], lns_ref, "mixln+lns pp2")
+    # Saved at TP2, loaded at PP2 (TP and PP both change): the base checkpoint's TP1PP1 eval loss.
+    assert abs(got["tp2_saved_pp2_eval"] - ref["eval"]) <= REL * abs(ref["eval"])
 
 
+# Four processes on two cores: slow. Its 2-rank twin is test_two_process_layouts_match_tp1pp1
+# (TP2, PP2, PP2xVPP2 and uneven PP2 stages against TP1PP1, and a TP2 save resharded to PP2); this
+# adds TP and PP together, four stages and a TP2xPP2 save read at TP1. `make test-compat` runs it.
+@pytest.mark.slow
 @pytest.mark.compat
 def test_four_process_layouts_and_resharding(workdir):
     torchrun(WORKER, 4, "--phase", "world4", "--workdir", workdir)

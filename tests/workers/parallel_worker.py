@@ -1,11 +1,13 @@
 """torchrun worker: Mix-LN under TP / SP / PP / VPP / DP on CPU with gloo.
 
     python -m torch.distributed.run --nproc_per_node N parallel_worker.py --phase PHASE --workdir DIR
+    python parallel_worker.py --phase reference --workdir DIR     (one process: no launcher needed)
 
 Phases (one launch per world size; parallel state is re-initialised between layouts):
   reference (1 proc)  train a few steps, save the base checkpoint; TP1PP1 figures from it;
                       settings-mismatch and stock-checkpoint checks.
-  world2    (2 procs) TP2, PP2, TP2+SP, PP2xVPP2, DP2 (distributed optimizer), placement checks.
+  world2    (2 procs) TP2, PP2, TP2+SP, PP2xVPP2, DP2 (distributed optimizer), placement checks;
+                      save at TP2, load at PP2.
   world4    (4 procs) TP2xPP2, PP4 placement, uneven stages; save at TP2xPP2, load at TP1 (DP4).
 Every rank writes nothing; rank 0 writes DIR/<phase>.json with what the test asserts on.
 """
@@ -131,6 +133,9 @@ def phase_world2(workdir):
     out["kinds_pp2_vpp2"] = Run(pp=2, vpp=2).layer_kinds()
     out["kinds_pp2_uneven"] = Run(pp=2, num_layers=6, post_ln_layers=3, num_layers_in_first_pipeline_stage=2,
                                   num_layers_in_last_pipeline_stage=4).layer_kinds()
+    resharded = os.path.join(workdir, "tp2")
+    Run(tp=2, load=base).save(resharded)
+    out["tp2_saved_pp2_eval"] = Run(pp=2, load=resharded).eval_loss()  # TP and PP both change
     return out
 
 
