@@ -50,7 +50,8 @@ class HFRoleSource:
         if role.startswith("fc1."):
             f = self.shape.ffn_hidden_size
             return torch.cat([self.role_rows(layer, role, 0, f), self.role_rows(layer, role, f, 2 * f)], dim=0)
-        return self.role_rows(layer, role, 0, self.shape.megatron_layer_shapes()[role][0])
+        rows = self.shape.hidden_size if role in M.SANDWICH_ROLES else self.shape.megatron_layer_shapes()[role][0]
+        return self.role_rows(layer, role, 0, rows)
 
     def role_rows(self, layer: int, role: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of that tensor, reading only the HF rows they come from.

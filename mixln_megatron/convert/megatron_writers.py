@@ -90,7 +90,8 @@ def write_legacy(out_dir: str, src: HFRoleSource, shape: ModelShape, padded_voca
                 prefix = f"decoder.layers.{local}."
                 for role in src.layer_roles(layer):
                     full = src.role(layer, role)
-                    model[prefix + names.get(role, M.LAYER_ROLE_NAMES[role])] = split_tp_shard(role, full, tp, t)
+                    name = names[role] if role in names else M.LAYER_ROLE_NAMES[role]
+                    model[prefix + name] = split_tp_shard(role, full, tp, t)
                     del full
                 for module in M.EXTRA_STATE_MODULES:
                     model[f"{prefix}{module}._extra_state"] = None
