@@ -293,7 +293,7 @@ class MixLNTransformerLayer(TransformerLayer):
         )
         assert self.layer_number == global_number, (self.layer_number, global_number)
         # Never the fused-residual RMSNorm: the residual add happens in bias-dropout-add.
-        make = functools.partial(
+        make = None if post_ln_norm is None else functools.partial(
             post_ln_norm, config=self.config, hidden_size=self.config.hidden_size,
             eps=self.config.layernorm_epsilon,
         )

@@ -1,4 +1,4 @@
-"""torchrun worker (2 ranks): a model of every layer kind under DP2, TP2(+SP), PP2 and uneven PP2;
+"""torchrun worker (2 ranks): a model of every layer kind under DP2, TP2(+SP), PP2, PP2xVPP3 and uneven PP2;
 torch_dist saved at one layout and loaded at another; DeepNorm's init through TP2.
 
     python -m torch.distributed.run --nproc_per_node 2 layer_kinds_worker.py --workdir DIR
@@ -25,15 +25,20 @@ NUM_LAYERS = 6
 class Run(testing.TinyTrainer):
     """The tiny GPT of LAYOUT at one parallel layout (local backend), in megatron's DDP."""
 
-    def __init__(self, tp=1, pp=1, sp=False, seed=1234, load=None, **cfg_overrides):
+    def __init__(self, tp=1, pp=1, vpp=None, sp=False, seed=1234, load=None, **cfg_overrides):
         from mixln_megatron.model.settings import MixLNSettings
         from mixln_megatron.model.specs import get_mixln_decoder_block_spec
 
-        testing.init_distributed(tp, pp, seed=seed)
+        testing.init_distributed(tp, pp, vpp, seed=seed)
         torch.manual_seed(seed)
-        cfg = testing.tiny_config(num_layers=NUM_LAYERS, tp=tp, pp=pp, sequence_parallel=sp, **cfg_overrides)
-        spec = get_mixln_decoder_block_spec(cfg, backend="local", settings=MixLNSettings(layout=LAYOUT))
-        self.models = [testing.build_gpt(cfg, spec)]
+        cfg = testing.tiny_config(num_layers=NUM_LAYERS, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, **cfg_overrides)
+        settings = MixLNSettings(layout=LAYOUT)
+        self.models = [
+            testing.build_gpt(cfg, get_mixln_decoder_block_spec(cfg, backend="local", settings=settings,
+                                                                vp_stage=i if vpp else None),
+                              vp_stage=i if vpp else None)
+            for i in range(vpp or 1)
+        ]
         if load:
             self.load(load)
         super().__init__(cfg, self.models)
@@ -43,18 +48,14 @@ class Run(testing.TinyTrainer):
 
         os.makedirs(path, exist_ok=True)
         metadata = {}
-        dist_checkpointing.save({"model": self.models[0].sharded_state_dict(metadata=metadata)}, path,
+        dist_checkpointing.save(testing.chunks_sharded_state_dict(self.models, metadata), path,
                                 content_metadata=metadata)
 
     def load(self, path):
-        from megatron.core import dist_checkpointing
-
-        metadata = dist_checkpointing.load_content_metadata(path)
-        loaded = dist_checkpointing.load({"model": self.models[0].sharded_state_dict(metadata=metadata)}, path)
-        self.models[0].load_state_dict(loaded["model"])
+        testing.load_chunks(self.models, path)
 
     def layers(self):
-        return list(self.models[0].decoder.layers)
+        return [layer for m in self.models for layer in m.decoder.layers]
 
     def kinds(self):
         local = {l.layer_number: l.kind for l in self.layers()}
@@ -130,6 +131,8 @@ def main(workdir):
     uneven = dict(num_layers_in_first_pipeline_stage=2, num_layers_in_last_pipeline_stage=4)
     out["pp2_uneven"] = figures(Run(pp=2, load=tp2_dir, **uneven))
     out["pp2_uneven_kinds"] = Run(pp=2, **uneven).kinds()
+    out["pp2_vpp3"] = figures(Run(pp=2, vpp=3, load=tp2_dir))  # one layer per virtual stage
+    out["pp2_vpp3_kinds"] = Run(pp=2, vpp=3).kinds()
 
     # DeepNorm's init: TP2 shards of CPU init equal the TP1 weights (value rows found per shard)
     tp1 = Run(seed=5).gathered_qkv()
