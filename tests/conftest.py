@@ -21,3 +21,22 @@ def mcore_single():
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     cpu.disable()
+
+
+@pytest.fixture(scope="session")
+def mixln_checkpoints(tmp_path_factory):
+    """Real checkpoints of one tiny Mix-LN model (P = 2 of 4: test_convert.make_mixln_folder), built
+    once for the whole run and shared by the untrusted-input tests: {"hf": its HF folder,
+    "torch_dist": `convert from-hf`, "torch": the legacy format, "hybrid": `gpt-to-hybrid` of the
+    torch_dist one}. Read them only: a test that plants, damages or rewrites files copies first."""
+    from test_convert import make_mixln_folder
+
+    from mixln_megatron.convert import convert_from_hf, convert_gpt_to_hybrid
+
+    root = tmp_path_factory.mktemp("mixln_checkpoints")
+    paths = {name: root / name for name in ("hf", "torch_dist", "torch", "hybrid")}
+    make_mixln_folder(paths["hf"])
+    convert_from_hf(str(paths["hf"]), str(paths["torch_dist"]), progress=False)
+    convert_from_hf(str(paths["hf"]), str(paths["torch"]), progress=False, ckpt_format="torch")
+    convert_gpt_to_hybrid(str(paths["torch_dist"]), str(paths["hybrid"]))
+    return paths

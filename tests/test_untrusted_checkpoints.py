@@ -51,16 +51,10 @@ TORCH_DIST_PICKLE_KINDS = [k for k in P.PICKLE_KINDS if k.startswith("torch_dist
 
 # ------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
-def bases(tmp_path_factory):
-    """{"torch_dist": dir, "torch": dir}: real checkpoints of a tiny Mix-LN model (P = 2 of 4), built once."""
-    from mixln_megatron.convert import convert_from_hf
-    from test_convert import make_mixln_folder
-
-    root = tmp_path_factory.mktemp("untrusted_bases")
-    make_mixln_folder(root / "hf")
-    convert_from_hf(str(root / "hf"), str(root / "torch_dist"), progress=False)
-    convert_from_hf(str(root / "hf"), str(root / "torch"), progress=False, ckpt_format="torch")
-    return {"torch_dist": root / "torch_dist", "torch": root / "torch"}
+def bases(mixln_checkpoints):
+    """{"torch_dist": dir, "torch": dir}: real checkpoints of a tiny Mix-LN model (P = 2 of 4), built
+    once for the run (conftest.mixln_checkpoints); each case plants into its own copy."""
+    return {"torch_dist": mixln_checkpoints["torch_dist"], "torch": mixln_checkpoints["torch"]}
 
 
 class Case:

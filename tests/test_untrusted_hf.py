@@ -56,15 +56,13 @@ RSS_BOUND_MIB = 1536
 
 # ------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """A real HF export of a tiny Mix-LN model (P = 2 of 4): index + 8 shards, built once."""
-    from mixln_megatron.convert import convert_from_hf, convert_to_hf
-    from test_convert import make_mixln_folder
+def base(tmp_path_factory, mixln_checkpoints):
+    """A real HF export of a tiny Mix-LN model (P = 2 of 4): index + 8 shards, built once, from the
+    run's shared torch_dist checkpoint (conftest.mixln_checkpoints)."""
+    from mixln_megatron.convert import convert_to_hf
 
     root = tmp_path_factory.mktemp("untrusted_hf_base")
-    make_mixln_folder(root / "src")
-    convert_from_hf(str(root / "src"), str(root / "ckpt"), progress=False)
-    convert_to_hf(str(root / "ckpt"), str(root / "hf"), progress=False, max_shard_size="40KB")
+    convert_to_hf(str(mixln_checkpoints["torch_dist"]), str(root / "hf"), progress=False, max_shard_size="40KB")
     assert len([f for f in os.listdir(root / "hf") if f.endswith(".safetensors")]) == 8
     return root
 
@@ -542,12 +540,9 @@ def test_analyze_hf_untouched_copy_still_loads(base, tmp_path):
 
 # ------------------------------------------------------------------------------ checkpoint args (item 4)
 @pytest.fixture(scope="module")
-def legacy_ckpt(base, tmp_path_factory):
-    from mixln_megatron.convert import convert_from_hf
-
-    out = tmp_path_factory.mktemp("untrusted_hf_legacy") / "ckpt"
-    convert_from_hf(str(base / "src"), str(out), progress=False, ckpt_format="torch")
-    return out
+def legacy_ckpt(mixln_checkpoints):
+    """The run's shared legacy checkpoint of the same model (conftest.mixln_checkpoints); copied before changes."""
+    return mixln_checkpoints["torch"]
 
 
 def _ckpt_with_args(legacy_ckpt, tmp_path, **changes):

@@ -36,15 +36,10 @@ HYBRID_ITEM = "decoder.layers.2.self_attention.linear_qkv._extra_state/shard_0_1
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory):
-    from mixln_megatron.convert import convert_from_hf, convert_gpt_to_hybrid
-    from test_convert import make_mixln_folder
-
-    root = tmp_path_factory.mktemp("passon")
-    make_mixln_folder(root / "hf")
-    convert_from_hf(str(root / "hf"), str(root / "gpt"), progress=False)
-    convert_gpt_to_hybrid(str(root / "gpt"), str(root / "hybrid"))
-    return {"gpt-to-hybrid": (root / "gpt", GPT_ITEM), "hybrid-to-gpt": (root / "hybrid", HYBRID_ITEM)}
+def sources(mixln_checkpoints):
+    """Each command's source (conftest.mixln_checkpoints, shared by the run; the tests copy it) and its item."""
+    return {"gpt-to-hybrid": (mixln_checkpoints["torch_dist"], GPT_ITEM),
+            "hybrid-to-gpt": (mixln_checkpoints["hybrid"], HYBRID_ITEM)}
 
 
 def _tree_hash(folder) -> str:

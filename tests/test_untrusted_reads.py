@@ -336,17 +336,11 @@ def _argv(cmd, ckpt, out, extra):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Build the bases, plant every case, run every (case, command) in the runner; {(case, cmd): result}."""
-    from mixln_megatron.convert import convert_from_hf, convert_gpt_to_hybrid
-    from test_convert import make_mixln_folder
-
+def runs(tmp_path_factory, mixln_checkpoints):
+    """Plant every case into a copy of its base (conftest.mixln_checkpoints, built once for the run),
+    run every (case, command) in the runner; {(case, cmd): result}."""
     top = tmp_path_factory.mktemp("untrusted_reads")
-    bases = top / "bases"
-    make_mixln_folder(bases / "hf")
-    convert_from_hf(str(bases / "hf"), str(bases / TD), progress=False)
-    convert_from_hf(str(bases / "hf"), str(bases / LEG), progress=False, ckpt_format="torch")
-    convert_gpt_to_hybrid(str(bases / TD), str(bases / HYB))
+    bases = mixln_checkpoints["torch_dist"].parent  # TD, LEG, HYB are its entries' names
     bomb = str(top / "bomb.pt")
     P.deflate_bomb(str(bases / TD / "release" / "common.pt"), bomb, megabytes=256)
 
