@@ -383,6 +383,15 @@ def test_bad_layer_kinds_through_the_cli(exported, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "layer_kinds[1] is 7" in err, err
 
 
+def test_a_folder_without_deepnorm_beta_gets_deepnet_s(exported, tmp_path):
+    from mixln_megatron.convert.megatron_reader import open_checkpoint
+
+    folder = _edited(exported["mixed"][2], tmp_path / "hf", deepnorm_beta=None, deepnorm_alpha=2.5)
+    s = from_hf(str(folder), str(tmp_path / "out"), progress=False)
+    assert s["deepnorm_alpha"] == 2.5 and s["deepnorm_beta"] == pytest.approx((8 * L) ** -0.25)
+    assert open_checkpoint(str(tmp_path / "out")).args.mixln_deepnorm_alpha == "2.5"
+
+
 def test_explicit_settings_that_change_a_layout_folder_are_refused(exported, tmp_path):
     one_line_error(from_hf, str(exported["mixed"][2]), str(tmp_path / "out"), post_ln_layers=2, progress=False,
                    match="layout=deepnorm:1,sandwich:2,post:3,pre:4.*would change the network")

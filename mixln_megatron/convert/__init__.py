@@ -21,12 +21,14 @@ Modules (one way each: reader -> role mapping -> writer)
   megatron_reader   open_checkpoint over locate, torch_dist_reader (over dcp_files:
                     torch.distributed.checkpoint with the allow-list) and legacy_reader
   to_hf             facts -> map_roles -> hf_layer_tensors -> streaming safetensors writer; config.json
-                    (hf_config_dict, the one builder), the model code when P > 0
+                    (hf_config_dict, the one builder), the model code unless every layer is pre
+                    (layer_kinds for layouts other than Mix-LN's first P: model.layout)
   from_hf           streaming import over hf_folder, hf_roles, megatron_writers, written_args
   staging           the temporary output directory renamed in at the end
   hybrid_keys       a Mix-LN HybridModel's torch_dist keys next to a GPTModel's (pure Python)
-  gpt_hybrid        GPTModel <-> HybridModel checkpoints (keys renamed, every Mix-LN norm kept) over
-                    dcp_writer (the lazy torch.distributed.checkpoint writer from_hf uses too)
+  gpt_hybrid        GPTModel <-> HybridModel checkpoints (keys renamed, every Mix-LN norm kept; pre /
+                    post layouts only, as HybridModel) over dcp_writer (the lazy
+                    torch.distributed.checkpoint writer from_hf uses too)
 
 Every pickle read from a checkpoint goes through mixln_megatron.safe_unpickle (one allow-list).
 Both directions write into a temporary directory next to the output and rename it at the end, so a

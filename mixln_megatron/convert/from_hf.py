@@ -1,7 +1,8 @@
 """Hugging Face folder -> Megatron-LM checkpoint that Megatron-LM (and `mixln-megatron pretrain`)
 loads to continue training or fine-tune.
 
-Input: a Mix-LN / LNS folder (model_type mixln_llama, e.g. from `convert to-hf`) or a stock Llama
+Input: a Mix-LN / LNS folder (model_type mixln_llama, e.g. from `convert to-hf`; with `layer_kinds`,
+any layout of pre, post, deepnorm and sandwich layers, model.layout) or a stock Llama
 folder (model_type llama). A stock folder becomes a Pre-LN model (P = 0) unless the user asks
 for Mix-LN explicitly (--post-ln-layers / --mixln-alpha): then layers 1..P become Post-LN layers
 with N1 := post_attention_layernorm and N2 := input_layernorm of the Llama weights (a different
@@ -15,7 +16,9 @@ Output (written into a temporary directory renamed to --save at the end):
                                       optimizer and its first save is iter_<N>.
   torch_dist (default): release/{.metadata, __0_0.distcp, metadata.json} with the common state
       (args, iteration 0, content metadata with the Mix-LN record) inside, and the Mix-LN
-      settings record `decoder.layers.mixln_settings` when P > 0 or scheme != mixln.
+      settings record `decoder.layers.mixln_settings` unless the model is stock (format 2 with the
+      layout for a layout other than Mix-LN's first P); sandwich layers' output norms under
+      decoder.layers.mixln_norm_c / _d, stacked over the sandwich layers (model.layer).
       torch_dist is layout-free: Megatron reshards it to any TP / PP / VPP at load time. --tp
       only decides the vocabulary padding (make_vocab_size_divisible_by x TP, which the loading
       run must reproduce) and, like --pp, is recorded in the args.
@@ -27,7 +30,10 @@ The args carried (argparse.Namespace, as Megatron-LM saves them): the model shap
 (RMSNorm, SwiGLU, RoPE base / scaling, biases, tied embeddings, GQA), vocab_size /
 padded_vocab_size / make_vocab_size_divisible_by, the tokenizer (HuggingFaceTokenizer on the HF
 folder when it holds tokenizer files), params dtype, TP / PP, the --spec of the Mix-LN layer when
-the model is not stock, and the integer P as mixln_post_ln_layers (alpha is only informational).
+the model is not stock, and the integer P as mixln_post_ln_layers (alpha is only informational),
+or for another layout mixln_layout and DeepNorm's mixln_deepnorm_alpha / _beta (text, as the
+--mixln-* flags take them). A layer_kinds without deepnorm_beta gets DeepNet's default beta (it
+only shapes an initialisation, never these weights).
 Reading: hf_folder, hf_roles; writing: megatron_writers (one chunk or one rank file in memory).
 
 The folder is untrusted input (issue 27): hf_folder confines every read to it and validates the
