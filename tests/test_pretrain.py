@@ -1,7 +1,8 @@
 """`mixln-megatron pretrain`: Megatron-LM's training loop with the Mix-LN model, on CPU with gloo.
 
-The training runs are subprocesses (`python -m torch.distributed.run ... -m mixln_megatron.training.pretrain
---cpu ...`): Megatron's global state allows one pretrain() per process. Losses are compared per
+The training runs are subprocesses (`python -m mixln_megatron.training.pretrain --cpu ...`, under
+`python -m torch.distributed.run` for more than one rank): Megatron's global state allows one
+pretrain() per process. Losses are compared per
 iteration from the entry point's --loss-log record (Megatron's own log line after a (re)start
 averages two iterations).
 """
@@ -46,8 +47,11 @@ def _env():
     return env
 
 
-def start(args, nproc=1, torchrun=True):
-    """Popen of the entry point (under torchrun with `nproc` workers, or as a plain process)."""
+def start(args, nproc=1, torchrun=None):
+    """Popen of the entry point: under torchrun with `nproc` workers, or as a plain process (the
+    default for one process: the entry point makes its one-rank group itself, no launcher)."""
+    if torchrun is None:
+        torchrun = nproc > 1
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--standalone", "-m", "mixln_megatron.training.pretrain", *args]
@@ -84,20 +88,23 @@ def megatron_logged(out):
 # ------------------------------------------------------------------ train, save, resume
 @pytest.mark.compat
 def test_train_save_resume_equals_uninterrupted(tmp_path):
-    """6 iterations at once == 3, torch_dist save, exit, load, 3 more: the two iteration-6
-    checkpoints are bitwise identical (every model, optimizer and RNG tensor and byte item), and the
-    validation passes agree. (Megatron-LM's logged loss of the second iteration after any start is
-    the mean of two iterations, training_log's `should_reset = not is_first_iteration`: logged
-    losses are no measure of a resume.)"""
+    """6 iterations at once == 3, torch_dist save, load, 3 more: the two iteration-6 checkpoints
+    are bitwise identical (every model, optimizer and RNG tensor and byte item), and the validation
+    passes agree. The resume starts from the uninterrupted run's own iteration-3 save (a run that
+    saves at 3 and exits writes the same state; that path, --exit-interval, is
+    test_pretrain_hybrid.py::test_hybrid_pretrain_equals_gpt_also_across_a_resume's). (Megatron-LM's
+    logged loss of the second iteration after any start is the mean of two iterations,
+    training_log's `should_reset = not is_first_iteration`: logged losses are no measure of a resume.)"""
+    import shutil
+
     ckpt, ref = tmp_path / "ckpt", tmp_path / "ref"
     mix = ["--cpu", *TINY, "--mixln-alpha", "0.25", "--ckpt-format", "torch_dist",
            "--save-interval", "3"]  # dropout on (Megatron's 0.1 defaults)
-    full = start([*mix, "--loss-log", str(tmp_path / "full.json"), "--save", str(ref)])
-    part1 = start([*mix, "--loss-log", str(tmp_path / "p1.json"), "--save", str(ckpt), "--exit-interval", "3"])
-    out_full = finish(full)
-    finish(part1)
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
-    assert (ckpt / "iter_0000003" / ".metadata").exists()  # torch_dist layout
+    out_full = train([*mix, "--loss-log", str(tmp_path / "full.json"), "--save", str(ref)])
+    assert (ref / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    assert (ref / "iter_0000003" / ".metadata").exists()  # torch_dist layout
+    shutil.copytree(ref / "iter_0000003", ckpt / "iter_0000003")  # the state at 3, as a stopped run leaves it
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("3")
     out2 = train([*mix, "--loss-log", str(tmp_path / "p2.json"), "--load", str(ckpt), "--save", str(ckpt)])
     assert "loading distributed checkpoint from" in out2 or "successfully loaded checkpoint" in out2
 
