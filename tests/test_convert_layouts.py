@@ -459,3 +459,21 @@ def test_resharded_checkpoints_export_the_same(exported, tmp_path):
     for layout in ("tp2", "pp2"):
         to_hf(str(tmp_path / layout), str(tmp_path / f"{layout}_hf"), progress=False)
         assert_same_tensors(hf, tmp_path / f"{layout}_hf")
+
+
+# --------------------------------------------------------------------------------- analysis loader
+@pytest.mark.parametrize("name", ["mixed", "lns"])
+def test_the_analysis_loader_builds_the_checkpoint_s_layout(exported, name):
+    """`mixln-megatron analyze --megatron` reads a layout checkpoint into the same network."""
+    from mixln_megatron.analysis.models import load_megatron_checkpoint
+
+    model, ckpt, _, _ = exported[name]
+    lm = load_megatron_checkpoint(str(ckpt))
+    assert [layer.kind for layer in lm.layers] == KINDS[name]
+    ids, want = megatron_logits(model)
+    labels = torch.roll(ids, -1, dims=1)
+    with torch.no_grad():
+        got = lm.token_losses(ids, labels)
+        ref = torch.nn.functional.cross_entropy(want.float().reshape(-1, want.shape[-1]), labels.reshape(-1),
+                                                reduction="none").reshape(labels.shape)
+    assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()

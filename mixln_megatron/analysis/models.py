@@ -528,20 +528,22 @@ def load_megatron_checkpoint(
     """
     from megatron.core.models.gpt import GPTModel
 
-    from ..model.placement import Placement
+    from ..model.placement import resolve_placement
+    from ..model.settings import MixLNSettings, layered
     from ..spec import get_mixln_decoder_block_spec
 
     ensure_megatron_cpu()
     info = _inspect(path, iteration)
     ckpt_dir, a = info.path, info.shape
-    settings = {"post_ln_layers": info.post_ln_layers, "scheme": info.scheme, "source": info.record_source}
-    if post_ln_layers is not None:
-        settings.update(post_ln_layers=int(post_ln_layers), source="command line")
-    if scheme is not None:
-        settings.update(scheme=scheme)
+    # The checkpoint's placement (every layer's kind, a per-layer layout included); the caller's
+    # post_ln_layers / scheme override it, as a command line would.
+    saved = MixLNSettings.from_checkpoint(info.record) or MixLNSettings(post_ln_layers=0)
+    given = MixLNSettings(post_ln_layers=post_ln_layers, scheme=scheme,
+                          sources={"post_ln_layers": "command line", "scheme": "command line"})
+    mixln_settings = layered(given, saved)
     shape, config = _config_from_shape(a, getattr(info.reader, "padded_vocab_size", None))
-    spec = get_mixln_decoder_block_spec(config, backend="local", post_ln_layers=settings["post_ln_layers"],
-                                        scheme=settings["scheme"])
+    placement = resolve_placement(config.num_layers, mixln_settings)
+    spec = get_mixln_decoder_block_spec(config, backend="local", settings=mixln_settings)
     with _quiet_gpt_deprecation():
         model = GPTModel(
             config=config, transformer_layer_spec=spec, vocab_size=shape.vocab_size,
@@ -552,14 +554,13 @@ def load_megatron_checkpoint(
             share_embeddings_and_output_weights=not shape.untie_embeddings,
         )
     try:
+        info.reader.check_layer_kinds(placement.kinds)  # and the sandwich layers' rows of the stacked norms
         state = _state_from_reader(model, info.reader, config.num_layers, info.reader.settings_record or info.record)
         model.load_state_dict(state, strict=True)
     except (ConversionError, RuntimeError) as e:  # RuntimeError: the layers' Mix-LN settings check
         raise CheckpointError(f"{ckpt_dir}: {one_line(e)}") from None
     model = _to_device(model)
     model.eval()
-    placement = Placement(config.num_layers, settings["post_ln_layers"], settings["scheme"],
-                          source=settings["source"])
     lm = MegatronLM(model, source=ckpt_dir, placement=placement)
     lm.saved_args = info.args
     return lm
