@@ -120,7 +120,7 @@ def test_norm_parameters_spike_targets_and_telemetry_find_te_norms(normalization
 
     from mixln_megatron.training.spike import target_layers
     from mixln_megatron.training.spike.targets import find_targets
-    from mixln_megatron.training.telemetry import GradTelemetry, norm_columns
+    from mixln_megatron.training.telemetry import COLUMNS, GradTelemetry, norm_columns
 
     cfg = config(normalization)
     model = mixln_model(cfg, 2)
@@ -151,7 +151,7 @@ def test_norm_parameters_spike_targets_and_telemetry_find_te_norms(normalization
     telemetry = GradTelemetry(interval=1)
     telemetry._build_plan([ddp])
     rows = sorted(int(r) for r in telemetry._plan["norm_rows"])
-    assert rows == sorted(3 * (n - 1) + c for n in range(1, L + 1) for c in (1, 2) for _ in names)
+    assert rows == sorted(COLUMNS * (n - 1) + c for n in range(1, L + 1) for c in (1, 2) for _ in names)
 
 
 @pytest.mark.usefixtures("te_single")
