@@ -138,6 +138,18 @@ def main(workdir):
     tp1 = Run(seed=5).gathered_qkv()
     tp2_init = Run(tp=2, seed=5).gathered_qkv()
     out["qkv_tp2_equals_tp1"] = all(torch.equal(tp1[n], tp2_init[n]) for n in tp1)
+    # ... and TP-sharded (GPU-style) init: on each shard, std(value rows) / std(query rows) = beta
+    sharded = Run(tp=2, seed=6, use_cpu_initialization=False)
+    deep = sharded.layers()[0]
+    attention = deep.self_attention
+    groups, dim = attention.num_query_groups_per_partition, attention.hidden_size_per_attention_head
+    heads = attention.num_attention_heads_per_partition
+    w = attention.linear_qkv.weight.detach().view(groups, (heads // groups + 2) * dim, -1)
+    q, v = w[:, : heads // groups * dim], w[:, -dim:]
+    ratios = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(ratios, {"ratio": (v.std() / q.std()).item(), "numel": [q.numel(), v.numel()],
+                                                 "beta": deep.placement.deepnorm_beta, "kind": deep.kind})
+    out["gpu_style_tp2_value_ratios"] = ratios
     if rank == 0:
         with open(os.path.join(workdir, "layer_kinds.json"), "w") as f:
             json.dump(out, f)
