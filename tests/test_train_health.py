@@ -38,3 +38,20 @@ def test_heatmap_and_boundary_chart(tmp_path):
 def test_missing_telemetry_says_how_to_enable_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="--mixln-telemetry-interval"):
         train_health.main([str(tmp_path)])
+
+
+def test_every_boundary_of_a_layout_is_charted(tmp_path):
+    """A layout with Post-LN layers 2 and 4 of 5 has two boundaries, 2|3 and 4|5 (model.layout)."""
+    with open(tmp_path / "mixln_telemetry.jsonl", "w") as f:
+        for step in (1, 2):
+            f.write(json.dumps({
+                "step": step, "num_layers": 5, "post_ln_layers": 2, "scheme": "mixln",
+                "layer_kinds": ["pre", "post", "pre", "deepnorm", "sandwich"],
+                "layer_grad_norm": [0.1, 0.2, 0.3, 0.4, 0.5],
+                "norm1_grad_norm": [0.01, 0.02, 0.03, 0.04, 0.05], "norm2_grad_norm": [0.6, 0.7, 0.8, 0.9, 1.0],
+            }) + "\n")
+    assert train_health.main([str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "train_health.json").read_text())
+    assert summary["boundaries"] == [[2, 3], [4, 5]]
+    assert sorted(summary["boundary"]) == sorted(f"layer{n}_norm{k}" for n in (2, 3, 4, 5) for k in (1, 2))
+    assert summary["boundary"]["layer4_norm2"] == [0.9, 0.9] and "layer1_norm1" not in summary["boundary"]

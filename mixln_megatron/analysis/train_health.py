@@ -18,6 +18,7 @@ import math
 import os
 from typing import List, Optional
 
+from ..model.layout import boundaries, first_p_kinds
 from ..training.telemetry import JSONL_NAME
 
 
@@ -65,13 +66,15 @@ def summarize(records: List[dict]) -> dict:
         "post_ln_group_grad_norm": [r.get("post_ln_group_grad_norm") for r in records],
         "pre_ln_group_grad_norm": [r.get("pre_ln_group_grad_norm") for r in records],
     }
-    if 0 < P < L:
-        summary["boundary"] = {
-            f"layer{P}_norm1": [r["norm1_grad_norm"][P - 1] for r in records],
-            f"layer{P}_norm2": [r["norm2_grad_norm"][P - 1] for r in records],
-            f"layer{P + 1}_norm1": [r["norm1_grad_norm"][P] for r in records],
-            f"layer{P + 1}_norm2": [r["norm2_grad_norm"][P] for r in records],
-        }
+    # Every Post/Pre boundary of the run's layout (records before layouts existed carry no
+    # layer_kinds: Mix-LN's first P layers are Post-LN).
+    kinds = first.get("layer_kinds") or first_p_kinds(L, P)
+    summary["layer_kinds"] = list(kinds)
+    summary["boundaries"] = [list(pair) for pair in boundaries(kinds)]
+    if summary["boundaries"]:
+        layers = sorted({layer for pair in summary["boundaries"] for layer in pair})
+        summary["boundary"] = {f"layer{layer}_{norm}": [r[f"{norm}_grad_norm"][layer - 1] for r in records]
+                               for layer in layers for norm in ("norm1", "norm2")}
     spikes = [r.get("spike") for r in records]
     if any(spikes):
         keys = sorted({k for s in spikes if s for k in s})
@@ -85,15 +88,15 @@ def plot(summary: dict, out_dir: str) -> List[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps, P, L = summary["steps"], summary["post_ln_layers"], summary["num_layers"]
+    steps, L = summary["steps"], summary["num_layers"]
     grid = [[math.log10(v) if v and v > 0 else float("nan") for v in row] for row in summary["layer_grad_norm"]]
     columns = list(map(list, zip(*grid)))  # [layer][step]
     fig, ax = plt.subplots(figsize=(max(6, min(16, len(steps) * 0.25 + 3)), max(3, L * 0.25 + 1.5)))
     image = ax.imshow(columns, aspect="auto", origin="lower", interpolation="nearest", cmap="viridis",
                       extent=(steps[0] - 0.5, steps[-1] + 0.5, 0.5, L + 0.5))
-    if 0 < P < L:
-        ax.axhline(P + 0.5, color="white", linestyle="--", linewidth=1)
-        ax.text(steps[0], P + 0.6, f" Pre-LN {P + 1}..{L} above, Post-LN 1..{P} below",
+    for last_post, _ in summary.get("boundaries") or []:
+        ax.axhline(last_post + 0.5, color="white", linestyle="--", linewidth=1)
+        ax.text(steps[0], last_post + 0.6, f" Post-LN {last_post} below, Pre-LN {last_post + 1} above",
                 color="white", fontsize=8, va="bottom")
     ax.set_xlabel("step")
     ax.set_ylabel("layer (global)")
