@@ -542,7 +542,9 @@ def load_megatron_checkpoint(
                           sources={"post_ln_layers": "command line", "scheme": "command line"})
     mixln_settings = layered(given, saved)
     shape, config = _config_from_shape(a, getattr(info.reader, "padded_vocab_size", None))
-    placement = resolve_placement(config.num_layers, mixln_settings)
+    placement = dataclasses.replace(  # where the kinds came from, as inspect names it
+        resolve_placement(config.num_layers, mixln_settings),
+        source="command line" if post_ln_layers is not None else info.record_source)
     spec = get_mixln_decoder_block_spec(config, backend="local", settings=mixln_settings)
     with _quiet_gpt_deprecation():
         model = GPTModel(
