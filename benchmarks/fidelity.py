@@ -296,6 +296,13 @@ def plot_profiles(setup: Setup, summary: dict, path: str) -> str:
                                            "mean": prof["mean"], "summary": prof["summary"]}
             when = "at initialization" if step == "0" else f"after {step} steps"
             grad_norms.draw_profiles(axes[i][j], result, title=f"L={depth}: per-layer gradient norm {when}")
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: str) -> str:
+    """Write a matplotlib figure as a PNG at `path` (its folder made) and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -303,11 +310,12 @@ def plot_profiles(setup: Setup, summary: dict, path: str) -> str:
     return path
 
 
-def result_line(summary: dict) -> str:
+def result_line(summary: dict, prefix: str = "fidelity_ppl_") -> str:
+    """`RESULT <prefix><row>=<mean validation perplexity> ...` for every row of a summary."""
     parts = []
     for key, r in summary["rows"].items():
         v = r["ppl_mean"]
-        parts.append(f"fidelity_ppl_{key}={'inf' if not math.isfinite(v) else f'{v:.3f}'}")
+        parts.append(f"{prefix}{key}={'inf' if not math.isfinite(v) else f'{v:.3f}'}")
     return "RESULT " + " ".join(parts)
 
 

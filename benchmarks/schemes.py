@@ -175,17 +175,11 @@ def plot(setup: Setup, summary: dict, path: str) -> str:
         losses.set_ylabel("training loss (EMA 0.9)")
         losses.set_title(f"L={depth}: training loss, same batches and seeds for every arm")
         grads.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fidelity.save_figure(fig, path)
 
 
 def result_line(summary: dict) -> str:
-    parts = [f"schemes_ppl_{key}={'inf' if not math.isfinite(r['ppl_mean']) else format(r['ppl_mean'], '.3f')}"
-             for key, r in summary["rows"].items()]
-    return "RESULT " + " ".join(parts)
+    return fidelity.result_line(summary, prefix="schemes_ppl_")
 
 
 def setup_from_record(d: dict) -> Setup:
