@@ -3,6 +3,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# pytest-xdist workers; each takes whole files, so a module's fixtures are built once.
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: setup test test-all test-compat test-te test-bridge demo bench clean
 
@@ -17,10 +20,10 @@ setup: $(STAMP)
 
 # The default suite: unit + multi-process CPU tests, without the ones marked slow.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS) tests
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS) tests
 
 # The compatibility subset (marker `compat`) on each older megatron-core release, laid over the
 # venv's torch by scripts/compat_env.sh (.compat/<release>, no second torch download).
@@ -30,7 +33,7 @@ test-compat: $(STAMP)
 	  overlay=$$(scripts/compat_env.sh $$r) || { failed="$$failed $$r"; continue; }; \
 	  echo "== megatron-core $$r ($$overlay)"; \
 	  PYTHONPATH=$$overlay$${PYTHONPATH:+:$$PYTHONPATH} COMPAT_MEGATRON_RELEASE=$$r \
-	    $(PY) -m pytest -q -m compat $(PYTEST_ARGS) tests || failed="$$failed $$r"; \
+	    $(PY) -m pytest -q $(XDIST) -m compat $(PYTEST_ARGS) tests || failed="$$failed $$r"; \
 	done; \
 	if [ -n "$$failed" ]; then echo "test-compat failed for:$$failed"; exit 1; fi
 
@@ -42,7 +45,7 @@ test-te: $(STAMP)
 	@overlay=$$(scripts/install_te.sh) || exit 1; \
 	if [ -z "$$overlay" ]; then echo "test-te: skipped (see the line above)"; exit 0; fi; \
 	PYTHONPATH=$$overlay$${PYTHONPATH:+:$$PYTHONPATH} TE_TESTS_REQUIRED=1 \
-	  $(PY) -m pytest -q -m te $(PYTEST_ARGS) tests
+	  $(PY) -m pytest -q $(XDIST) -m te $(PYTEST_ARGS) tests
 
 # The tests marked `bridge`, with Megatron-Bridge 0.6.2 on the CPU (HF folder -> AutoBridge -> the
 # Mix-LN GPTModel -> HF folder). scripts/install_bridge.sh lays Bridge's pinned packages over the

@@ -28,6 +28,7 @@ setup(
         "dev": [
             "pytest>=8",
             "pytest-timeout",
+            "pytest-xdist>=3.5",  # make test: two workers, one file each (module fixtures built once)
             "transformers>=4.56,<6",
             "safetensors>=0.4",
             "nltk>=3.9",

@@ -40,3 +40,11 @@ def mixln_checkpoints(tmp_path_factory):
     convert_from_hf(str(paths["hf"]), str(paths["torch"]), progress=False, ckpt_format="torch")
     convert_gpt_to_hybrid(str(paths["torch_dist"]), str(paths["hybrid"]))
     return paths
+
+
+def pytest_configure(config):
+    # python/torchrun commands of the tests fork from one server that imported torch and
+    # megatron-core once (mixln_megatron/dev/forked_ranks.py) instead of starting fresh interpreters
+    from mixln_megatron.dev import testing
+
+    testing.FORKED_RANKS = True

@@ -7,8 +7,9 @@ spec or `--spec mixln_megatron.spec mixln_local_layer_spec` (tests/workers/ckpt_
 
 import json
 import os
-import subprocess
 import sys
+
+from mixln_megatron.dev.testing import start_python
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "workers", "ckpt_keys_worker.py")
@@ -19,8 +20,7 @@ def _start(spec, *actions, **mixln_env):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **mixln_env)
-    return subprocess.Popen([sys.executable, WORKER, spec, *map(str, actions)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    return start_python([sys.executable, WORKER, spec, *map(str, actions)], env=env, merge_stderr=True)
 
 
 def _results(proc, timeout=300):

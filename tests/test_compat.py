@@ -7,10 +7,11 @@ release's overlay (`scripts/compat_env.sh 0.17`) on PYTHONPATH.
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from mixln_megatron.dev.testing import run_python
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "workers", "release_checkpoint_worker.py")
@@ -125,7 +126,7 @@ def _worker(overlay, *steps):
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and ".compat" not in p]
     env["PYTHONPATH"] = os.pathsep.join(([overlay] if overlay else []) + [REPO, *paths])
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, WORKER, *map(str, steps)], capture_output=True,
+    proc = run_python([sys.executable, WORKER, *map(str, steps)], capture_output=True,
                           text=True, env=env, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -177,7 +178,7 @@ def test_checkpoint_saved_by_0_17_loads_in_0_19_and_not_back(tmp_path, request):
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_") and k not in ("RANK", "WORLD_SIZE")}
     env.update(PYTHONPATH=os.pathsep.join([overlay, REPO]), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "mixln_megatron.training.pretrain", "--cpu", *TINY,
+    proc = run_python([sys.executable, "-m", "mixln_megatron.training.pretrain", "--cpu", *TINY,
                            "--load", str(tmp_path / "by19")], capture_output=True, text=True, env=env,
                           cwd=REPO, timeout=600)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -19,7 +19,6 @@ import glob
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -28,6 +27,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
+from mixln_megatron.dev.testing import run_python
 from mixln_megatron.convert import ConversionError, UnsupportedModelError  # noqa: E402
 from mixln_megatron.convert import convert_from_hf as from_hf  # noqa: E402
 from mixln_megatron.convert import convert_to_hf as to_hf  # noqa: E402
@@ -615,12 +615,12 @@ def test_from_hf_checkpoint_continues_training_with_pretrain(tmp_path, fmt):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
     base = [sys.executable, "-m", "mixln_megatron.training.pretrain", "--cpu", *PRETRAIN_TINY, "--load", str(ckpt),
             "--ckpt-format", fmt]
-    ok = subprocess.run(base + ["--mixln-post-ln-layers", "2", "--train-iters", "2", "--save", str(cont),
+    ok = run_python(base + ["--mixln-post-ln-layers", "2", "--train-iters", "2", "--save", str(cont),
                                 "--save-interval", "2"], capture_output=True, text=True, env=env, timeout=600)
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
     assert "loading release" in ok.stdout + ok.stderr
     assert open(cont / "latest_checkpointed_iteration.txt").read().strip() == "2"
-    bad = subprocess.run(base + ["--mixln-post-ln-layers", "1", "--train-iters", "1"],
+    bad = run_python(base + ["--mixln-post-ln-layers", "1", "--train-iters", "1"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert bad.returncode != 0 and "Mix-LN settings differ" in bad.stdout + bad.stderr
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from mixln_megatron.dev.testing import run_python
 from mixln_megatron import cli, errors
 from mixln_megatron.errors import MixLNConfigError, MixLNError
 
@@ -71,7 +72,7 @@ def test_refusal_is_exit_2_without_a_traceback(capsys):
 
 
 def test_placement_command_prints_one_line_and_exits_2():
-    proc = subprocess.run([*_command(), "placement", "--num-layers", "32"], env=_env(),
+    proc = run_python([*_command(), "placement", "--num-layers", "32"], env=_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
@@ -103,7 +104,7 @@ def test_every_project_error_is_one_line_and_exit_2(monkeypatch, tmp_path, capsy
 
 
 def test_pretrain_bad_flag_is_one_line_and_exit_2():
-    proc = subprocess.run([*_command(), "pretrain", "--cpu", *TINY, "--mixln-alpha", "2"], env=_env(),
+    proc = run_python([*_command(), "pretrain", "--cpu", *TINY, "--mixln-alpha", "2"], env=_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
@@ -232,7 +233,7 @@ def test_legacy_resume_with_other_settings_is_one_line_and_exit_2(tmp_path):
     transformers.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "hf"))
     convert_from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), transformer_impl="local", post_ln_layers=1,
                     ckpt_format="torch", progress=False)
-    proc = subprocess.run([sys.executable, "-m", "mixln_megatron.training.pretrain", "--cpu", "--load",
+    proc = run_python([sys.executable, "-m", "mixln_megatron.training.pretrain", "--cpu", "--load",
                            str(tmp_path / "ckpt"), "--use-checkpoint-args", "--ckpt-format", "torch",
                            "--mixln-post-ln-layers", "2", *LEGACY_TRAIN, "--save", str(tmp_path / "out"),
                            "--save-interval", "2"],

@@ -138,7 +138,8 @@ def test_the_release_module_and_errors_stay_below_the_model():
 # The package's layers, lowest first. A module may import its own layer and any layer below it,
 # never one above. Why each sits where it does:
 # - foundation: the one-line errors, reading untrusted input (confinement, the allow-list), staged
-#   output, release differences (compat) and the CPU harness that megatron code runs inside;
+#   output, release differences (compat), the CPU harness that megatron code runs inside and the
+#   tests' process launcher (dev.forked_ranks);
 # - model: the Mix-LN network (settings, placement, layers, specs), the HF model code, data prep;
 # - training and conversion: hooks, telemetry, the spike scaler, the entry point; checkpoint
 #   readers and writers; test builders (dev.testing) that make real models from the model layer;
@@ -148,7 +149,8 @@ def test_the_release_module_and_errors_stay_below_the_model():
 #   own lazy re-exports.
 LAYERS = (
     ("foundation", ("mixln_megatron.errors", "mixln_megatron.input_root", "mixln_megatron.safe_output",
-                    "mixln_megatron.safe_unpickle", "mixln_megatron.compat", "mixln_megatron.dev.cpu")),
+                    "mixln_megatron.safe_unpickle", "mixln_megatron.compat", "mixln_megatron.dev.cpu",
+                    "mixln_megatron.dev.forked_ranks")),
     ("model", ("mixln_megatron.model", "mixln_megatron.hf", "mixln_megatron.data", "mixln_megatron.dev.plots")),
     ("training and conversion", ("mixln_megatron.training", "mixln_megatron.convert",
                                  "mixln_megatron.megatron_args", "mixln_megatron.dev.testing")),

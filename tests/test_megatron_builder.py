@@ -2,9 +2,9 @@
 
 import json
 import os
-import subprocess
 import sys
 
+from mixln_megatron.dev.testing import run_python
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "megatron_builder_worker.py")
 
@@ -12,7 +12,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "megatron_builder_wo
 def run_builder(env_extra, *args):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
     env.update(env_extra)
-    proc = subprocess.run([sys.executable, WORKER, *args], env=env, capture_output=True, text=True, timeout=300)
+    proc = run_python([sys.executable, WORKER, *args], env=env, capture_output=True, text=True, timeout=300)
     return proc
 
 

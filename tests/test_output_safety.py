@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -27,6 +26,7 @@ pytest.importorskip("transformers")
 
 from test_convert import make_llama_folder, no_leftovers, tensors  # noqa: E402
 
+from mixln_megatron.dev.testing import run_python, start_python
 from mixln_megatron.convert import ConversionError, convert_from_hf, convert_to_hf  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -51,7 +51,7 @@ def tree_hash(path) -> str:
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "mixln_megatron.cli", *map(str, args)], cwd=REPO,
+    return run_python([sys.executable, "-m", "mixln_megatron.cli", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -174,9 +174,8 @@ def test_save_given_as_a_symlink_writes_through_it_and_leaves_nothing_beside(tmp
 # ----------------------------------------------------------------------------------------- item 2: real signals
 def start(tmp_path, point, *args):
     marker = tmp_path / f"paused-{point}"
-    proc = subprocess.Popen([sys.executable, WORKER, point, str(marker), "--", *map(str, args)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
+    proc = start_python([sys.executable, WORKER, point, str(marker), "--", *map(str, args)], cwd=REPO)
+    deadline = time.time() + 600
     while not marker.exists():
         if proc.poll() is not None:
             out, err = proc.communicate()

@@ -5,13 +5,13 @@ Everything is read back with megatron-core's own IndexedDataset. Fast (CPU, smal
 
 import json
 import os
-import subprocess
 import sys
 import types
 
 import numpy as np
 import pytest
 
+from mixln_megatron.dev.testing import run_python
 from mixln_megatron.data import corpus
 from mixln_megatron.data import preprocess as pp
 from mixln_megatron.data.austen_dataset import prepare_austen_dataset
@@ -270,7 +270,7 @@ def test_clear_errors(tmp_path, capsys):
 
 
 def test_module_entry_point_help():
-    r = subprocess.run([sys.executable, "-m", "mixln_megatron.data.preprocess", "--help"],
+    r = run_python([sys.executable, "-m", "mixln_megatron.data.preprocess", "--help"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "--output-prefix" in r.stdout and "--split-sentences" in r.stdout
 

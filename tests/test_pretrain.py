@@ -11,13 +11,13 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import types
 from argparse import Namespace
 
 import pytest
 
+from mixln_megatron.dev.testing import run_python, start_python
 from mixln_megatron.dev import testing as mu
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,7 +57,7 @@ def start(args, nproc=1, torchrun=None):
                "--standalone", "-m", "mixln_megatron.training.pretrain", *args]
     else:
         cmd = [sys.executable, "-m", "mixln_megatron.training.pretrain", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO)
+    proc = start_python(cmd, env=_env(), cwd=REPO, merge_stderr=True)
     proc.cmd = cmd
     return proc
 
@@ -331,7 +331,7 @@ def test_pp2_and_tp2_resume_match_single_process(tmp_path):
 def test_demo_smoke(tmp_path):
     """`python -m mixln_megatron.dev.demo` with a few iterations: both runs, PNG, JSON, RESULT line."""
     out = tmp_path / "demo"
-    proc = subprocess.run(
+    proc = run_python(
         [sys.executable, "-m", "mixln_megatron.dev.demo", "--out", str(out), "--iters", "4", "--eval-interval", "2"],
         capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO,
     )

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 
+from mixln_megatron.dev.testing import run_python
 from mixln_megatron import compat
 from mixln_megatron.dev import testing as mu
 
@@ -208,6 +209,7 @@ def test_bad_pattern_is_one_line_and_exit_2_before_anything_is_built():
 @needs_hybrid
 @pytest.mark.mp
 def test_bad_pattern_is_printed_once_across_ranks():
+    # real torchrun (subprocess, not the tests' forked ranks): its failure summary is checked below
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "-m", "mixln_megatron.training.pretrain", "--cpu", *HYBRID_TINY, "--hybrid-layer-pattern", "*-M-"],

@@ -8,7 +8,6 @@ logits equal the trained model's own, as the analysis loader (same inspection co
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from mixln_megatron.dev.testing import run_python
 from mixln_megatron.convert import convert_from_hf, convert_to_hf  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +45,7 @@ def test_stock_llama_from_hf_resume_to_hf_keeps_epsilon_and_logits(mcore_single,
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=REPO)
-    run = subprocess.run(
+    run = run_python(
         [sys.executable, "-m", "mixln_megatron.training.pretrain", "--cpu", "--load", str(ckpt), "--use-checkpoint-args",
          "--mixln-post-ln-layers", "1", "--save", str(trained), "--save-interval", "2", "--train-iters", "2",
          "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",

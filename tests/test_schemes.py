@@ -3,11 +3,11 @@
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 
+from mixln_megatron.dev.testing import run_python
 from mixln_megatron.analysis import arms
 from mixln_megatron.model.placement import resolve_placement
 
@@ -49,7 +49,7 @@ def test_the_arm_cli_prints_exports_the_settings_read_back(capsys):
 def test_one_command_writes_the_table_the_plot_and_every_run(tmp_path):
     """A tiny run of benchmarks/schemes.py: three arms, 4 layers, 3 steps, one job."""
     out = tmp_path / "out"
-    proc = subprocess.run(
+    proc = run_python(
         [sys.executable, os.path.join(REPO, "benchmarks", "schemes.py"), "--quick", "--depths", "4", "--steps", "3",
          "--arms", "mix_deepnorm,sandwich,post_every4", "--jobs", "1", "--out", str(out),
          "--cache-dir", str(tmp_path / "cache")],
@@ -69,6 +69,6 @@ def test_one_command_writes_the_table_the_plot_and_every_run(tmp_path):
     assert {run["seed"] for runs in record["runs"].values() for run in runs} == {1}
     assert proc.stdout.count("valid PPL") == 3
     # a saved run's table prints again without training
-    again = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "schemes.py"), "--report",
+    again = run_python([sys.executable, os.path.join(REPO, "benchmarks", "schemes.py"), "--report",
                             str(out / "schemes_quick.json")], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and table.strip() in again.stdout, again.stderr[-2000:]

@@ -12,12 +12,12 @@ from __future__ import annotations
 import glob
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from mixln_megatron.dev.testing import run_python
 from mixln_megatron.model.placement import Placement
 from mixln_megatron.training.spike import (
     ReferenceSpikeRule,
@@ -425,7 +425,7 @@ def _launch(nproc: int, layouts, out_dir: str) -> None:
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--standalone", WORKER, "--out", out_dir, "--layouts", ",".join(layouts)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    proc = run_python(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         pytest.fail(f"spike worker failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 
@@ -656,7 +656,7 @@ def _megatron_lm(out: str, tag: str, extra, scaler: bool = True):
                MIXLN_SPIKE_SCALER="1" if scaler else "0", MIXLN_SPIKE_WARMUP_STEPS="2", MIXLN_SPIKE_BETA="0.9")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
            WORKER, "--megatron-lm", "--out", out, "--tag", tag, "--", *MLM_ARGS, *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    proc = run_python(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         pytest.fail(f"Megatron-LM run {tag} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return _load(out, f"mlm_{tag}")

@@ -9,11 +9,11 @@ or the CLI). Skipped without TE (make test-te installs it)."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from mixln_megatron.dev.testing import run_python
 from mixln_megatron.dev import testing as mu
 
 WHY = mu.te_missing()
@@ -30,7 +30,7 @@ def _env():
 
 
 def worker(*args):
-    proc = subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True, text=True,
+    proc = run_python([sys.executable, WORKER, *map(str, args)], capture_output=True, text=True,
                           env=_env(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     (line,) = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
@@ -38,7 +38,7 @@ def worker(*args):
 
 
 def convert(*args):
-    proc = subprocess.run([sys.executable, "-m", "mixln_megatron.cli", "convert", *map(str, args), "--no-progress"],
+    proc = run_python([sys.executable, "-m", "mixln_megatron.cli", "convert", *map(str, args), "--no-progress"],
                           capture_output=True, text=True, env=_env(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr

@@ -26,7 +26,6 @@ import os
 import pickle
 import re
 import shutil
-import subprocess
 import sys
 import time
 import zipfile
@@ -37,6 +36,7 @@ import torch
 pytest.importorskip("transformers")
 
 import payloads as P  # noqa: E402
+from mixln_megatron.dev.testing import run_python
 from mixln_megatron import cli  # noqa: E402
 from mixln_megatron.errors import MixLNError  # noqa: E402
 
@@ -243,7 +243,7 @@ def test_to_hf_refuses_payload_in_a_real_process(bases, tmp_path, kind, payload)
     import_module payload's module is importable there (PYTHONPATH)."""
     case = Case(tmp_path, bases, kind).plant(payload)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(case.scratch), REPO]), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "mixln_megatron.cli", *to_hf_argv(case)], cwd=str(tmp_path),
+    proc = run_python([sys.executable, "-m", "mixln_megatron.cli", *to_hf_argv(case)], cwd=str(tmp_path),
                           capture_output=True, text=True, timeout=120, env=env)
     assert_refused(case, proc.returncode, proc.stderr)
 

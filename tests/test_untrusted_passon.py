@@ -17,10 +17,11 @@ import io
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 
 import pytest
+
+from mixln_megatron.dev.testing import run_python
 import torch
 
 pytest.importorskip("transformers")
@@ -89,7 +90,7 @@ def test_converter_refuses_to_pass_a_payload_on(sources, tmp_path, command, form
     out_parent = tmp_path / "outputs"
     out_parent.mkdir()
     env = {**os.environ, "PYTHONPATH": REPO, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "mixln_megatron.cli", "convert", command, "--load", str(ckpt),
+    proc = run_python([sys.executable, "-m", "mixln_megatron.cli", "convert", command, "--load", str(ckpt),
                            "--save", str(out_parent / "out"), "--no-progress"], cwd=str(tmp_path),
                           capture_output=True, text=True, timeout=300, env=env)
     lines = [line for line in proc.stderr.splitlines() if line.strip() and "CUDA runtime" not in line]
@@ -140,7 +141,7 @@ def _cli(*argv):
            "PYTHONWARNINGS": "ignore"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, "-m", "mixln_megatron.cli", *argv], capture_output=True, text=True,
+    proc = run_python([sys.executable, "-m", "mixln_megatron.cli", *argv], capture_output=True, text=True,
                           timeout=300, env=env, cwd=REPO)
     return proc, [line for line in proc.stderr.splitlines() if line.strip() and "CUDA runtime" not in line]
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
+
+from mixln_megatron.dev.testing import run_python
 
 transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
@@ -59,11 +60,11 @@ def pretrain(ckpt, save=None, timeout=600):
            "--use-checkpoint-args", *TRAIN]
     if save:
         cmd += ["--save", str(save), "--save-interval", "2"]
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=REPO)
+    return run_python(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=REPO)
 
 
 def inspect_check(ckpt):
-    return subprocess.run([sys.executable, "-m", "mixln_megatron.cli", "convert", "inspect", "--check", "--load",
+    return run_python([sys.executable, "-m", "mixln_megatron.cli", "convert", "inspect", "--check", "--load",
                            str(ckpt)], capture_output=True, text=True, env=_env(), timeout=300, cwd=REPO)
 
 

@@ -420,6 +420,36 @@ def parse_benchmark_args(parser, argv=None):
     return args
 
 
+# The test session turns this on (tests/conftest.py): its python and torchrun commands then run as
+# children of one fork server that imported torch and megatron-core once (dev/forked_ranks.py).
+# Benchmarks and users keep fresh interpreters under the real torchrun.
+FORKED_RANKS = False
+
+
+def run_python(cmd, *, timeout=None, env=None, cwd=None, capture_output=True, text=True) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True) for a `python ...` or torchrun command,
+    forked from the preloaded server when FORKED_RANKS is on."""
+    assert capture_output and text, "run_python captures text output"
+    if FORKED_RANKS:
+        from . import forked_ranks
+
+        return forked_ranks.run(cmd, timeout=timeout, env=env, cwd=cwd)
+    return subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+
+
+def start_python(cmd, *, env=None, cwd=None, merge_stderr=False):
+    """subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE or STDOUT, text=True), forked from the
+    preloaded server when FORKED_RANKS is on (pid, poll, wait, communicate, send_signal, kill)."""
+    if FORKED_RANKS:
+        from . import forked_ranks
+
+        started = forked_ranks.start(cmd, env=env, cwd=cwd, merge_stderr=merge_stderr)
+        if started is not None:
+            return started
+    return subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True, env=env, cwd=cwd)
+
+
 def torchrun(script, nproc, *args, timeout=600, env: Optional[dict] = None):
     """Run `script` under torchrun with `nproc` processes; raise with its output when it fails.
 
@@ -430,7 +460,7 @@ def torchrun(script, nproc, *args, timeout=600, env: Optional[dict] = None):
     # --standalone: torchrun binds its rendezvous to a port the OS picks (no free-port race).
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            script, *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env)
+    proc = run_python(cmd, timeout=timeout, env=run_env)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
@@ -444,7 +474,7 @@ def single_process(script, *args, timeout=600, env: Optional[dict] = None):
     run_env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_") and k not in launcher}
     run_env.update(env or {})
     cmd = [sys.executable, script, *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env)
+    proc = run_python(cmd, timeout=timeout, env=run_env)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
