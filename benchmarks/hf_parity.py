@@ -22,9 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
+
+from mixln_megatron.dev import testing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "benchmarks", "workers", "hf_parity_worker.py")
@@ -40,7 +41,7 @@ def run_worker(workdir: str, tp: int, pp: int, fmt: str, timeout: int = 900, ext
            WORKER, "--workdir", workdir, "--tp", str(tp), "--pp", str(pp), "--ckpt-format", fmt]
     if extra_args:
         cmd += ["--extra-args", *extra_args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = testing.run_python(cmd, timeout=timeout, env=env)  # forked ranks inside the test suite
     if proc.returncode != 0 or not os.path.isfile(os.path.join(workdir, "result.json")):
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
 

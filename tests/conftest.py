@@ -48,3 +48,10 @@ def pytest_configure(config):
     from mixln_megatron.dev import testing
 
     testing.FORKED_RANKS = True
+
+
+def pytest_collection_modifyitems(session, config, items):
+    # Files with multi-process tests first (they are the long ones): pytest-xdist hands out whole
+    # files in this order, so the last file to finish is a short one rather than a long tail.
+    multi_process = {item.path for item in items if item.get_closest_marker("mp")}
+    items.sort(key=lambda item: item.path not in multi_process)  # stable: each file keeps its order

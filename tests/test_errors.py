@@ -157,6 +157,7 @@ def _ranks(case, nproc=2, timeout=300):
 DEFAULT_CASES = ("bad_alpha", "newer_checkpoint")
 
 
+@pytest.mark.mp
 @pytest.mark.compat
 @pytest.mark.parametrize("case", [c if c in DEFAULT_CASES else pytest.param(c, marks=pytest.mark.slow)
                                   for c in sorted(CASES)])
@@ -183,6 +184,7 @@ def _hogs(n):
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
+@pytest.mark.mp
 @pytest.mark.parametrize("repetitions", [2, pytest.param(5, marks=pytest.mark.slow)])
 def test_the_line_survives_when_rank_0_is_the_slow_one(repetitions):
     """Under torchrun, rank 1 fails while rank 0 never gets there (it sleeps): torchrun stops rank 0

@@ -73,6 +73,8 @@ def _run_rank(kind: str, target: str, argv: Sequence[str], env: dict, cwd: str, 
     os.environ.update(env)
     os.chdir(cwd)
     _startup_warning_filters(env.get("PYTHONWARNINGS", ""))
+    # PYTHONPATH entries come right after the script's folder, as in a fresh interpreter
+    sys.path[1:1] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     if "OMP_NUM_THREADS" in env:  # torchrun's 1 per rank; the preloaded torch has not sized its pool yet
         import torch
 
