@@ -3,9 +3,8 @@ imported torch and megatron-core: the test suite's stand-in for fresh interprete
 
 Each fresh interpreter spends ~10 CPU-seconds importing torch and megatron-core (torch._inductor
 comes with megatron.core's fusions) before a tiny worker does a second of work, and the test suite
-starts well over a hundred. Python's own
-`forkserver` start method, with those modules preloaded, starts one server process that imports
-them once and forks every rank from there. Each rank then runs its script as `python script`
+starts well over a hundred. Python's own `forkserver` start method, with those modules preloaded,
+starts one server process that imports them once and forks every rank from there. Each rank then runs its script as `python script`
 would (`runpy`, `sys.argv`, the job's environment, its working directory, atexit handlers), with
 torchrun's variables and a rendezvous store that this launcher hosts, as torchrun's agent does
 (`TORCHELASTIC_USE_AGENT_STORE`): no free-port race. As torchrun does, the first rank to fail
@@ -31,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from typing import List, Optional, Sequence
 
 # What every worker imports first; a module missing from a release is skipped by the server.
@@ -80,13 +80,16 @@ def _run_rank(kind: str, target: str, argv: Sequence[str], env: dict, cwd: str, 
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     try:
-        if kind == "module":
+        if kind == "module":  # python -m: the working directory first on sys.path
             sys.argv = [target, *argv]
+            sys.path[0] = os.getcwd()
             runpy.run_module(target, run_name="__main__", alter_sys=True)
-        elif kind == "code":
+        elif kind == "code":  # python -c: '' first on sys.path, the code runs in a module named __main__
             sys.argv = ["-c", *argv]
             sys.path[0] = ""
-            exec(compile(target, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(target, "<string>", "exec"), main.__dict__)
         else:
             sys.argv = [target, *argv]
             sys.path[0] = os.path.dirname(os.path.abspath(target))
