@@ -102,3 +102,12 @@ def test_what_would_import_otherwise_runs_in_a_fresh_interpreter(tmp_path):
 ])
 def test_commands_it_cannot_stand_in_for_are_left_alone(command):
     assert forked_ranks._parse(command) is None
+
+
+def test_the_job_s_pythonwarnings_decides_as_in_a_fresh_interpreter():
+    code = "import warnings\nwarnings.warn('probe warning', UserWarning)\n"
+    shown = forked_ranks.run([PY, "-c", code], env={k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"},
+                             timeout=300)
+    hidden = forked_ranks.run([PY, "-c", code], env=dict(os.environ, PYTHONWARNINGS="ignore"), timeout=300)
+    assert "probe warning" in shown.stderr and hidden.returncode == 0
+    assert "probe warning" not in hidden.stderr, hidden.stderr
