@@ -1,5 +1,6 @@
 """Configuration errors reach the user as one clear line (issue 12 item 4)."""
 
+import contextlib
 import io
 import os
 import re
@@ -179,9 +180,30 @@ def test_stock_path_refusal_is_one_line_and_exit_2_on_every_rank(case):
     assert "Traceback" not in text and "NOT REFUSED" not in text, text[-6000:]
 
 
-def _hogs(n):
-    """Busy-loop processes beside the job (a loaded machine); the caller kills them."""
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+@contextlib.contextmanager
+def _one_loaded_cpu(hogs=1):
+    """Busy-loop processes and the job under test on one CPU (the job's ranks and torchrun inherit
+    the mask of the thread that starts them): a loaded machine for the job (a busy loop for each CPU
+    it may use), while the rest of the suite (the other
+    pytest-xdist worker) keeps the other CPUs. Yields a function that starts a
+    command there; the hogs are killed after."""
+    cpu = min(os.sched_getaffinity(0))
+    previous = os.sched_getaffinity(0)
+
+    def start(cmd, **kwargs):
+        os.sched_setaffinity(0, {cpu})  # this thread only, for the fork below
+        try:
+            return subprocess.Popen(cmd, **kwargs)
+        finally:
+            os.sched_setaffinity(0, previous)
+
+    busy = [start([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
+    try:
+        yield start
+    finally:
+        for hog in busy:
+            hog.kill()
+            hog.wait()
 
 
 @pytest.mark.mp
@@ -189,17 +211,20 @@ def _hogs(n):
 def test_the_line_survives_when_rank_0_is_the_slow_one(repetitions):
     """Under torchrun, rank 1 fails while rank 0 never gets there (it sleeps): torchrun stops rank 0
     with SIGTERM as soon as rank 1 exits. The line must still be in the log, once, with no
-    traceback, and torchrun's summary names exit code 2. Repeated with CPU hogs beside it (2 runs
-    in the default suite, 5 marked slow); nothing here depends on timing (rank 0 cannot print: the
+    traceback, and torchrun's summary names exit code 2. Repeated with a CPU hog on the job's own
+    CPU (2 runs in the default suite, 5 marked slow); nothing here depends on timing (rank 0 cannot print: the
     line can only come from rank 1, and it prints before it exits)."""
-    hogs = _hogs(2)
-    try:
+    with _one_loaded_cpu() as start:
         for attempt in range(repetitions):
-            proc = subprocess.run(
+            proc = start(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                  str(REFUSAL_WORKER), "bad_alpha", "--rank-0-never-gets-there"],
-                env=_env(MIXLN_ALPHA="a quarter"), capture_output=True, text=True, timeout=600, cwd=REPO)
-            text = proc.stdout + proc.stderr
+                env=_env(MIXLN_ALPHA="a quarter"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                cwd=REPO)
+            try:
+                text = proc.communicate(timeout=900)[0]
+            finally:
+                proc.kill()  # a no-op once it has exited; a hung launcher does not outlive the test
             assert proc.returncode != 0, text[-4000:]
             lines = _error_lines(text)
             assert len(lines) == 1 and lines[0].endswith(CASES["bad_alpha"][1]), (attempt, text[-4000:])
@@ -208,10 +233,6 @@ def test_the_line_survives_when_rank_0_is_the_slow_one(repetitions):
             assert text.count("Traceback (most recent call last)") <= text.count("ChildFailedError"), text[-4000:]
             assert not re.search(r'File ".*(mixln_megatron|stock_refusal_worker)', text), (attempt, text[-4000:])
             assert re.search(r"exitcode\s*:\s*2\b", text), (attempt, text[-4000:])
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
 
 
 # ------------------------------------------------------------------ legacy (--ckpt-format torch) resume

@@ -84,14 +84,33 @@ def test_a_signal_reaches_a_started_command(tmp_path):
     assert started.wait(timeout=300) == -signal.SIGTERM
 
 
-def test_what_would_import_otherwise_runs_in_a_fresh_interpreter(tmp_path):
+def _with_pythonpath(entry):
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(entry), os.environ.get("PYTHONPATH")])))
+
+
+@pytest.mark.parametrize("shadow", ["megatron/core/__init__.py", "torch.py", "sitecustomize.py"])
+def test_what_would_import_otherwise_runs_in_a_fresh_interpreter(tmp_path, shadow):
+    """A PYTHONPATH entry holding a package the server imported (another megatron tree), or a
+    module a fresh interpreter runs at startup."""
     other = tmp_path / "elsewhere"
-    other.mkdir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(other), os.environ.get("PYTHONPATH")])))
-    proc = forked_ranks.run([PY, "-c", PROBE], env=env, timeout=300)
-    assert proc.returncode == 0 and "torch_preloaded False" in proc.stdout, proc.stderr
+    (other / shadow).parent.mkdir(parents=True)
+    (other / shadow).write_text("")
+    env = _with_pythonpath(other)
     assert forked_ranks.start([PY, "-c", PROBE], env=env) is None
+    if shadow.startswith("megatron"):
+        proc = forked_ranks.run([PY, "-c", PROBE], env=env, timeout=300)
+        assert proc.returncode == 0 and "torch_preloaded False" in proc.stdout, proc.stderr
     assert forked_ranks.start(["bash", "-c", "true"]) is None
+
+
+def test_a_pythonpath_entry_of_other_names_is_forked_and_importable(tmp_path):
+    other = tmp_path / "test_modules"
+    other.mkdir()
+    (other / "mixln_forked_probe_module.py").write_text("WHERE = __file__\n")
+    code = "import mixln_forked_probe_module as m\nprint('from', m.WHERE)\n" + PROBE  # PROBE exits
+    proc = forked_ranks.run([PY, "-c", code], env=_with_pythonpath(other), timeout=300)
+    assert proc.returncode == 0 and "torch_preloaded True" in proc.stdout, proc.stderr
+    assert f"from {other / 'mixln_forked_probe_module.py'}" in proc.stdout
 
 
 @pytest.mark.parametrize("command", [

@@ -13,8 +13,8 @@ gets the others a SIGTERM.
 What differs from fresh interpreters, so tests of the launcher's or the import's own behaviour
 keep them: the ranks' parent is the fork server, torchrun's failure summary is not printed, and
 the preloaded modules (torch._dynamo among them) were imported under the server's environment,
-not the job's (a job that changes PYTHONPATH, or a command other than `python` and single-node
-torchrun, runs as given).
+not the job's (a job whose PYTHONPATH drops an entry or adds one that holds a module the server
+imported, or a command other than `python` and single-node torchrun, runs as given).
 Development only: nothing in training, conversion or analysis uses it.
 """
 
@@ -154,17 +154,52 @@ def _parse(command: Sequence[str]):
 
 def _imports_differ(env: dict) -> bool:
     """Whether `env` would make an import resolve otherwise than in the fork server (whose sys.path
-    is this process's): another PYTHONPATH entry, or a loader variable."""
+    is this process's): a loader variable, a PYTHONPATH that drops an entry, or one that adds an
+    entry holding a top-level name the server has imported (a package of its own, e.g. another
+    megatron tree). An added entry with only other names (a folder of test modules) changes nothing
+    that was imported: the child puts it on sys.path as a fresh interpreter would."""
     for name in IMPORT_VARIABLES:
-        if name == "PYTHONPATH":  # adding what is on sys.path already changes nothing; dropping an entry does
+        if name == "PYTHONPATH":
             known = {os.path.realpath(p or ".") for p in sys.path}
             wanted = {os.path.realpath(p) for p in env.get(name, "").split(os.pathsep) if p}
             now = {os.path.realpath(p) for p in os.environ.get(name, "").split(os.pathsep) if p}
-            if not wanted <= known or not now <= wanted:
+            if not now <= wanted or any(_shadows_the_server(p) for p in wanted - known):
                 return True
         elif env.get(name) != os.environ.get(name):
             return True
     return False
+
+
+_server_names: Optional[frozenset] = None
+# what a fresh interpreter's `site` imports from sys.path at startup, PYTHONPATH's entries included
+STARTUP_MODULES = frozenset({"sitecustomize", "usercustomize"})
+
+
+def _shadows_the_server(entry: str) -> bool:
+    """Whether a sys.path entry holds a module or package named like one the fork server imported
+    (asked once of a forked child); anything but a readable folder counts as shadowing."""
+    global _server_names
+    if not os.path.exists(entry):
+        return False  # a fresh interpreter skips it too
+    if not os.path.isdir(entry):
+        return True  # a zip archive: not looked into
+    if _server_names is None:
+        receive, send = _server().Pipe(duplex=False)
+        child = _server().Process(target=_send_names, args=(send,), name="names")
+        child.start()
+        send.close()
+        _server_names = receive.recv()
+        child.join()
+    try:
+        names = {item.partition(".")[0] for item in os.listdir(entry)}
+    except OSError:
+        return True
+    return bool(names & (_server_names | STARTUP_MODULES))
+
+
+def _send_names(connection) -> None:
+    connection.send(frozenset(name.partition(".")[0] for name in sys.modules))
+    connection.close()
 
 
 class Started:
