@@ -35,6 +35,8 @@ from pathlib import Path
 
 import pytest
 
+from mixln_megatron.dev.testing import run_python
+
 REPO = Path(__file__).resolve().parents[1]
 PATCHES = REPO / "patches"
 COMPAT = REPO / ".compat"
@@ -222,8 +224,9 @@ def _run_cases(tmp: Path, release: str, pythonpath_first: Path) -> dict:
     paths = [str(p) for p in (pythonpath_first, tmp / "spec_mods", REPO)]
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update(WORLD_SIZE="1", RANK="0")
-    proc = subprocess.run([sys.executable, "-c", _RUNNER, str(cases), str(out)], env=env,
-                          cwd=tmp, capture_output=True, text=True, timeout=600)
+    # forked from the tests' preloaded server where the tree is the venv's own (0.19 unpatched);
+    # another megatron tree first on PYTHONPATH gets a fresh interpreter (forked_ranks)
+    proc = run_python([sys.executable, "-c", _RUNNER, str(cases), str(out)], env=env, cwd=tmp, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())
     # the subprocess really ran the release under test
