@@ -28,7 +28,10 @@ the JSON in benchmarks/results/ rewritten after each phase so that a cut-off run
              absolute difference over output, input gradient and parameter gradients in fp32.
 
 `--cpu-dry-run` runs the same code on the CPU (mixln_megatron.dev.cpu + gloo) with tiny shapes, so
-that tests/test_gpu_check_dryrun.py keeps the script from rotting between GPU runs.
+that tests/test_gpu_check_dryrun.py keeps the script from rotting between GPU runs. One difference:
+its CPU reference process is forked from the check right after the imports (ForkedReference; the
+same arguments and environment, no second import of torch and megatron-core), where the GPU run
+starts a fresh interpreter.
 
 Exit status: 0 all checks passed; 1 a parity check failed (figures are still measured and
 written); 2 wrong invocation or no GPU; 3 a needed package is missing (named in the message).
@@ -40,12 +43,14 @@ in device_checks.py.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import datetime as _dt
 import importlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -110,32 +115,135 @@ def reference_main(workdir: str) -> int:
     return 0
 
 
+def _write_reference_job(workdir: str, shape: Shape, post_ln_layers: int, seed: int) -> None:
+    with open(os.path.join(workdir, "parity.json"), "w") as f:
+        json.dump({"shape": dataclasses.asdict(shape), "post_ln_layers": post_ln_layers, "seed": seed}, f)
+
+
+def _reference_argv(workdir: str) -> list:
+    """The reference process's arguments after the script (the GPU run: a fresh interpreter)."""
+    return ["--_reference", workdir]
+
+
+def _reference_env() -> dict:
+    """CUDA hidden, so that the reference may use the CPU shims; no torchrun variables."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    for var in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        env.pop(var, None)
+    return env
+
+
+def _reference_failed(returncode: int, output: str) -> RuntimeError:
+    return RuntimeError(f"the CPU reference process failed (exit {returncode}):\n{output[-4000:]}")
+
+
 def run_cpu_reference(workdir: str, shape: Shape, post_ln_layers: int, seed: int, timeout: float = 600) -> dict:
     """Start the reference process (CUDA hidden, so that it may use the CPU shims) and load its file."""
     import torch
 
-    with open(os.path.join(workdir, "parity.json"), "w") as f:
-        json.dump({"shape": dataclasses.asdict(shape), "post_ln_layers": post_ln_layers, "seed": seed}, f)
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    for var in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
-        env.pop(var, None)
+    _write_reference_job(workdir, shape, post_ln_layers, seed)
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--_reference", workdir],
-        env=env, capture_output=True, text=True, timeout=timeout,
+        [sys.executable, os.path.abspath(__file__), *_reference_argv(workdir)],
+        env=_reference_env(), capture_output=True, text=True, timeout=timeout,
     )
     if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-4000:]
-        raise RuntimeError(f"the CPU reference process failed (exit {proc.returncode}):\n{tail}")
+        raise _reference_failed(proc.returncode, proc.stdout + proc.stderr)
     return torch.load(os.path.join(workdir, "reference.pt"), weights_only=False)
 
 
-def phase_parity(rt: Runtime, shape: Shape, post_ln_layers: int, seed: int) -> dict:
+class ForkedReference:
+    """--cpu-dry-run only: the CPU reference process, forked from this one right after the imports
+    (before the process group, the CPU shims or any computation exist here). The child runs
+    main(_reference_argv(workdir)) in _reference_env(), the arguments and environment that the GPU
+    run's fresh interpreter gets, so the reference code (its argument, preflight, reference_main)
+    is the same; it saves the second import of torch and megatron-core (~8 CPU-seconds), and the
+    reference computes while this process sets itself up. The GPU run keeps the fresh interpreter
+    (run_cpu_reference): a process that uses CUDA must not fork, and its reference must not share
+    this process's modules."""
+
+    def __init__(self, shape: Shape, post_ln_layers: int, seed: int):
+        self._tmp = tempfile.TemporaryDirectory(prefix="mixln_parity_")
+        self.workdir = self._tmp.name
+        _write_reference_job(self.workdir, shape, post_ln_layers, seed)
+        self.log_path = os.path.join(self.workdir, "reference.log")
+        env = _reference_env()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.started = time.monotonic()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into the caller
+            code = 1
+            try:
+                fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                os.close(fd)
+                os.environ.clear()
+                os.environ.update(env)
+                code = main(_reference_argv(self.workdir))
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)
+        self.pid = pid
+        atexit.register(self._kill)
+
+    def _kill(self) -> None:
+        if self.pid is not None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+            self.pid = None
+
+    def result(self, timeout: float = 600) -> dict:
+        """Wait for the child (as run_cpu_reference waits for its process) and load its file."""
+        import torch
+
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.pid = None
+                    break
+                if time.monotonic() > deadline:
+                    self._kill()
+                    raise subprocess.TimeoutExpired(f"forked reference ({self.workdir})", timeout)
+                time.sleep(0.02)
+            returncode = os.waitstatus_to_exitcode(status)
+            if returncode != 0:
+                with open(self.log_path, errors="replace") as f:
+                    raise _reference_failed(returncode, f.read())
+            return torch.load(os.path.join(self.workdir, "reference.pt"), weights_only=False)
+        finally:
+            self._kill()
+            self._tmp.cleanup()
+
+
+def phase_parity(rt: Runtime, shape: Shape, post_ln_layers: int, seed: int,
+                 forked: ForkedReference | None = None) -> dict:
     import torch
 
-    with tempfile.TemporaryDirectory(prefix="mixln_parity_") as workdir:
+    if forked is None:
+        with tempfile.TemporaryDirectory(prefix="mixln_parity_") as workdir:
+            t = time.monotonic()
+            ref = run_cpu_reference(workdir, shape, post_ln_layers, seed)
+            log(f"parity: CPU reference done in {time.monotonic() - t:.1f}s (separate process, CPU shims)")
+    else:
         t = time.monotonic()
-        ref = run_cpu_reference(workdir, shape, post_ln_layers, seed)
-        log(f"parity: CPU reference done in {time.monotonic() - t:.1f}s (separate process, CPU shims)")
+        ref = forked.result()
+        log(f"parity: CPU reference done {time.monotonic() - forked.started:.1f}s after its start, waited "
+            f"{time.monotonic() - t:.1f}s (separate process forked after the imports: dry run; CPU shims)")
     x, gout = _parity_inputs(shape, seed)
     report = {"shape": dataclasses.asdict(shape), "post_ln_layers": post_ln_layers,
               "tolerance_rel": {"fp32": TOL_FP32, "bf16": TOL_BF16}}
@@ -275,9 +383,12 @@ def main(argv=None) -> int:
     import torch
 
     dry = args.cpu_dry_run
-    start_watchdog(args.max_seconds if args.max_seconds is not None else (0 if dry else 450))
     plan = RunPlan.from_args(args)
     warmup, repeats, shape, parity_shape = plan.warmup, plan.repeats, plan.shape, plan.parity_shape
+    # dry run: the CPU reference starts now, forked (see ForkedReference); the GPU run starts a
+    # fresh interpreter for it in the parity phase
+    forked = ForkedReference(parity_shape, PARITY_POST_LN, args.seed) if dry and not args.skip_parity else None
+    start_watchdog(args.max_seconds if args.max_seconds is not None else (0 if dry else 450))
 
     rt = init_runtime(dry, seed=args.seed, backend=args.dist_backend)
     path = result_path(args.out_dir, "gpu_check", rt.mode)
@@ -303,7 +414,8 @@ def main(argv=None) -> int:
 
     # 1. parity
     if not args.skip_parity:
-        parity = checked_phase(report, path, "parity", phase_parity, rt, parity_shape, PARITY_POST_LN, args.seed)
+        parity = checked_phase(report, path, "parity", phase_parity, rt, parity_shape, PARITY_POST_LN, args.seed,
+                               forked)
         ok = ok and parity.get("ok", False)
 
     # 2. timing

@@ -20,7 +20,9 @@ WHEELS = glob.glob(os.path.join(BENCH, "wheels", "megatron_core-0.19.*.whl"))
 
 def _run(script, args, env_extra=None, timeout=300):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
-    env.update(PYTHON=sys.executable, **(env_extra or {}))
+    # One OpenMP thread: beside the suite's other processes on a small machine, torch's spinning
+    # threads make each tiny CPU step several times slower (the figures are noise here anyway).
+    env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1", **(env_extra or {}))
     for name in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
     return subprocess.run(["bash", os.path.join(BENCH, script), *args], env=env, cwd=REPO,
@@ -50,6 +52,10 @@ def test_gpu_check_cpu_dry_run(tmp_path):
     assert proc.returncode == 0, out[-6000:]
     if WHEELS:
         assert "installing megatron_core-0.19" in proc.stdout, proc.stdout[:2000]
+    # the dry run's reference is forked from the check after its imports (the GPU run starts a
+    # fresh interpreter: test_gpu_run_starts_the_reference_in_a_fresh_interpreter)
+    assert re.search(r"parity: CPU reference done .* \(separate process forked after the imports", proc.stdout), \
+        proc.stdout[-3000:]
     m = _result_line(proc.stdout, r"RESULT step_ratio=(\S+) mem_ratio=(\S+) gpu_vs_cpu_max_abs=(\S+)")
     step_ratio, mem_ratio, max_abs = m.groups()
     assert math.isfinite(float(step_ratio)) and float(step_ratio) > 0
@@ -105,6 +111,47 @@ def test_te_check_cpu_dry_run(tmp_path):
         "stock_local", "mixln_local_p0", "mixln_local_p2", "mixln_local_p4"}
 
 
+def _import_gpu_check():
+    sys.path.insert(0, BENCH)
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(BENCH)
+    return gpu_check
+
+
+def test_gpu_run_starts_the_reference_in_a_fresh_interpreter(tmp_path, monkeypatch):
+    """The GPU run's reference process (the dry run forks it instead): the command, its arguments
+    as the script parses them, its environment, the failure message, and the file it reads back."""
+    import torch
+
+    gpu_check = _import_gpu_check()
+    from device_checks import DRY_PARITY_SHAPE
+
+    for name in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.setenv(name, "1")
+    calls = []
+
+    def fake_run(cmd, env, capture_output, text, timeout):
+        calls.append((cmd, env))
+        if len(calls) == 1:
+            return subprocess.CompletedProcess(cmd, 5, stdout="out-tail", stderr="err-tail")
+        torch.save({"state": {}, "results": {"fp32": 1}}, os.path.join(cmd[-1], "reference.pt"))
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", fake_run)
+    with pytest.raises(RuntimeError, match=r"(?s)the CPU reference process failed \(exit 5\).*out-tail.*err-tail"):
+        gpu_check.run_cpu_reference(str(tmp_path), DRY_PARITY_SHAPE, 2, 7)
+    assert gpu_check.run_cpu_reference(str(tmp_path), DRY_PARITY_SHAPE, 2, 7)["results"] == {"fp32": 1}
+    cmd, env = calls[-1]
+    assert cmd[:2] == [sys.executable, os.path.join(BENCH, "gpu_check.py")]
+    assert gpu_check.parse_args(cmd[2:])._reference == str(tmp_path)
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["PYTHONUNBUFFERED"] == "1"
+    assert not {"MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"} & set(env)
+    with open(tmp_path / "parity.json") as f:
+        assert json.load(f) == {"shape": {**DRY_PARITY_SHAPE.__dict__}, "post_ln_layers": 2, "seed": 7}
+
+
 def test_te_check_skips_cleanly_without_te(tmp_path):
     pytest.importorskip("torch")
     if _has_te():
@@ -126,11 +173,7 @@ def test_gpu_check_refuses_to_run_on_the_cpu_without_the_dry_run_flag(tmp_path):
 
 
 def test_preflight_names_every_missing_package(capsys):
-    sys.path.insert(0, BENCH)
-    try:
-        import gpu_check
-    finally:
-        sys.path.remove(BENCH)
+    gpu_check = _import_gpu_check()
     with pytest.raises(SystemExit) as exc:
         gpu_check.preflight(False, extra=(("mixln_no_such_pkg_a", "why a"), ("mixln_no_such_pkg_b", "why b")))
     assert exc.value.code == 3
