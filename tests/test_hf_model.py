@@ -408,92 +408,134 @@ def test_register_auto_classes_and_bf16(tmp_path):
 
 
 # The remote-code check runs in a fresh interpreter where importing mixln_megatron fails, with its own
-# HF cache and HF_HUB_OFFLINE=1, so it proves the exported folder is self-contained.
+# HF cache and HF_HUB_OFFLINE=1, so it proves the exported folder is self-contained. One interpreter
+# checks every export of the tests below (each folder under its own name, so transformers copies and
+# imports each folder's code as a module of its own); a folder whose check raises is reported as
+# ERROR with its traceback and the others are still checked.
 REMOTE_SCRIPT = textwrap.dedent(
     r"""
-    import json, sys
+    import json, sys, traceback
     sys.modules["mixln_megatron"] = None  # any import of the project now raises ImportError
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    folder, ref = sys.argv[1], torch.load(sys.argv[2])
-    cfg = AutoConfig.from_pretrained(folder, trust_remote_code=True)
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
-    res = {"class": type(model).__name__, "module": type(model).__module__, "config": type(cfg).__name__,
-           "layers": [type(l).__name__ for l in model.model.layers]}
-    with torch.no_grad():
-        res["logits_equal"] = bool(torch.equal(model(ref["ids"]).logits, ref["logits"]))
-        g = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
-        ids, mask = ref["batch_ids"], ref["batch_mask"]
-        out_c = model.generate(ids, attention_mask=mask, use_cache=True, return_dict_in_generate=True,
-                               output_logits=True, **g)
-        out_n = model.generate(ids, attention_mask=mask, use_cache=False, return_dict_in_generate=True,
-                               output_logits=True, **g)
-        cached, uncached = out_c.sequences, out_n.sequences
-        res["gen_cache_equals_no_cache"] = bool(torch.equal(cached, uncached))
-        # Stronger than the tokens: every step's logits (tiny random models tend to repeat tokens).
-        res["gen_logits_max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(out_c.logits, out_n.logits))
-        kv = model(ids, attention_mask=mask, use_cache=True)
-        kv = getattr(kv, "past_key_values", None) or getattr(kv, "cache", None)
-        res["cache_class"] = type(kv).__name__
-        # Left padding: each row equals generating from its unpadded prompt alone.
-        rows = []
-        for b in range(ids.shape[0]):
-            keep = mask[b].bool()
-            alone = model.generate(ids[b][keep][None], use_cache=True, **g)
-            rows.append(bool(torch.equal(alone[0, -8:], cached[b, -8:])))
-        res["left_padded_rows_equal_alone"] = rows
-        # Forward of the padded batch at real positions vs each prompt alone.
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        lp = model(ids, attention_mask=mask, position_ids=pos).logits
-        diffs = []
-        for b in range(ids.shape[0]):
-            keep = mask[b].bool()
-            diffs.append(float((lp[b][keep] - model(ids[b][keep][None]).logits[0]).abs().max()))
-        res["left_padded_max_abs_diff"] = max(diffs)
-        res["generated"] = cached[:, ids.shape[1]:].tolist()
-    print("RESULT " + json.dumps(res))
+
+
+    def check(folder, ref):
+        cfg = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+        res = {"class": type(model).__name__, "module": type(model).__module__, "config": type(cfg).__name__,
+               "layers": [type(l).__name__ for l in model.model.layers]}
+        with torch.no_grad():
+            res["logits_equal"] = bool(torch.equal(model(ref["ids"]).logits, ref["logits"]))
+            g = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+            ids, mask = ref["batch_ids"], ref["batch_mask"]
+            out_c = model.generate(ids, attention_mask=mask, use_cache=True, return_dict_in_generate=True,
+                                   output_logits=True, **g)
+            out_n = model.generate(ids, attention_mask=mask, use_cache=False, return_dict_in_generate=True,
+                                   output_logits=True, **g)
+            cached, uncached = out_c.sequences, out_n.sequences
+            res["gen_cache_equals_no_cache"] = bool(torch.equal(cached, uncached))
+            # Stronger than the tokens: every step's logits (tiny random models tend to repeat tokens).
+            res["gen_logits_max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(out_c.logits, out_n.logits))
+            kv = model(ids, attention_mask=mask, use_cache=True)
+            kv = getattr(kv, "past_key_values", None) or getattr(kv, "cache", None)
+            res["cache_class"] = type(kv).__name__
+            # Left padding: each row equals generating from its unpadded prompt alone.
+            rows = []
+            for b in range(ids.shape[0]):
+                keep = mask[b].bool()
+                alone = model.generate(ids[b][keep][None], use_cache=True, **g)
+                rows.append(bool(torch.equal(alone[0, -8:], cached[b, -8:])))
+            res["left_padded_rows_equal_alone"] = rows
+            # Forward of the padded batch at real positions vs each prompt alone.
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            lp = model(ids, attention_mask=mask, position_ids=pos).logits
+            diffs = []
+            for b in range(ids.shape[0]):
+                keep = mask[b].bool()
+                diffs.append(float((lp[b][keep] - model(ids[b][keep][None]).logits[0]).abs().max()))
+            res["left_padded_max_abs_diff"] = max(diffs)
+            res["generated"] = cached[:, ids.shape[1]:].tolist()
+        return res
+
+
+    for name, folder, ref in zip(*[iter(sys.argv[1:])] * 3):  # NAME FOLDER REF, for each export
+        try:
+            res = check(folder, torch.load(ref))
+        except Exception:
+            print(f"ERROR {name}\n{traceback.format_exc()}", flush=True)
+        else:
+            print(f"RESULT {name} " + json.dumps(res), flush=True)
     """
 )
 
+REMOTE_CASES = {
+    "mixln": dict(post_ln_layers=2, mixln_scheme="mixln", mixln_alpha="0.5"),
+    # Every LLaMA option at once: LNS on Mix-LN, biases, head_dim != hidden/heads, llama3 RoPE, tied.
+    "lns-all-options": dict(post_ln_layers=1, mixln_scheme="mixln+lns", attention_bias=True, mlp_bias=True, head_dim=24,
+                            tie_word_embeddings=True,
+                            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+}
 
-@pytest.mark.parametrize(
-    "over",
-    [
-        dict(post_ln_layers=2, mixln_scheme="mixln", mixln_alpha="0.5"),
-        # Every LLaMA option at once: LNS on Mix-LN, biases, head_dim != hidden/heads, llama3 RoPE, tied.
-        dict(post_ln_layers=1, mixln_scheme="mixln+lns", attention_bias=True, mlp_bias=True, head_dim=24,
-             tie_word_embeddings=True,
-             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 32}),
-    ],
-    ids=["mixln", "lns-all-options"],
-)
-def test_export_remote_code_roundtrip(tmp_path, over):
-    model = build(seed=5, **over)
-    folder = tmp_path / "hf"
+
+def save_for_remote_check(model, root, name, seed):
+    """`model` saved as the HF folder root/hf_<name>, and root/<name>.pt: the reference the fresh
+    interpreter compares with (logits of one sequence, a left-padded batch to generate from)."""
+    folder = root / f"hf_{name.replace('-', '_')}"
     save_hf_folder(model, folder)
-    saved = json.loads((folder / "config.json").read_text())
-    assert saved["auto_map"] == AUTO_MAP and saved["architectures"] == ["MixLNLlamaForCausalLM"]
-    assert saved["model_type"] == "mixln_llama" and saved["post_ln_layers"] == over["post_ln_layers"]
-    g = torch.Generator().manual_seed(6)
-    ids = torch.randint(3, TINY["vocab_size"], (1, 10), generator=g)
-    batch = torch.randint(3, TINY["vocab_size"], (3, 7), generator=g)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (1, 10), generator=g)
+    batch = torch.randint(3, vocab, (3, 7), generator=g)
     mask = torch.ones_like(batch)
     mask[1, :3] = 0  # left padding
     mask[2, :5] = 0
     batch = batch.masked_fill(mask == 0, 0)
     with torch.no_grad():
         logits = model(ids).logits
-    torch.save({"ids": ids, "logits": logits, "batch_ids": batch, "batch_mask": mask}, tmp_path / "ref.pt")
-    script = tmp_path / "load_remote.py"
+    torch.save({"ids": ids, "logits": logits, "batch_ids": batch, "batch_mask": mask}, root / f"{name}.pt")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def remote_roundtrip(tmp_path_factory):
+    """remote_roundtrip(name) -> (exported folder, the fresh interpreter's result dict) of each case
+    of REMOTE_CASES and of "every-kind" (test_hf_layer_kinds' model with all four layer kinds),
+    all checked by REMOTE_SCRIPT in one fresh interpreter."""
+    from test_hf_layer_kinds import MIXED
+    from test_hf_layer_kinds import build as build_kinds
+
+    root = tmp_path_factory.mktemp("remote_code")
+    folders = {name: save_for_remote_check(build(seed=5, **over), root, name, seed=6)
+               for name, over in REMOTE_CASES.items()}
+    folders["every-kind"] = save_for_remote_check(build_kinds(MIXED, "mixln+lns", seed=9, tie_word_embeddings=True),
+                                                  root, "every-kind", seed=10)
+    script = root / "load_remote.py"
     script.write_text(REMOTE_SCRIPT)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"),
-               HF_MODULES_CACHE=str(tmp_path / "hf_modules"), PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, str(script), str(folder), str(tmp_path / "ref.pt")],
-                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(lines[-1][len("RESULT "):])
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(root / "hf_home"),
+               HF_MODULES_CACHE=str(root / "hf_modules"), PYTHONWARNINGS="ignore")
+    argv = [str(a) for name, folder in folders.items() for a in (name, folder, root / f"{name}.pt")]
+    proc = subprocess.run([sys.executable, str(script), *argv], cwd=str(root), env=env, capture_output=True,
+                          text=True, timeout=300)
+
+    def result(name):
+        lines = [l for l in proc.stdout.splitlines() if l.startswith(f"RESULT {name} ")]
+        error = proc.stdout.find(f"ERROR {name}\n")
+        shown = proc.stdout[error:error + 6000] if error >= 0 else proc.stdout[-3000:]
+        assert proc.returncode == 0 and lines, f"{name} (exit {proc.returncode}):\n{shown}\n{proc.stderr[-3000:]}"
+        return folders[name], json.loads(lines[-1][len(f"RESULT {name} "):])
+
+    return result
+
+
+@pytest.mark.parametrize("name", list(REMOTE_CASES))
+def test_export_remote_code_roundtrip(remote_roundtrip, name):
+    over = REMOTE_CASES[name]
+    folder, res = remote_roundtrip(name)
+    saved = json.loads((folder / "config.json").read_text())
+    assert saved["auto_map"] == AUTO_MAP and saved["architectures"] == ["MixLNLlamaForCausalLM"]
+    assert saved["model_type"] == "mixln_llama" and saved["post_ln_layers"] == over["post_ln_layers"]
     assert res["class"] == "MixLNLlamaForCausalLM" and res["config"] == "MixLNLlamaConfig"
     assert "mixln_megatron" not in res["module"]  # the copied remote code, not the project
     P = over["post_ln_layers"]
@@ -504,3 +546,18 @@ def test_export_remote_code_roundtrip(tmp_path, over):
     assert res["cache_class"] == "DynamicCache", res
     assert all(res["left_padded_rows_equal_alone"]), res
     assert res["left_padded_max_abs_diff"] < 1e-4, res
+
+
+# test_hf_layer_kinds' remote-code check: every layer kind in one network (here, to share the interpreter).
+def test_export_remote_code_roundtrip_every_kind(remote_roundtrip):
+    from test_hf_layer_kinds import CLASSES, DN_ALPHA, DN_BETA, MIXED
+
+    folder, res = remote_roundtrip("every-kind")
+    saved = json.loads((folder / "config.json").read_text())
+    assert saved["auto_map"] == AUTO_MAP and saved["model_type"] == "mixln_llama"
+    assert (saved["layer_kinds"], saved["deepnorm_alpha"], saved["deepnorm_beta"]) == (MIXED, DN_ALPHA, DN_BETA)
+    assert res["class"] == "MixLNLlamaForCausalLM" and "mixln_megatron" not in res["module"]
+    assert res["layers"] == [CLASSES[k] for k in MIXED]
+    assert res["logits_equal"] and res["gen_cache_equals_no_cache"], res
+    assert res["gen_logits_max_abs_diff"] < 1e-4, res
+    assert all(res["left_padded_rows_equal_alone"]) and res["left_padded_max_abs_diff"] < 1e-4, res

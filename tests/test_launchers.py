@@ -39,6 +39,8 @@ from pathlib import Path
 
 import pytest
 
+from mixln_megatron.dev.testing import run_python
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 
@@ -105,9 +107,10 @@ _STUB_NO_PLUGIN_PYTHON = r"""#!/usr/bin/env bash
 echo "ModuleNotFoundError: No module named 'mixln_megatron'" >&2; exit 1
 """
 
-# Runs once per launcher, each in a fresh copy of the interpreter (parse_args reads sys.argv, the
-# CPU shims and os.environ are global): a child forked by _FORK_SERVER, which imported torch,
-# megatron.training and the CPU shims once for all launchers (one interpreter start, not four).
+# Runs once per launcher, each in a process of its own (parse_args reads sys.argv; the CPU shims
+# and os.environ are global): `python worker.py job result`, forked by run_python from the test
+# session's preloaded server (mixln_megatron/dev/forked_ranks.py), which imported torch and
+# megatron-core once; megatron.training and the shims are imported here, in each child.
 _WORKER = r"""
 import importlib.util, json, os, sys
 job_path, out_path = sys.argv[1], sys.argv[2]
@@ -194,69 +197,18 @@ with open(out_path, "w") as f:
 """
 
 
-# One process imports what every launcher's worker imports, then forks one child per job read from
-# stdin ("job\0result\0log\0cwd"): the child runs _WORKER (stdout and stderr into the log, in cwd)
-# and the server answers with its exit status on a line of its own.
-_FORK_SERVER = r"""
-import os, sys, traceback
-import torch
-if not torch.cuda.is_available():
-    from mixln_megatron.dev import cpu
-    cpu.enable_training()  # imports megatron.training (arguments, initialize, training)
-import megatron.training.argument_utils, megatron.core.transformer.spec_utils  # noqa: E401
-import mixln_megatron.megatron_args, mixln_megatron.spec, mixln_megatron.model.layer  # noqa: E401
-import mixln_megatron.model.placement, mixln_megatron.model.advice  # noqa: E401
-with open(sys.argv[1]) as f:
-    worker = compile(f.read(), "launcher-worker", "exec")
-for line in sys.stdin:
-    job, result, log, cwd = line.rstrip("\n").split("\0")
-    pid = os.fork()
-    if pid == 0:
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.chdir(cwd)
-        sys.argv = ["-c", job, result]
-        status = 0
-        try:
-            exec(worker, {"__name__": "__main__", "__builtins__": __builtins__})
-        except SystemExit as e:
-            status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            if e.code is not None and not isinstance(e.code, int):
-                print(e.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
-            status = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    _, wait_status = os.waitpid(pid, 0)
-    print(os.waitstatus_to_exitcode(wait_status), flush=True)
-"""
-
-
 @pytest.fixture(scope="module")
 def run_worker(tmp_path_factory):
-    """run_worker(job, result, cwd) -> (exit status, output): _WORKER on one job in a child of the
-    module's fork server (see _FORK_SERVER)."""
-    d = tmp_path_factory.mktemp("launcher_worker")
-    (d / "worker.py").write_text(_WORKER)
-    server_log = open(d / "server.log", "w")
-    server = subprocess.Popen([sys.executable, "-c", _FORK_SERVER, str(d / "worker.py")], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=server_log, text=True, cwd=d)
+    """run_worker(job, result, cwd) -> (exit status, output): _WORKER on one job, in a child of the
+    test session's fork server (run_python)."""
+    worker = tmp_path_factory.mktemp("launcher_worker") / "worker.py"
+    worker.write_text(_WORKER)
 
     def run(job, result, cwd):
-        log = Path(cwd) / "worker.log"
-        server.stdin.write(f"{job}\0{result}\0{log}\0{cwd}\n")
-        server.stdin.flush()
-        line = server.stdout.readline()
-        assert line.strip(), f"the worker server died:\n{(d / 'server.log').read_text()[-4000:]}"
-        return int(line), log.read_text()
+        proc = run_python([sys.executable, str(worker), str(job), str(result)], cwd=str(cwd), timeout=300)
+        return proc.returncode, proc.stdout + proc.stderr
 
-    yield run
-    server.stdin.close()
-    server.wait(timeout=120)
-    server_log.close()
+    return run
 
 
 def _launchers_on_disk():
@@ -425,6 +377,10 @@ def test_launcher_arguments_parse_and_validate(name, tmp_path, stub_bin, run_wor
 
 def test_preflight_import_works():
     """The launchers' pre-flight command, run for real: the module behind --spec imports."""
+    # A fresh interpreter, not run_python: what this command imports is the point. A child of the
+    # fork server starts with torch and megatron.core's submodules imported already, which would
+    # hide a module that --spec's import chain uses without importing it; on a node that import
+    # fails, and megatron's import_module swallows the error (silent Pre-LN training).
     proc = subprocess.run([sys.executable, "-c", PREFLIGHT], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
