@@ -2,9 +2,12 @@
 
 The training runs are subprocesses (`python -m mixln_megatron.training.pretrain --cpu ...`, under
 `python -m torch.distributed.run` for more than one rank): Megatron's global state allows one
-pretrain() per process. Losses are compared per
-iteration from the entry point's --loss-log record (Megatron's own log line after a (re)start
-averages two iterations).
+pretrain() per process. They go through tests/workers/pretrain_entry.py, which runs that module as
+`-m` does after starting megatron's torch_dist write-results queue by fork (not by a spawned
+interpreter that imports the module and torch again: ~3 CPU-seconds per saving process); the
+literal command, spawned queue included, saves in test_vet_load.py's clean resume. Losses are
+compared per iteration from the entry point's --loss-log record (Megatron's own log line after a
+(re)start averages two iterations).
 """
 
 import json
@@ -21,6 +24,8 @@ from mixln_megatron.dev.testing import run_python, start_python
 from mixln_megatron.dev import testing as mu
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# `python -m mixln_megatron.training.pretrain` with the write-results queue started by fork (its docstring)
+ENTRY = os.path.join(REPO, "tests", "workers", "pretrain_entry.py")
 
 TINY = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -54,9 +59,9 @@ def start(args, nproc=1, torchrun=None):
         torchrun = nproc > 1
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--standalone", "-m", "mixln_megatron.training.pretrain", *args]
+               "--standalone", ENTRY, *args]
     else:
-        cmd = [sys.executable, "-m", "mixln_megatron.training.pretrain", *args]
+        cmd = [sys.executable, ENTRY, *args]
     proc = start_python(cmd, env=_env(), cwd=REPO, merge_stderr=True)
     proc.cmd = cmd
     return proc
