@@ -67,9 +67,12 @@ def test_a_failing_rank_ends_the_others_and_the_job_fails_as_torchrun_does(tmp_p
     script = tmp_path / "all_reduce.py"
     script.write_text(ALL_REDUCE)
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
-    proc = forked_ranks.run(cmd, env=dict(os.environ, FAIL_RANK="1"), timeout=600)  # rank 0 would wait forever
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "rank 1 of 2 sum 3" in proc.stdout
+    started = forked_ranks.start(cmd, env=dict(os.environ, FAIL_RANK="1"))  # rank 0 would wait forever
+    stdout, stderr = started.communicate(timeout=600)
+    assert started.returncode == 1, stderr[-3000:]
+    assert "rank 1 of 2 sum 3" in stdout
+    # what torchrun's summary would name: rank 1's 3 as the root cause, rank 0 ended by its SIGTERM
+    assert started.first_failure == 3 and started.exit_statuses == [-signal.SIGTERM, 3], started.exit_statuses
 
 
 def test_a_signal_reaches_a_started_command(tmp_path):

@@ -231,10 +231,9 @@ def test_bad_pattern_is_printed_once_across_ranks():
         assert proc.returncode == 1, proc.returncode  # torchrun's own status when a worker failed
         # Whichever rank left first (errors.report: the line is printed before any rank of the
         # node exits) left with 2, torchrun's Root Cause; each other rank refused too (2) or was
-        # stopped by the launcher's SIGTERM after that first exit. (forked_ranks keeps these
-        # statuses in Started's private _first_failure / _ranks: no public API for them yet.)
-        assert proc._first_failure == 2, (proc._first_failure, out[-3000:])
-        statuses = [rank.exitcode for rank in proc._ranks]
+        # stopped by the launcher's SIGTERM after that first exit.
+        assert proc.first_failure == 2, (proc.first_failure, out[-3000:])
+        statuses = proc.exit_statuses
         assert len(statuses) == 2 and 2 in statuses, statuses
         assert set(statuses) <= {2, -signal.SIGTERM}, statuses
     else:  # a fresh torchrun (an environment the fork server cannot serve): its own summary

@@ -204,7 +204,9 @@ def _send_names(connection) -> None:
 
 class Started:
     """A started command, with the part of subprocess.Popen's interface the tests use: pid (the
-    first rank's), poll, wait, communicate, send_signal, terminate, kill, returncode, args."""
+    first rank's), poll, wait, communicate, send_signal, terminate, kill, returncode, args; and
+    what torchrun's failure summary would name: `first_failure` (the exit status of the first rank
+    to fail, its Root Cause) and `exit_statuses` (each rank's, by rank; -N for a signal)."""
 
     def __init__(self, command, ranks, logs, merged: bool, torchrun: bool, store):
         self.args, self._ranks, self._logs, self._merged, self._torchrun = command, ranks, logs, merged, torchrun
@@ -213,6 +215,14 @@ class Started:
         self.returncode = None
         self._first_failure = 0
         self._pending = {proc.sentinel: proc for proc in ranks}
+
+    @property
+    def first_failure(self) -> int:
+        return self._first_failure
+
+    @property
+    def exit_statuses(self) -> List[Optional[int]]:
+        return [rank.exitcode for rank in self._ranks]
 
     def _reap(self, timeout):
         """Reap what has ended within `timeout` (None: all); True when every rank has ended. The
