@@ -117,24 +117,28 @@ def phase_reference(workdir):
 def phase_world2(workdir):
     base = os.path.join(workdir, "base")
     out = {}
-    out["tp2"] = figures(Run(tp=2, load=base))
+    tp2 = Run(tp=2, load=base)
+    resharded = os.path.join(workdir, "tp2")
+    tp2.save(resharded)  # saved at TP2 as loaded (before its training steps), read at PP2 below
+    out["tp2"] = figures(tp2)
     out["tp2_rerun"] = figures(Run(tp=2, load=base))
     sp = Run(tp=2, sp=True, load=base)
     out["tp2_sp"] = figures(sp)
     out["tp2_sp_norms_identical"] = sp.post_ln_norms_identical_across_tp()
-    out["pp2"] = figures(Run(pp=2, load=base))
-    out["pp2_vpp2"] = figures(Run(pp=2, vpp=2, load=base))
+    # Post-LN placement is fixed when a model is built: read it off the models that run the figures
+    pp2 = Run(pp=2, load=base)
+    out["kinds_pp2"] = pp2.layer_kinds()
+    out["pp2"] = figures(pp2)
+    pp2_vpp2 = Run(pp=2, vpp=2, load=base)
+    out["kinds_pp2_vpp2"] = pp2_vpp2.layer_kinds()
+    out["pp2_vpp2"] = figures(pp2_vpp2)
     out["dp2_distopt"] = figures(Run(load=base, distopt=True))
     out["tp2_distopt"] = figures(Run(tp=2, load=base, distopt=True))
     lns_dir = os.path.join(workdir, "base_lns")
     out["lns_tp2_sp"] = figures(Run(tp=2, sp=True, load=lns_dir, scheme="mixln+lns", post_ln_layers=1))
     out["lns_pp2"] = figures(Run(pp=2, load=lns_dir, scheme="mixln+lns", post_ln_layers=1))
-    out["kinds_pp2"] = Run(pp=2).layer_kinds()
-    out["kinds_pp2_vpp2"] = Run(pp=2, vpp=2).layer_kinds()
     out["kinds_pp2_uneven"] = Run(pp=2, num_layers=6, post_ln_layers=3, num_layers_in_first_pipeline_stage=2,
                                   num_layers_in_last_pipeline_stage=4).layer_kinds()
-    resharded = os.path.join(workdir, "tp2")
-    Run(tp=2, load=base).save(resharded)
     out["tp2_saved_pp2_eval"] = Run(pp=2, load=resharded).eval_loss()  # TP and PP both change
     return out
 
@@ -175,4 +179,7 @@ def run_phase(phases: dict, result_prefix: str = "") -> None:
 
 
 if __name__ == "__main__":
+    from fork_queue import fork_started_write_results_queue
+
+    fork_started_write_results_queue()  # before any gloo thread: see fork_queue.py
     run_phase({"reference": phase_reference, "world2": phase_world2, "world4": phase_world4})
