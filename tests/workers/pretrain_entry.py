@@ -19,8 +19,8 @@ import runpy
 import sys
 
 if __name__ == "__main__":
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
+    from fork_queue import fork_started_write_results_queue  # this script's folder is sys.path[0]
 
-    get_write_results_queue(mp_mode="fork")  # before any gloo thread exists
+    fork_started_write_results_queue()  # before any gloo thread exists
     sys.path[0] = os.getcwd()  # as `python -m` has it
     runpy.run_module("mixln_megatron.training.pretrain", run_name="__main__", alter_sys=True)
