@@ -2,7 +2,7 @@
 
 The training runs are subprocesses (`python -m mixln_megatron.training.pretrain --cpu ...`, under
 `python -m torch.distributed.run` for more than one rank): Megatron's global state allows one
-pretrain() per process. They go through tests/workers/pretrain_entry.py, which runs that module as
+pretrain() per process. They go through tests/workers/fork_queue.py, which runs that module as
 `-m` does after starting megatron's torch_dist write-results queue by fork (not by a spawned
 interpreter that imports the module and torch again: ~3 CPU-seconds per saving process); the
 literal command, spawned queue included, saves in test_vet_load.py's clean resume. Losses are
@@ -25,7 +25,7 @@ from mixln_megatron.dev import testing as mu
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # `python -m mixln_megatron.training.pretrain` with the write-results queue started by fork (its docstring)
-ENTRY = os.path.join(REPO, "tests", "workers", "pretrain_entry.py")
+ENTRY = [os.path.join(REPO, "tests", "workers", "fork_queue.py"), "-m", "mixln_megatron.training.pretrain"]
 
 TINY = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -59,9 +59,9 @@ def start(args, nproc=1, torchrun=None):
         torchrun = nproc > 1
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--standalone", ENTRY, *args]
+               "--standalone", *ENTRY, *args]
     else:
-        cmd = [sys.executable, ENTRY, *args]
+        cmd = [sys.executable, *ENTRY, *args]
     proc = start_python(cmd, env=_env(), cwd=REPO, merge_stderr=True)
     proc.cmd = cmd
     return proc

@@ -1,7 +1,7 @@
 """The gradient-spike scaler (training/spike/): the rule, and the scaler on Megatron's reduced grads.
 
 Unit tests run in-process. The multi-process tests launch benchmarks/workers/spike_worker.py
-(through tests/workers/spike_launch.py) once per world size (torchrun, gloo, CPU), covering several
+(through tests/workers/fork_queue.py) once per world size (torchrun, gloo, CPU), covering several
 layouts per launch; each layout trains a tiny Mix-LN GPT (4 layers, hidden 64, P = 2: targets are
 the norms of layers 2 and 3) for 8 steps with x1000 spikes injected into reduced target gradients
 at steps 5 and 7 (the scaler is warm from step 4 on: threshold 50, beta 0.9, warm-up 3).
@@ -41,8 +41,8 @@ sys.path.insert(0, os.path.dirname(WORKER))
 import spike_worker as W  # noqa: E402  (constants only; megatron is imported lazily there)
 
 # What the launches run: spike_worker.main() with megatron's checkpoint write-results queue started
-# by fork rather than by a spawned interpreter (tests/workers/spike_launch.py, fork_queue.py).
-LAUNCH = os.path.join(HERE, "workers", "spike_launch.py")
+# by fork rather than by a spawned interpreter (tests/workers/fork_queue.py).
+LAUNCH = [os.path.join(HERE, "workers", "fork_queue.py"), WORKER]
 
 WORLD2_LAYOUTS = ["ddp_plain", "ddp_quiet", "ddp", "distopt", "tp2sp", "pp2", "pp2_resume", "pp2_resume_format1",
                   "fresh_load", "fp16"]
@@ -428,7 +428,7 @@ def _launch(nproc: int, layouts, out_dir: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--standalone", LAUNCH, "--out", out_dir, "--layouts", ",".join(layouts)]
+           "--standalone", *LAUNCH, "--out", out_dir, "--layouts", ",".join(layouts)]
     proc = run_python(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         pytest.fail(f"spike worker failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -659,7 +659,7 @@ def _megatron_lm(out: str, tag: str, extra, scaler: bool = True):
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MIXLN_POST_LN_LAYERS="2",
                MIXLN_SPIKE_SCALER="1" if scaler else "0", MIXLN_SPIKE_WARMUP_STEPS="2", MIXLN_SPIKE_BETA="0.9")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-           LAUNCH, "--megatron-lm", "--out", out, "--tag", tag, "--", *MLM_ARGS, *extra]
+           *LAUNCH, "--megatron-lm", "--out", out, "--tag", tag, "--", *MLM_ARGS, *extra]
     proc = run_python(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         pytest.fail(f"Megatron-LM run {tag} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
