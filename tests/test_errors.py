@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -139,16 +140,36 @@ def _error_lines(text):
     return [line for line in text.splitlines() if LINE in line]
 
 
-def _ranks(case, nproc=2, timeout=300):
+def newer_release_checkpoint(root):
+    """A --load folder as megatron-core 0.19+ saves it (iteration 5, DCP metadata, no common.pt),
+    written once before any rank starts (ranks that wrote it themselves could read it half-written)."""
+    os.makedirs(os.path.join(root, "iter_0000005"))
+    open(os.path.join(root, "iter_0000005", ".metadata"), "wb").close()
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("5")
+    return root
+
+
+def _ranks(case, tmp_path, nproc=2, timeout=300):
     """Every rank of a job as a child of this test (no launcher in between, so each rank's own exit
-    status is seen, not a launcher's SIGTERM): [(returncode, output)] by rank."""
+    status is seen, not a launcher's SIGTERM): [(returncode, output)] by rank. A rank still running
+    at the timeout (the others left it waiting in a collective) is killed and reads as None."""
     env0, port = CASES[case][0], _free_port()
+    extra = ["--load", newer_release_checkpoint(str(tmp_path / "load"))] if case == "newer_checkpoint" else []
     procs = [subprocess.Popen(
-        [sys.executable, str(REFUSAL_WORKER), case], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=_env(**env0, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                            LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+        [sys.executable, str(REFUSAL_WORKER), case, *extra], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+        env=_env(**env0, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                 LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
         for rank in range(nproc)]
-    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    deadline, outputs = time.monotonic() + timeout, []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outputs.append(p.communicate()[0] + "\n[test: killed at the timeout]")
+            p.returncode = None
     return [(p.returncode, out) for p, out in zip(procs, outputs)]
 
 
@@ -162,7 +183,7 @@ DEFAULT_CASES = ("bad_alpha", "newer_checkpoint")
 @pytest.mark.compat
 @pytest.mark.parametrize("case", [c if c in DEFAULT_CASES else pytest.param(c, marks=pytest.mark.slow)
                                   for c in sorted(CASES)])
-def test_stock_path_refusal_is_one_line_and_exit_2_on_every_rank(case):
+def test_stock_path_refusal_is_one_line_and_exit_2_on_every_rank(case, tmp_path):
     """Each stock-path refusal, met as Megatron-LM's own scripts meet it (the --spec object resolved
     as this release's pretrain_gpt.py / pretrain_hybrid.py does, the checkpoint record checked as its
     load_checkpoint does): the line once in the whole job, no traceback from any rank, every rank
@@ -172,7 +193,7 @@ def test_stock_path_refusal_is_one_line_and_exit_2_on_every_rank(case):
     releases = CASES[case][2]
     if (releases == "before 0.19" and compat.RELEASE >= (0, 19)) or (releases == "0.19+" and not compat.HYBRID_MODEL):
         pytest.skip(f"{case}: not a refusal on megatron-core {compat.VERSION}")
-    ranks = _ranks(case)
+    ranks = _ranks(case, tmp_path)
     text = "".join(out for _, out in ranks)
     assert [rc for rc, _ in ranks] == [2, 2], text[-6000:]
     lines = _error_lines(text)

@@ -1,6 +1,6 @@
 """One stock-path refusal, met the way Megatron-LM's own scripts meet it, on this release.
 
-    stock_refusal_worker.py CASE [--rank-0-never-gets-there]
+    stock_refusal_worker.py CASE [--load DIR] [--rank-0-never-gets-there]
 
 Run as every rank of a job (torchrun, or processes started with RANK / WORLD_SIZE / MASTER_*).
 The --spec object is resolved as each release's pretrain_gpt.py / pretrain_hybrid.py does it
@@ -10,7 +10,8 @@ CASE:
   bad_alpha          MIXLN_ALPHA="a quarter" (set by the caller): refused when the spec is resolved
   settings_mismatch  a P = 1 model asked for its sharded state dict with the content metadata of a
                      P = 2 checkpoint, the call Megatron-LM's load_checkpoint makes
-  newer_checkpoint   --load names a 0.19+ torch_dist checkpoint (no common.pt); refused on 0.17/0.18
+  newer_checkpoint   --load DIR names a 0.19+ torch_dist checkpoint (no common.pt), which the caller
+                     writes before any rank starts, as a real job finds it; refused on 0.17/0.18
   hybrid_pattern     pretrain_hybrid.py's stack spec with '*-|*-' at PP1 (0.19+): the stack refuses
 A run that is not refused prints `NOT REFUSED` and exits 0. --rank-0-never-gets-there makes
 rank 0 sleep once the process group exists (a rank 0 slower than everyone: the others fail first, and the launcher
@@ -20,7 +21,6 @@ stops it).
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 from mixln_megatron.dev import cpu
@@ -50,6 +50,7 @@ def gpt(config):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=["bad_alpha", "settings_mismatch", "newer_checkpoint", "hybrid_pattern"])
+    parser.add_argument("--load", help="newer_checkpoint: Megatron-LM's --load")
     parser.add_argument("--rank-0-never-gets-there", action="store_true")
     a = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
@@ -68,13 +69,7 @@ def main():
         model.sharded_state_dict(metadata={"mixln": saved})
     elif a.case == "newer_checkpoint":
         os.environ["MIXLN_POST_LN_LAYERS"] = "1"
-        # One --load for the whole job, as in a real one (the same message on every rank).
-        load = os.path.join(tempfile.gettempdir(), f"mixln_newer_ckpt_{os.environ.get('MASTER_PORT', rank)}")
-        os.makedirs(os.path.join(load, "iter_0000005"), exist_ok=True)
-        open(os.path.join(load, "iter_0000005", ".metadata"), "wb").close()  # 0.19's layout: no common.pt
-        with open(os.path.join(load, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write("5")
-        megatron_lm_args(load=load)
+        megatron_lm_args(load=a.load)
         gpt(config)
     elif a.case == "hybrid_pattern":
         os.environ["MIXLN_POST_LN_LAYERS"] = "1"
