@@ -213,6 +213,51 @@ else:
             bridge.to_megatron_provider(load_weights=False)
         assert "\n" not in str(err.value)
 
+    def test_a_failed_save_leaves_nothing_and_nothing_is_overwritten(gloo, tmp_path, monkeypatch):
+        """save_megatron_checkpoint writes a temporary folder and renames it in: a save that fails
+        after its files are written leaves no checkpoint and no temporary; a non-empty folder is
+        refused untouched; what a killed save left (its process gone) goes with the next save."""
+        import json
+        import subprocess
+
+        from megatron.core import dist_checkpointing
+
+        from mixln_megatron.errors import ConversionError
+
+        folder = export_folder(hf_model(1, "mixln"), str(tmp_path / "exported"))
+        _, _, models = bridge_models(folder)
+        real_save = dist_checkpointing.save
+
+        def save_then_fail(*args, **kwargs):
+            real_save(*args, **kwargs)
+            raise OSError("no space left on device (injected)")
+
+        monkeypatch.setattr(dist_checkpointing, "save", save_then_fail)
+        with pytest.raises(OSError, match="injected"):
+            mixln_bridge.save_megatron_checkpoint(models, str(tmp_path / "ckpt"))
+        assert sorted(os.listdir(tmp_path)) == ["exported"]
+        monkeypatch.setattr(dist_checkpointing, "save", real_save)
+
+        mine = tmp_path / "mine"
+        mine.mkdir()
+        (mine / "notes.txt").write_text("keep")
+        with pytest.raises(ConversionError, match="exists and is not an empty folder"):
+            mixln_bridge.save_megatron_checkpoint(models, str(mine))
+        assert os.listdir(mine) == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep"
+
+        gone = subprocess.Popen(["true"])
+        gone.wait()  # a process that no longer runs, as a killed save's
+        stale = tmp_path / f".ckpt.tmp-{gone.pid}-0badc0de"
+        (stale / "release").mkdir(parents=True)
+        (stale / ".mixln-owner").write_text(json.dumps({"pid": gone.pid, "host": os.uname().nodename}))
+        (tmp_path / "ckpt").mkdir()  # an empty folder is taken
+        release = mixln_bridge.save_megatron_checkpoint(models, str(tmp_path / "ckpt"))
+        assert release == str(tmp_path / "ckpt" / "release")
+        assert sorted(os.listdir(tmp_path)) == ["ckpt", "exported", "mine"]
+        assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest_checkpointed_iteration.txt", "release"]
+        assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "release"
+        assert os.path.isfile(tmp_path / "ckpt" / "release" / ".metadata")
+
     @pytest.mark.parametrize("post_ln,scheme", [(1, "mixln"), (0, "lns")], ids=["P1-mixln", "P0-lns"])
     def test_te_backend_builds_loads_and_exports_exactly(gloo, tmp_path, post_ln, scheme):
         reason = cpu.te_unavailable_reason()

@@ -23,13 +23,17 @@ converted checkpoint, through megatron-core's dist_checkpointing:
   provider through the bridge's megatron_to_hf_config), its TP / PP, vocabulary padding, dtype,
   backend and P / scheme: the args `convert from-hf` writes.
 A `release` checkpoint is a fresh start for Megatron-LM (no optimizer / RNG state is looked for).
-An existing non-empty `path` is refused: nothing is overwritten or deleted.
+An existing non-empty `path` is refused: nothing is overwritten or deleted. Every rank writes into
+one hidden temporary folder beside `path` (rank 0 stages it, as `convert from-hf` does), renamed
+to `path` once all ranks are done: a failed or killed save leaves no half-written checkpoint (a
+killed one's temporary folder is removed by the next save to the same path).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -108,14 +112,6 @@ def save_megatron_checkpoint(models, path: str, *, tokenizer_model: Optional[str
     from ..convert.from_hf import CONTENT_METADATA_BASE
 
     models = list(models) if isinstance(models, (list, tuple)) else [models]
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    problem = None
-    if rank == 0 and os.path.lexists(path) and (not os.path.isdir(path) or os.listdir(path)):
-        problem = f"{path} exists and is not an empty folder: nothing is overwritten"
-    problem = _agree(problem)
-    if problem:
-        raise ConversionError(problem)
-
     # The content metadata Megatron-LM saves: the model adds its Mix-LN entry while it describes
     # itself (model.checkpoint.add_settings_record), for every chunk the same.
     metadata = dict(CONTENT_METADATA_BASE)
@@ -130,26 +126,54 @@ def save_megatron_checkpoint(models, path: str, *, tokenizer_model: Optional[str
         record = Placement(int(_provider_of(models).num_layers), 0, "mixln").record()
     state.update(args=checkpoint_args(models, record, tokenizer_model, source), checkpoint_version=3.0,
                  iteration=0, num_floating_point_operations_so_far=0)
-    release = os.path.join(path, RELEASE)
-    if rank == 0:
-        os.makedirs(release)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    dist_checkpointing.save(state, release, content_metadata=metadata)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    if rank == 0:  # last: a folder without it is not taken for a checkpoint
-        with open(os.path.join(path, TRACKER), "w") as f:
-            f.write(RELEASE)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    return release
+    with _staged_on_rank_0(path) as (tmp, rank):
+        dist_checkpointing.save(state, os.path.join(tmp, RELEASE), content_metadata=metadata)
+        _barrier()  # every rank's files are in before the tracker
+        if rank == 0:
+            with open(os.path.join(tmp, TRACKER), "w") as f:
+                f.write(RELEASE)
+    _barrier()  # no rank returns before `path` is there
+    return os.path.join(path, RELEASE)
 
 
-def _agree(problem: Optional[str]) -> Optional[str]:
-    """Rank 0's finding, on every rank (so every rank raises or none does)."""
+@contextlib.contextmanager
+def _staged_on_rank_0(path: str) -> Iterator[tuple]:
+    """(temporary folder, rank) for every rank: rank 0 refuses a `path` that is not an empty folder
+    (on every rank), removes what killed saves to it left, and stages the folder with
+    safe_output.staged_dir; its name goes to the other ranks. Rank 0 renames it to `path` when the
+    block ends on rank 0 without an error, and removes it when it does not."""
+    from ..safe_output import MEGATRON_FOLDER, output_path, staged_dir, sweep_stale
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    with contextlib.ExitStack() as stack:
+        found = None
+        if rank == 0:
+            try:
+                sweep_stale(path)
+                target = output_path(path)
+                if os.path.lexists(target) and (not os.path.isdir(target) or os.listdir(target)):
+                    raise ConversionError(f"{path} exists and is not an empty folder: nothing is overwritten; "
+                                          "save to a new path")
+                tmp = stack.enter_context(staged_dir(path, MEGATRON_FOLDER, False, ConversionError))
+                os.mkdir(os.path.join(tmp, RELEASE))
+                found = ("ok", tmp)
+            except (ConversionError, OSError) as error:
+                found = ("refused", str(error))
+        what, text = _from_rank_0(found)
+        if what == "refused":
+            raise ConversionError(text)
+        yield text, rank
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _from_rank_0(value):
+    """Rank 0's value, on every rank (so every rank raises or none does)."""
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return problem
-    box = [problem]
+        return value
+    box = [value]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
