@@ -128,14 +128,6 @@ CASES = {  # case: (environment, what the line says, on which releases)
 }
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _error_lines(text):
     return [line for line in text.splitlines() if LINE in line]
 
@@ -154,13 +146,19 @@ def _ranks(case, tmp_path, nproc=2, timeout=300):
     """Every rank of a job as a child of this test (no launcher in between, so each rank's own exit
     status is seen, not a launcher's SIGTERM): [(returncode, output)] by rank. A rank still running
     at the timeout (the others left it waiting in a collective) is killed and reads as None."""
-    env0, port = CASES[case][0], _free_port()
+    import torch
+
+    # The rendezvous store is hosted here, as torchrun's agent hosts it: the OS picks the port (no
+    # race with another test for a "free" one), and the ranks connect as clients.
+    store = torch.distributed.TCPStore("127.0.0.1", 0, world_size=nproc, is_master=True, wait_for_workers=False)
+    env0, port = CASES[case][0], store.port
     extra = ["--load", newer_release_checkpoint(str(tmp_path / "load"))] if case == "newer_checkpoint" else []
     procs = [subprocess.Popen(
         [sys.executable, str(REFUSAL_WORKER), case, *extra], cwd=REPO, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
         env=_env(**env0, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                 LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+                 LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                 TORCHELASTIC_USE_AGENT_STORE="True"))
         for rank in range(nproc)]
     deadline, outputs = time.monotonic() + timeout, []
     for p in procs:
