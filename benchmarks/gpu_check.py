@@ -50,7 +50,6 @@ import importlib
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -151,6 +150,21 @@ def run_cpu_reference(workdir: str, shape: Shape, post_ln_layers: int, seed: int
     return torch.load(os.path.join(workdir, "reference.pt"), weights_only=False)
 
 
+def _reference_child(log_path: str, env: dict, argv: list) -> None:
+    """The forked reference process: its output to the log file, the fresh interpreter's
+    environment, then main() as that interpreter would run it."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # Python's streams onto those descriptors, whatever the parent had put in their place
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.exit(main(argv))
+
+
 class ForkedReference:
     """--cpu-dry-run only: the CPU reference process, forked from this one right after the imports
     (before the process group, the CPU shims or any computation exist here). The child runs
@@ -162,68 +176,37 @@ class ForkedReference:
     this process's modules."""
 
     def __init__(self, shape: Shape, post_ln_layers: int, seed: int):
+        import multiprocessing
+
         self._tmp = tempfile.TemporaryDirectory(prefix="mixln_parity_")
         self.workdir = self._tmp.name
         _write_reference_job(self.workdir, shape, post_ln_layers, seed)
         self.log_path = os.path.join(self.workdir, "reference.log")
-        env = _reference_env()
         sys.stdout.flush()
         sys.stderr.flush()
         self.started = time.monotonic()
-        pid = os.fork()
-        if pid == 0:  # the child: never returns into the caller
-            code = 1
-            try:
-                fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
-                os.close(fd)
-                os.environ.clear()
-                os.environ.update(env)
-                code = main(_reference_argv(self.workdir))
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else 1
-            except BaseException:
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                try:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                finally:
-                    os._exit(code)
-        self.pid = pid
-        atexit.register(self._kill)
+        self.process = multiprocessing.get_context("fork").Process(
+            target=_reference_child, args=(self.log_path, _reference_env(), _reference_argv(self.workdir)),
+            name="cpu-reference")
+        self.process.start()
+        atexit.register(self._kill)  # after multiprocessing's own exit handler, so it runs first
 
     def _kill(self) -> None:
-        if self.pid is not None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-                os.waitpid(self.pid, 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
-            self.pid = None
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
 
     def result(self, timeout: float = 600) -> dict:
         """Wait for the child (as run_cpu_reference waits for its process) and load its file."""
         import torch
 
         try:
-            deadline = time.monotonic() + timeout
-            while True:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-                if pid:
-                    self.pid = None
-                    break
-                if time.monotonic() > deadline:
-                    self._kill()
-                    raise subprocess.TimeoutExpired(f"forked reference ({self.workdir})", timeout)
-                time.sleep(0.02)
-            returncode = os.waitstatus_to_exitcode(status)
-            if returncode != 0:
+            self.process.join(timeout)
+            if self.process.exitcode is None:
+                raise subprocess.TimeoutExpired(f"forked reference ({self.workdir})", timeout)
+            if self.process.exitcode != 0:
                 with open(self.log_path, errors="replace") as f:
-                    raise _reference_failed(returncode, f.read())
+                    raise _reference_failed(self.process.exitcode, f.read())
             return torch.load(os.path.join(self.workdir, "reference.pt"), weights_only=False)
         finally:
             self._kill()

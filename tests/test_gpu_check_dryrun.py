@@ -152,6 +152,41 @@ def test_gpu_run_starts_the_reference_in_a_fresh_interpreter(tmp_path, monkeypat
         assert json.load(f) == {"shape": {**DRY_PARITY_SHAPE.__dict__}, "post_ln_layers": 2, "seed": 7}
 
 
+def test_the_dry_runs_forked_reference_reports_a_failure_and_reads_back_its_file(monkeypatch):
+    """ForkedReference (the dry run's reference process, forked): it runs main() with the reference
+    arguments in the fresh interpreter's environment; a failing child's exit status and output reach
+    the error, a successful one's file is read back, and its folder is removed either way."""
+    gpu_check = _import_gpu_check()
+    from device_checks import DRY_PARITY_SHAPE
+
+    monkeypatch.setenv("MASTER_PORT", "1")
+
+    def failing_main(argv):
+        print("out-tail", flush=True)
+        print("err-tail", file=sys.stderr, flush=True)
+        return 5
+
+    monkeypatch.setattr(gpu_check, "main", failing_main)
+    forked = gpu_check.ForkedReference(DRY_PARITY_SHAPE, 2, 7)
+    with pytest.raises(RuntimeError, match=r"(?s)the CPU reference process failed \(exit 5\).*out-tail.*err-tail"):
+        forked.result(timeout=120)
+    assert not os.path.exists(forked.workdir)
+
+    def writing_main(argv):
+        import torch
+
+        args = gpu_check.parse_args(argv)
+        seen = {"cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "port": os.environ.get("MASTER_PORT")}
+        torch.save({"state": {}, "results": {"fp32": 1}, "env": seen},
+                   os.path.join(args._reference, "reference.pt"))
+        return 0
+
+    monkeypatch.setattr(gpu_check, "main", writing_main)
+    forked = gpu_check.ForkedReference(DRY_PARITY_SHAPE, 2, 7)
+    assert forked.result(timeout=120) == {"state": {}, "results": {"fp32": 1}, "env": {"cuda": "", "port": None}}
+    assert not os.path.exists(forked.workdir)
+
+
 def test_te_check_skips_cleanly_without_te(tmp_path):
     pytest.importorskip("torch")
     if _has_te():
