@@ -5,10 +5,12 @@ An exported Mix-LN folder (the project's HF model code + save_hf_folder, a token
 package's block spec (local backend, CPU harness) -> logits equal HF's, the HF weights exported
 back exactly, save_hf_pretrained -> reloads equal; the model Bridge builds has the state-dict keys
 of the model this package builds itself. The TE backend builds, loads and exports exactly (TE's
-forward needs a GPU). TP2 (one torchrun job of 2 gloo processes, tests/workers/bridge_tp2_worker.py):
-the same logits and exact export for P = 1 and lns, then mixln_megatron.bridge.save_megatron_checkpoint;
-that checkpoint is read by `mixln-megatron convert to-hf` (the source folder again, bit for bit) and
-by `mixln-megatron pretrain --cpu --load` (vetted, loaded at TP1, one iteration trained).
+forward needs a GPU). TP2 and PP2 (torchrun jobs of 2 gloo processes,
+tests/workers/bridge_parallel_worker.py): the same logits and exact export (TP2: P = 1 and lns;
+PP2: Mix-LN + LNS with P = 3, so the second stage holds a Post-LN layer), then
+mixln_megatron.bridge.save_megatron_checkpoint; those checkpoints are read by `mixln-megatron
+convert to-hf` (the source folder again, bit for bit), and the TP2 one by `mixln-megatron pretrain
+--cpu --load` (vetted, loaded at TP1, one iteration trained).
 
 `make test-bridge` runs these with Bridge laid over the venv (scripts/install_bridge.sh); without
 Bridge they skip, unless BRIDGE_TESTS_REQUIRED=1 (set by the make target), where they fail.
@@ -282,7 +284,7 @@ else:
 
     # ------------------------------------------------------------------ TP2 and Megatron-LM checkpoints
     REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    TP2_WORKER = os.path.join(REPO, "tests", "workers", "bridge_tp2_worker.py")
+    PARALLEL_WORKER = os.path.join(REPO, "tests", "workers", "bridge_parallel_worker.py")
     # The special token ids of the tokenizer beside the folder (convert to-hf takes them from it).
     TOKENIZER_IDS = dict(bos_token_id=0, eos_token_id=0, pad_token_id=None)
     # Megatron-LM's tiny CPU run (as tests/test_vet_load.py): one iteration, lr 0 so that the saved
@@ -343,17 +345,11 @@ else:
         code = {n for n in os.listdir(expected) if n.endswith(".py")}
         assert code and code <= set(os.listdir(got)), (code, os.listdir(got))
 
-    def test_tp2_and_a_checkpoint_our_tools_read(tmp_path):
-        """Two gloo processes: AutoBridge -> TP2 provider -> the Mix-LN model split over both ranks ->
-        logits equal HF's, export_hf_weights exact (P = 1 and lns), then save_megatron_checkpoint.
-        That TP2 checkpoint -> `mixln-megatron convert to-hf` (our venv) -> the source folder again,
-        bit for bit; `mixln-megatron pretrain --cpu --load` (TP1: resharded) vets it, loads it and
-        trains one iteration, and what it saves converts back to the same weights (lr 0)."""
-        import time
-
-        times = {}
+    def _parallel_job(tmp_path, layouts, tp, pp):
+        """Exported folders (and reference logits) of the layouts, then one 2-process torchrun job of
+        the parallel worker over them: (folders, rank 0's result by folder)."""
         folders = []
-        for post_ln, scheme in [(1, "mixln"), (0, "lns")]:
+        for post_ln, scheme in layouts:
             root = tmp_path / f"P{post_ln}-{scheme}"
             hf = hf_model(post_ln, scheme)
             for key, value in TOKENIZER_IDS.items():
@@ -363,10 +359,34 @@ else:
             with torch.no_grad():
                 torch.save({"ids": ids, "logits": hf(ids).logits}, str(root / "reference.pt"))
             folders.append(folder)
-
-        t = time.time()
         result = testing.last_result(testing.torchrun(
-            TP2_WORKER, 2, *folders, timeout=1200, env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}))
+            PARALLEL_WORKER, 2, "--tp", str(tp), "--pp", str(pp), *folders, timeout=1200,
+            env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}))
+        return folders, result
+
+    def test_pp2_places_post_ln_by_global_layer_number_and_saves_a_checkpoint(tmp_path):
+        """PP2 through Bridge, Mix-LN + LNS with P = 3 of 4: the second stage holds global layers 3
+        (Post-LN) and 4 (Pre-LN, scaled by 1/sqrt(4)); logits through both stages equal HF's, the
+        export is exact, and the PP2 checkpoint converts back to the source folder bit for bit."""
+        folders, result = _parallel_job(tmp_path, [(3, "mixln+lns")], tp=1, pp=2)
+        r = result["P3-mixln+lns"]
+        assert r["layout"] == [3, "mixln+lns"] and r["max_logit_diff"] < 2e-5, r
+        assert r["layer_numbers_rank0"] == [1, 2], r
+        ckpt, back = (os.path.join(os.path.dirname(folders[0]), name) for name in ("ckpt", "back"))
+        _run(["-m", "mixln_megatron.cli", "convert", "to-hf", "--load", ckpt, "--save", back])
+        assert_same_hf_folder(back, folders[0])
+
+    def test_tp2_and_a_checkpoint_our_tools_read(tmp_path):
+        """Two gloo processes: AutoBridge -> TP2 provider -> the Mix-LN model split over both ranks ->
+        logits equal HF's, export_hf_weights exact (P = 1 and lns), then save_megatron_checkpoint.
+        That TP2 checkpoint -> `mixln-megatron convert to-hf` (our venv) -> the source folder again,
+        bit for bit; `mixln-megatron pretrain --cpu --load` (TP1: resharded) vets it, loads it and
+        trains one iteration, and what it saves converts back to the same weights (lr 0)."""
+        import time
+
+        times = {}
+        t = time.time()
+        folders, result = _parallel_job(tmp_path, [(1, "mixln"), (0, "lns")], tp=2, pp=1)
         times["tp2 job"] = round(time.time() - t, 1)
         assert sorted(result) == ["P0-lns", "P1-mixln"], result
         for name, r in result.items():

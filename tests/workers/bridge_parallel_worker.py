@@ -1,0 +1,139 @@
+"""torchrun worker (2 processes, gloo) of tests/test_bridge.py's parallel tests.
+
+    bridge_parallel_worker.py --tp N --pp M FOLDER [FOLDER ...]      (N * M = the world size)
+
+For each exported HF folder given (made by the test, with reference.pt = {ids, logits} of the HF
+model beside it): AutoBridge.from_hf_pretrained(folder, trust_remote_code=True) -> provider with
+these TP / PP sizes (local backend, CPU harness) -> the Megatron model, split over the ranks ->
+every layer Post-LN or Pre-LN by its global number -> logits vs HF's (gathered over TP; under PP
+the stages hand the hidden states on as megatron's schedule does) -> export_hf_weights vs the
+folder's tensors (exact), then mixln_megatron.bridge.save_megatron_checkpoint(models,
+<folder>/../ckpt) (collective). Rank 0 prints `RESULT {...}`; any mismatch raises (non-zero exit).
+"""
+
+import argparse
+import json
+import os
+import time
+
+# torch before TE / Bridge (as in tests/test_bridge.py)
+import torch
+
+
+def gather_tp(logits, tp):
+    from megatron.core import parallel_state as ps
+
+    parts = [torch.empty_like(logits) for _ in range(tp)]
+    torch.distributed.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)
+
+
+def folder_tensors(folder):
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, name)))
+    return out
+
+
+def pipelined_logits(model, ids, pos, hidden_size):
+    """The logits on the last stage (None elsewhere): each stage runs its layers on what the
+    previous stage sent (model.set_input_tensor, as megatron's pipeline schedule feeds a stage)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.is_pipeline_first_stage():
+        received = torch.empty(ids.shape[1], ids.shape[0], hidden_size)  # [sequence, batch, hidden]
+        torch.distributed.recv(received, src=ps.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(received)
+    with torch.no_grad():
+        out = model(ids, pos, None)
+    if not ps.is_pipeline_last_stage():
+        torch.distributed.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        return None
+    return out
+
+
+def run_one(folder, tp, pp):
+    import mixln_megatron.bridge as mixln_bridge
+    from megatron.bridge import AutoBridge
+    from megatron.core import parallel_state as ps
+
+    t0 = time.time()
+    bridge = AutoBridge.from_hf_pretrained(folder, trust_remote_code=True)
+    provider = bridge.to_megatron_provider(load_weights=True)
+    provider.tensor_model_parallel_size = tp
+    provider.pipeline_model_parallel_size = pp
+    mixln_bridge.use_local_backend(provider, cpu=True)
+    provider.finalize()
+    models = provider.provide_distributed_model(
+        wrap_with_ddp=False, use_cpu_initialization=True, mixed_precision_wrapper=None)
+    (model,) = models
+    assert ps.get_tensor_model_parallel_world_size() == tp and ps.get_pipeline_model_parallel_world_size() == pp
+    assert type(bridge._model_bridge).__name__ == "MixLNLlamaBridge"
+    layout = (provider.post_ln_layers, provider.mixln_scheme)
+
+    # This rank's layers, by their global numbers (1-based): Post-LN exactly below P, and under
+    # PP each stage holds its own share of the stack.
+    numbers = [layer.layer_number for layer in model.decoder.layers]
+    per_stage = provider.num_layers // pp
+    first = ps.get_pipeline_model_parallel_rank() * per_stage + 1
+    assert numbers == list(range(first, first + per_stage)), numbers
+    assert [layer.is_post_ln for layer in model.decoder.layers] == [n <= provider.post_ln_layers for n in numbers]
+
+    # Really split: under TP each rank holds half the query/key/value rows and half the vocabulary.
+    hf_tensors = folder_tensors(folder)
+    qkv = model.decoder.layers[0].self_attention.linear_qkv.weight
+    full_qkv_rows = sum(hf_tensors[f"model.layers.0.self_attn.{p}_proj.weight"].shape[0] for p in "qkv")
+    assert qkv.shape[0] * tp == full_qkv_rows, (qkv.shape, full_qkv_rows)
+
+    # Logits equal HF's (fp32, to rounding), on the last stage.
+    ref = torch.load(os.path.join(folder, "..", "reference.pt"), weights_only=True)
+    ids = ref["ids"]
+    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    logits = pipelined_logits(model, ids, pos, provider.hidden_size)
+    max_diff = None
+    if logits is not None:
+        if logits.shape[-1] * tp == ref["logits"].shape[-1]:
+            logits = gather_tp(logits, tp)
+        torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=2e-5)
+        max_diff = (logits - ref["logits"]).abs().max().item()
+    box = [max_diff]  # the last stage's figure, for rank 0's line
+    torch.distributed.broadcast_object_list(box, src=torch.distributed.get_world_size() - 1)
+
+    # HF weights exported back exactly (gathered over TP and PP on every rank).
+    exported = dict(bridge.export_hf_weights(models, cpu=True, show_progress=False))
+    assert set(exported) == set(hf_tensors), sorted(set(exported) ^ set(hf_tensors))
+    for name, tensor in hf_tensors.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+
+    # A Megatron-LM checkpoint of the split model, for the test's convert to-hf / pretrain --load.
+    ckpt = os.path.join(folder, "..", "ckpt")
+    mixln_bridge.save_megatron_checkpoint(models, ckpt, tokenizer_model=folder)
+    return {"layout": list(layout), "max_logit_diff": box[0], "exported": len(exported),
+            "qkv_rows_per_rank": qkv.shape[0], "layer_numbers_rank0": numbers,
+            "seconds": round(time.time() - t0, 1)}
+
+
+def main():
+    from mixln_megatron.dev import testing
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("folders", nargs="+")
+    args = parser.parse_args()
+    testing.init_distributed(tp=args.tp, pp=args.pp)
+    import mixln_megatron.bridge  # noqa: F401  (registers the bridge; after torch)
+
+    results = {}
+    for folder in args.folders:
+        results[os.path.basename(os.path.dirname(os.path.abspath(folder)))] = run_one(folder, args.tp, args.pp)
+    if torch.distributed.get_rank() == 0:
+        print("RESULT " + json.dumps(results), flush=True)
+    testing.shutdown()
+
+
+if __name__ == "__main__":  # the checkpoint writer's helper process re-imports __main__
+    main()
