@@ -4,8 +4,8 @@ An exported Mix-LN folder (the project's HF model code + save_hf_folder, a token
 -> AutoBridge.from_hf_pretrained(..., trust_remote_code=True) -> the Megatron GPTModel with this
 package's block spec (local backend, CPU harness) -> logits equal HF's, the HF weights exported
 back exactly, save_hf_pretrained -> reloads equal; the model Bridge builds has the state-dict keys
-of the model this package builds itself. The TE backend builds, loads and exports exactly (TE's
-forward needs a GPU). TP2 and PP2 (torchrun jobs of 2 gloo processes,
+of the model this package builds itself. The TE backend builds, loads and exports exactly, and its
+checkpoint converts back to the source folder (TE's forward needs a GPU). TP2 and PP2 (torchrun jobs of 2 gloo processes,
 tests/workers/bridge_parallel_worker.py): the same logits and exact export (TP2: P = 1 and lns;
 PP2: Mix-LN + LNS with P = 3, so the second stage holds a Post-LN layer), then
 mixln_megatron.bridge.save_megatron_checkpoint; those checkpoints are read by `mixln-megatron
@@ -266,6 +266,8 @@ else:
         if reason:
             pytest.fail(reason) if REQUIRED else pytest.skip(reason)
         hf = hf_model(post_ln, scheme)
+        for key, value in TOKENIZER_IDS.items():  # those of the tokenizer beside it, as convert to-hf writes
+            setattr(hf.config, key, value)
         folder = export_folder(hf, str(tmp_path / "exported"))
         bridge, provider, models = bridge_models(folder, backend="te")
         assert provider.mixln_backend == "te"
@@ -281,6 +283,12 @@ else:
         assert set(exported) == set(expected)
         for name, tensor in expected.items():
             assert torch.equal(exported[name], tensor), name
+        # The TE model's Megatron-LM checkpoint (TE's fused norm weights and extra state) converts
+        # back to the source folder with our own tools.
+        ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
+        mixln_bridge.save_megatron_checkpoint(models, ckpt, tokenizer_model=folder)
+        _run(["-m", "mixln_megatron.cli", "convert", "to-hf", "--load", ckpt, "--save", back])
+        assert_same_hf_folder(back, folder)
 
     # ------------------------------------------------------------------ TP2 and Megatron-LM checkpoints
     REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
