@@ -25,6 +25,10 @@ pytestmark = [pytest.mark.mp, pytest.mark.skipif(not compat.HYBRID_MODEL,
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "hybrid_ckpt_worker.py")
 ITER = "iter_0000005"
 SAVES = [("hyb_tp2", "hybrid", 2, 2), ("gpt2_tp1", "gpt", 2, 1), ("gpt0_tp1", "gpt", 0, 1), ("gpt2_tp2", "gpt", 2, 2)]
+# The paper's comparison arms in one model (every layer kind): DeepNorm's norms sit where Post-LN's
+# do, Sandwich's output norms are stacked over the sandwich layers in GPTModel and per layer in
+# HybridModel.
+ARMS = "deepnorm:1,sandwich:2,post:3,pre:4"
 
 
 def _launch(workdir, jobs, name):
@@ -40,7 +44,8 @@ def _launch(workdir, jobs, name):
 def work(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("hybrid_ckpt"))
     jobs = [{"do": "save", "name": n, "kind": k, "P": p, "tp": tp} for n, k, p, tp in SAVES]
-    for name in ("gpt2_tp1", "gpt0_tp1", "gpt2_tp2"):
+    jobs.append({"do": "save", "name": "gptarms_tp2", "kind": "gpt", "P": None, "tp": 2, "layout": ARMS})
+    for name in ("gpt2_tp1", "gpt0_tp1", "gpt2_tp2", "gptarms_tp2"):
         jobs.append({"do": "convert", "name": f"{name}_h", "direction": "gpt-to-hybrid", "path": f"{d}/{name}",
                      "save": f"{d}/{name}_h"})
         jobs.append({"do": "convert", "name": f"{name}_h_g", "direction": "hybrid-to-gpt", "path": f"{d}/{name}_h",
@@ -62,6 +67,8 @@ def work(tmp_path_factory):
         {"do": "load", "name": "gpt0_tp1_h", "path": f"{d}/gpt0_tp1_h", "kind": "hybrid", "P": 0, "tp": 1},
         {"do": "load", "name": "gpt2_tp2_h", "path": f"{d}/gpt2_tp2_h", "kind": "hybrid", "P": 2, "tp": 2},
         {"do": "load", "name": "gpt2_tp2_h_at_tp1", "path": f"{d}/gpt2_tp2_h", "kind": "hybrid", "P": 2, "tp": 1},
+        {"do": "load", "name": "gptarms_tp2_h", "path": f"{d}/gptarms_tp2_h", "kind": "hybrid", "P": None, "tp": 2,
+         "layout": ARMS},
         # hybrid -> GPT, loaded into GPTModel Mix-LN
         {"do": "load", "name": "hyb_tp2_g", "path": f"{d}/hyb_tp2_g", "kind": "gpt", "P": 2, "tp": 2},
         # Megatron-LM's --use-checkpoint-args on the converted checkpoints
@@ -137,7 +144,7 @@ def test_hybrid_reshards_tp2_to_tp1_and_back(work):
 
 
 # ------------------------------------------------------------------------------ item 2
-@pytest.mark.parametrize("name", ["gpt2_tp1", "gpt0_tp1", "gpt2_tp2"])
+@pytest.mark.parametrize("name", ["gpt2_tp1", "gpt0_tp1", "gpt2_tp2", "gptarms_tp2"])
 def test_gpt_checkpoint_as_hybrid_gives_the_gpt_logits(work, name):
     d, summaries = work
     gpt, hyb = result(d, name), result(d, f"{name}_h")
@@ -151,7 +158,7 @@ def test_gpt_checkpoint_as_hybrid_gives_the_gpt_logits(work, name):
         assert diff <= 1e-5, diff
 
 
-@pytest.mark.parametrize("name", ["gpt2_tp1", "gpt0_tp1", "gpt2_tp2"])
+@pytest.mark.parametrize("name", ["gpt2_tp1", "gpt0_tp1", "gpt2_tp2", "gptarms_tp2"])
 def test_gpt_hybrid_gpt_is_identical(work, name):
     d, _ = work
     assert_same(global_tensors(f"{d}/{name}/{ITER}"), global_tensors(f"{d}/{name}_h_g/{ITER}"))
@@ -164,6 +171,10 @@ def test_gpt_hybrid_gpt_is_identical(work, name):
     mixln = "decoder.layers.0.mixln_norm_b.weight" in keys
     assert mixln == (name != "gpt0_tp1")
     assert ("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in keys) == (name == "gpt0_tp1")
+    # a sandwich block's output norms: N_b in its `*` layer, N_d in its `-` layer (block 2: layers 2, 3)
+    sandwich = sorted(k for k in keys if "mixln_norm_c" in k or "mixln_norm_d" in k)
+    assert sandwich == (["decoder.layers.2.mixln_norm_c.weight", "decoder.layers.3.mixln_norm_d.weight"]
+                        if name == "gptarms_tp2" else [])
 
 
 def test_hybrid_checkpoint_as_gpt_gives_the_hybrid_logits(work):
@@ -217,7 +228,7 @@ def test_refusals_are_one_line_and_leave_nothing(work, tmp_path, capsys, monkeyp
 
 # ------------------------------------------------------------------------------ item 3
 @pytest.mark.parametrize("gpt,hybrid", [("gpt2_tp1", "gpt2_tp1_h"), ("gpt0_tp1", "gpt0_tp1_h"),
-                                        ("hyb_tp2_g", "hyb_tp2")])
+                                        ("hyb_tp2_g", "hyb_tp2"), ("gptarms_tp2", "gptarms_tp2_h")])
 def test_hf_export_of_a_hybrid_checkpoint_is_the_gpt_export(work, tmp_path, gpt, hybrid):
     pytest.importorskip("transformers")
     from safetensors.torch import load_file

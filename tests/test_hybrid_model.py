@@ -28,29 +28,30 @@ PATTERN = "*-" * L
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "hybrid_worker.py")
 
 
-def gpt_model(p, scheme=None):
+def gpt_model(p, scheme=None, layout=None):
     from mixln_megatron.spec import get_mixln_decoder_block_spec
 
     cfg = mu.tiny_config(num_layers=L)
-    model = mu.build_gpt(cfg, get_mixln_decoder_block_spec(cfg, backend="local", post_ln_layers=p, scheme=scheme))
+    model = mu.build_gpt(cfg, get_mixln_decoder_block_spec(cfg, backend="local", post_ln_layers=p, scheme=scheme,
+                                                           layout=layout))
     mu.randomize([model])  # norm weights away from 1, N1 != N2
     return model
 
 
-def hybrid_model(p, scheme=None, pattern=PATTERN):
+def hybrid_model(p, scheme=None, pattern=PATTERN, layout=None):
     from mixln_megatron.spec import get_mixln_hybrid_stack_spec
 
     cfg = mu.tiny_config(num_layers=len(pattern.replace("|", "")))
     spec = get_mixln_hybrid_stack_spec(cfg, backend="local", post_ln_layers=p, scheme=scheme,
-                                       hybrid_layer_pattern=pattern)
+                                       hybrid_layer_pattern=pattern, layout=layout)
     model = mu.build_hybrid(cfg, spec, pattern)
     mu.randomize([model], seed=11)  # other values than the GPT model's, so a tensor not loaded shows
     return model
 
 
-def twins(p, scheme=None):
+def twins(p, scheme=None, layout=None):
     """(GPT model, HybridModel loaded strictly with the GPT model's weights)."""
-    gpt, hyb = gpt_model(p, scheme), hybrid_model(p, scheme)
+    gpt, hyb = gpt_model(p, scheme, layout), hybrid_model(p, scheme, layout=layout)
     hyb.load_state_dict(mu.hybrid_state_dict(gpt), strict=True)
     return gpt, hyb
 
@@ -82,6 +83,39 @@ def test_same_logits_and_gradients_as_the_gpt_model(mcore_single, scheme, p):
     for name, grad in gpt_grads.items():
         assert grad.abs().max() > 0, name  # every parameter takes part
         assert torch.equal(hyb_grads[name], grad), name
+
+
+# The paper's comparison arms, every kind in one model and each alone: DeepNorm's residual scale
+# and Sandwich's output norms sit in the residual step of the half that has it.
+ARM_LAYOUTS = ["deepnorm:1,sandwich:2,post:3,pre:4", "deepnorm:1-2,pre:3-", "sandwich:*", "post:every2,sandwich:*"]
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("layout", ARM_LAYOUTS)
+def test_every_layer_kind_is_the_gpt_models_network(mcore_single, layout):
+    from mixln_megatron.model.layout import POST_LN_KINDS, SANDWICH, parse_layout
+
+    kinds = parse_layout(layout, L, "the test")
+    gpt, hyb = twins(None, layout=layout)
+    assert [l.kind for l in hyb.decoder.layers] == [k for k in kinds for _ in "*-"]
+    assert [l.is_post_ln for l in hyb.decoder.layers] == [k in POST_LN_KINDS for k in kinds for _ in "*-"]
+    for layer in hyb.decoder.layers:  # a sandwich block's N_b in its `*` layer, N_d in its `-` layer
+        sandwich = layer.kind == SANDWICH
+        assert (getattr(layer, "attn_output_layernorm", None) is not None) == (sandwich and layer.hybrid_part == "attention")
+        assert (getattr(layer, "mlp_output_layernorm", None) is not None) == (sandwich and layer.hybrid_part == "mlp")
+    gpt_logits, gpt_grads = logits_and_grads(gpt)
+    hyb_logits, hyb_grads = logits_and_grads(hyb)
+    assert torch.equal(hyb_logits, gpt_logits)
+    gpt_grads = {mu.hybrid_key(n): g for n, g in gpt_grads.items()}
+    assert sorted(hyb_grads) == sorted(gpt_grads)
+    for name, grad in gpt_grads.items():
+        assert grad.abs().max() > 0, name
+        assert torch.equal(hyb_grads[name], grad), name
+    # (block, role) names the same norm in both models, sandwich's norm3 / norm4 included
+    gpt_norms, hyb_norms = norm_by_block_role(gpt), norm_by_block_role(hyb)
+    assert sorted(gpt_norms) == sorted(hyb_norms)
+    for key, param in gpt_norms.items():
+        assert torch.equal(hyb_norms[key], param), key
 
 
 @pytest.mark.compat

@@ -413,25 +413,22 @@ def test_norm_parameters_roles_of_every_kind():
         assert sorted(named[id(p)] for _, p in got) == sorted(n for n in named.values() if "layernorm" in n)
 
 
-def test_hybrid_model_refuses_deepnorm_and_sandwich_in_one_line():
+def test_hybrid_model_builds_every_layer_kind_by_block():
+    """Each kind of a layout, in a `*-` HybridModel: both layers of a block are of the block's kind
+    (the same network as GPTModel's: tests/test_hybrid_model.py), any placement of them."""
     from mixln_megatron import compat
 
     if not compat.HYBRID_MODEL:
         pytest.skip("HybridModel Mix-LN needs megatron-core 0.19+")
     from mixln_megatron.model.specs import get_mixln_hybrid_stack_spec
-    from mixln_megatron.model.support import MixLNUnsupportedError
 
     cfg = mu.tiny_config(num_layers=8)
-    for layout, kinds in (("deepnorm:1,pre:*", "deepnorm is"), ("post:1,sandwich:2-3,pre:4", "sandwich is"),
-                          ("deepnorm:1,sandwich:*", "deepnorm, sandwich are")):
-        with pytest.raises(MixLNUnsupportedError, match=rf"layer kinds? {kinds.split()[0]}.* \(layout .*\) "
-                           rf"{kinds.split()[-1]} not supported in a Mix-LN HybridModel") as err:
-            get_mixln_hybrid_stack_spec(cfg, backend="local", layout=layout)
-        assert "\n" not in str(err.value)
-    # pre / post layouts of any placement build
-    spec = get_mixln_hybrid_stack_spec(cfg, backend="local", layout="pre:1,post:2,pre:3,post:4")
-    model = mu.build_hybrid(cfg, spec, "*-" * 4)
-    assert [l.is_post_ln for l in model.decoder.layers] == [False, False, True, True, False, False, True, True]
+    for layout, kinds in (("deepnorm:1,pre:*", ["deepnorm", "pre", "pre", "pre"]),
+                          ("post:1,sandwich:2-3,pre:4", ["post", "sandwich", "sandwich", "pre"]),
+                          ("pre:1,post:2,pre:3,post:4", ["pre", "post", "pre", "post"])):
+        model = mu.build_hybrid(cfg, get_mixln_hybrid_stack_spec(cfg, backend="local", layout=layout), "*-" * 4)
+        assert [l.kind for l in model.decoder.layers] == [k for k in kinds for _ in "*-"], layout
+        assert [l.is_post_ln for l in model.decoder.layers] == [k in ("post", "deepnorm") for k in kinds for _ in "*-"]
 
 
 def test_spike_boundary_is_every_post_to_pre_change_and_none_is_announced(capsys):

@@ -101,7 +101,6 @@ def convert_model_kind(load: str, save: str, target: str, *, iteration=None, ove
         raise ConversionError(f"{path} holds no transformer layers (decoder.layers.*)")
     record, record_source, placement = mixln_placement(reader, blocks)
     post_ln = int(record["post_ln_layers"])
-    check_hybrid_kinds(placement, path)
 
     plan = LazyTorchDistWriter()
     mapper = _KeyMap(reader, source, blocks, placement.kinds)
@@ -141,18 +140,6 @@ def convert_model_kind(load: str, save: str, target: str, *, iteration=None, ove
         "not_converted": not_converted, "args": common.get("args") is not None, "notes": notes,
         "seconds": round(time.time() - t0, 2),
     }
-
-
-def check_hybrid_kinds(placement, path: str) -> None:
-    """A Mix-LN HybridModel has pre and post blocks only (model.hybrid.check_kinds): a deepnorm
-    or sandwich layer is refused in one line, whichever way the conversion goes."""
-    from ..model.layout import POST, PRE
-
-    other = sorted(set(placement.kinds) - {PRE, POST})
-    if other:
-        raise UnsupportedModelError(
-            f"{path} has {', '.join(other)} layers (layout {placement.layout}), which a Mix-LN HybridModel does not "
-            "support (pre and post layers only, any placement): keep the GPTModel checkpoint")
 
 
 # ------------------------------------------------------------------------------------ args
@@ -209,10 +196,12 @@ class _KeyMap:
     """Plans every model tensor and object of the source under its key in the other model kind."""
 
     def __init__(self, reader, source: str, blocks: int, kinds):
-        from ..model.layout import POST_LN_KINDS
+        from ..model.layout import POST_LN_KINDS, SANDWICH
 
         self.reader, self.source, self.blocks, self.kinds = reader, source, blocks, tuple(kinds)
         self.post_ln_blocks = frozenset(i for i, kind in enumerate(self.kinds) if kind in POST_LN_KINDS)
+        # GPTModel stacks a sandwich layer's output norms over the sandwich layers alone (model.layer)
+        self.sandwich_blocks = tuple(i for i, kind in enumerate(self.kinds) if kind == SANDWICH)
         self.tensor_keys: List[str] = []
         self.object_keys: List[str] = []
 
@@ -256,7 +245,13 @@ class _KeyMap:
         self.tensor_keys.append(dst)
 
     def _dst_shape(self, dst, shape, dst_lead):
-        return ((self.blocks,) if dst_lead else ()) + tuple(shape)
+        return ((len(self._stacked_blocks(dst)),) if dst_lead else ()) + tuple(shape)
+
+    def _stacked_blocks(self, gpt_key: str):
+        """The 0-based blocks a GPTModel layer key stacks, in the order of its rows: every block, or
+        the sandwich blocks for a sandwich output norm."""
+        name = gpt_key[len(CK.LAYERS):]
+        return self.sandwich_blocks if name.startswith((CK.MIXLN_NORM_C, CK.MIXLN_NORM_D)) else range(self.blocks)
 
     def _gpt_tensors(self, out, keys):
         for key in keys:
@@ -272,12 +267,13 @@ class _KeyMap:
                 block = int(spike.group(1)) - 1
                 self._copy(out, f"{CK.LAYERS}{CK.hybrid_index(block, self._part(name, block, key))}.{name}", key)
                 continue
-            layers = int(self.reader.files.tensors[key].size[0])
-            if layers != self.blocks:
-                raise ConversionError(f"{key} stacks {layers} layers, the checkpoint has {self.blocks}")
-            for block in range(self.blocks):
+            layers, blocks = int(self.reader.files.tensors[key].size[0]), self._stacked_blocks(key)
+            if layers != len(blocks):
+                raise ConversionError(f"{key} stacks {layers} layers, the checkpoint's Mix-LN settings give it "
+                                      f"{len(blocks)}")
+            for row, block in enumerate(blocks):
                 self._copy(out, f"{CK.LAYERS}{CK.hybrid_index(block, self._part(name, block, key))}.{name}", key,
-                           src_lead=(block,))
+                           src_lead=(row,))
 
     def _hybrid_tensors(self, out, keys):
         stacked: Dict[str, Dict[int, str]] = {}
@@ -302,17 +298,23 @@ class _KeyMap:
                 continue
             stacked.setdefault(name, {})[block] = key
         for name, by_block in sorted(stacked.items()):
-            missing = [b + 1 for b in range(self.blocks) if b not in by_block]
+            blocks = self._stacked_blocks(CK.LAYERS + name)
+            missing = [b + 1 for b in blocks if b not in by_block]
             if missing:
                 raise ConversionError(f"decoder.layers.*.{name} is missing in block(s) {missing[:8]} of "
                                       f"{self.blocks}: the checkpoint is incomplete")
+            extra = sorted(b + 1 for b in set(by_block) - set(blocks))
+            if extra:
+                raise ConversionError(f"decoder.layers.*.{name} (a sandwich norm) is in block(s) {extra[:8]}, which the "
+                                      "checkpoint's Mix-LN settings do not make sandwich layers: the settings do not "
+                                      "match the tensors")
             shapes = {tuple(self.reader.global_shape(k)) for k in by_block.values()}
             dtypes = {self.reader.files.tensors[k].properties.dtype for k in by_block.values()}
             if len(shapes) > 1 or len(dtypes) > 1:
                 raise ConversionError(f"decoder.layers.*.{name} differs between blocks ({shapes}, {dtypes}): "
                                       "cannot stack it into a GPTModel checkpoint")
-            for block in range(self.blocks):
-                self._copy(out, CK.LAYERS + name, by_block[block], dst_lead=(block,))
+            for row, block in enumerate(blocks):
+                self._copy(out, CK.LAYERS + name, by_block[block], dst_lead=(row,))
 
     def _part(self, name: str, block: int, key: str) -> str:
         part = CK.part_of_name(name, self.is_post_ln(block))

@@ -155,18 +155,17 @@ class TorchDistCheckpoint(ReaderBase):
         return found[0]
 
     def check_layer_kinds(self, kinds: Sequence[str]) -> None:
-        """The sandwich norms (mixln_norm_c / _d, model.layer) are stacked over exactly the settings'
-        sandwich layers, [S, hidden], and exist only when S > 0; remembers each sandwich layer's row.
+        """The sandwich norms (mixln_norm_c / _d, model.layer) exist for exactly the settings'
+        sandwich layers: GPTModel stacks them over those layers, [S, hidden]; HybridModel keeps each
+        in its block's `*` (c) or `-` (d) layer, [hidden]. Remembers each sandwich layer's row.
         Other kinds share the keys, which cannot tell them apart (the settings record does)."""
-        from ..model.layout import POST, PRE, SANDWICH
+        from ..model.layout import SANDWICH
 
         rows = [i for i, kind in enumerate(kinds) if kind == SANDWICH]
+        self._sandwich_rows = {layer: row for row, layer in enumerate(rows)}
         if self.hybrid_pattern is not None:
-            other = sorted(set(kinds) - {PRE, POST})
-            if other:
-                raise UnsupportedModelError(
-                    f"{self.path}: a HybridModel checkpoint whose Mix-LN settings name {', '.join(other)} layers; "
-                    "a Mix-LN HybridModel has pre and post layers only: the checkpoint was edited")
+            self._check_hybrid_sandwich_norms(rows, len(kinds))
+            return
         hidden = self.global_shape(M.TD_EMBEDDING)[1]
         for role, name in M.SANDWICH_NORM_NAMES.items():
             key = keys.LAYERS + name
@@ -181,7 +180,22 @@ class TorchDistCheckpoint(ReaderBase):
             if self.global_shape(key) != (len(rows), hidden):
                 raise ConversionError(f"{key} has shape {self.global_shape(key)}, the {len(rows)} sandwich layer(s) of "
                                       f"the Mix-LN settings imply {(len(rows), hidden)}")
-        self._sandwich_rows = {layer: row for row, layer in enumerate(rows)}
+
+    def _check_hybrid_sandwich_norms(self, rows: Sequence[int], blocks: int) -> None:
+        hidden = self.global_shape(M.TD_EMBEDDING)[1]
+        for role, name in M.SANDWICH_NORM_NAMES.items():
+            for block in range(blocks):
+                key = f"{keys.LAYERS}{keys.hybrid_layer_of(block, name, False)}.{name}"
+                if block not in rows:
+                    if key in self._tensors:
+                        raise ConversionError(f"{self.path} has {key} (a sandwich norm), but block {block + 1} is not a "
+                                              "sandwich layer of its Mix-LN settings: the settings do not match the tensors")
+                elif key not in self._tensors:
+                    raise ConversionError(f"{self.path} has no {key}, but block {block + 1} is a sandwich layer of its "
+                                          "Mix-LN settings: the checkpoint is incomplete or was edited")
+                elif self.global_shape(key) != (hidden,):
+                    raise ConversionError(f"{key} has shape {self.global_shape(key)}, a sandwich norm of hidden size "
+                                          f"{hidden} is {(hidden,)}")
 
     def read_layer(self, layer: int, roles: Iterable[str]) -> Dict[str, torch.Tensor]:
         """Every role's tensor of one layer (global layout), read in one pass; a sandwich layer's
@@ -190,10 +204,10 @@ class TorchDistCheckpoint(ReaderBase):
         for role in roles:
             key, stacked = self._layer_key(layer, role)
             shape = self.global_shape(key)
-            if role in M.SANDWICH_NORM_NAMES:
-                if layer not in self._sandwich_rows:
-                    raise ConversionError(f"{self.path}: layer {layer + 1} is not a sandwich layer of the checkpoint's "
-                                          f"Mix-LN settings, so it has no {role}")
+            if role in M.SANDWICH_NORM_NAMES and layer not in self._sandwich_rows:
+                raise ConversionError(f"{self.path}: layer {layer + 1} is not a sandwich layer of the checkpoint's "
+                                      f"Mix-LN settings, so it has no {role}")
+            if role in M.SANDWICH_NORM_NAMES and stacked:  # GPTModel: its row of the sandwich layers
                 row = self._sandwich_rows[layer]
                 boxes[role] = (key, self._box(key, (row,) + (0,) * (len(shape) - 1), (1,) + shape[1:]), True)
             elif stacked:

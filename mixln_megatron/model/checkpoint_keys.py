@@ -16,7 +16,7 @@ i (0-based) is hybrid layers 2i (`*`: attention) and 2i+1 (`-`: MLP) (model.hybr
     pre_mlp_layernorm.*, mlp.*, post_mlp_layernorm.*   2i + 1  (the `-` layer)
     mixln_norm_a.* (Pre-LN input norm | Post-LN N2)    Pre-LN: 2i      Post-LN: 2i + 1
     mixln_norm_b.* (Pre-LN MLP norm | Post-LN N1)      Pre-LN: 2i + 1  Post-LN: 2i
-    mixln_norm_c.* | mixln_norm_d.* (sandwich N_b | N_d)  2i | 2i + 1 (HybridModel refuses sandwich today)
+    mixln_norm_c.* | mixln_norm_d.* (sandwich N_b | N_d)  2i | 2i + 1 (GPTModel: stacked over the sandwich layers)
     mixln_spike_scaler.layer<i+1>.norm1.* | .norm2.*   2i | 2i + 1 (spike-scaler state)
     decoder.final_layernorm.*  <->  decoder.final_norm.*
 """

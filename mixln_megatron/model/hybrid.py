@@ -2,10 +2,13 @@
 
 A `*` layer is a MixLNTransformerLayer with attention only, a `-` layer one with the MLP only
 (hybrid_part, hybrid_pattern.py); the layer class, its norms, checkpoint keys and settings record
-are the GPT model's. With the same weights the network is the GPTModel Mix-LN network exactly:
+are the GPT model's. With the same weights the network is the GPTModel Mix-LN network exactly,
+every layer kind of a layout (model.layout) split at the block's two residual steps:
 
-    block k Pre-LN:   layer 2k-1  h = x + Attn(N1(x))      layer 2k  y = h + MLP(N2(h))
-    block k Post-LN:  layer 2k-1  h = N1(x + Attn(x))      layer 2k  y = N2(h + MLP(h))
+    block k Pre-LN:    layer 2k-1  h = x + Attn(N1(x))         layer 2k  y = h + MLP(N2(h))
+    block k Post-LN:   layer 2k-1  h = N1(x + Attn(x))         layer 2k  y = N2(h + MLP(h))
+    block k DeepNorm:  layer 2k-1  h = N1(a x + Attn(x))       layer 2k  y = N2(a h + MLP(h))
+    block k Sandwich:  layer 2k-1  h = x + N_b(Attn(N1(x)))    layer 2k  y = h + N_d(MLP(N2(h)))
 
 MixLNHybridStack is megatron's HybridStack with two changes: it refuses patterns Mix-LN does not
 define (per pipeline stage, from the segment and offset HybridModel hands it), and its final norm
@@ -35,21 +38,6 @@ def hybrid_layer_submodules(layer: TransformerLayerSubmodules, part: str) -> Tra
         return dataclasses.replace(
             layer, input_layernorm=IdentityOp, self_attention=IdentityOp, self_attn_bda=IdentityFuncOp)
     raise ValueError(f"part must be {hybrid_pattern.ATTENTION!r} or {hybrid_pattern.MLP!r}, got {part!r}")
-
-
-def check_kinds(placement) -> None:
-    """A Mix-LN HybridModel builds pre and post blocks (any placement of them); DeepNorm's
-    residual scale and Sandwich's output norms span both halves of a block, which a `*` / `-` pair
-    does not express yet: refuse them in one line."""
-    from .layout import POST, PRE
-
-    other = sorted(set(placement.kinds) - {PRE, POST})
-    if other:
-        raise MixLNUnsupportedError(
-            f"layer kind{'s' if len(other) > 1 else ''} {', '.join(other)} (layout {placement.layout}) "
-            f"{'are' if len(other) > 1 else 'is'} not supported in a Mix-LN HybridModel: build a GPTModel (--spec mixln_megatron.spec "
-            "mixln_layer_spec, or get_mixln_decoder_block_spec) for deepnorm and sandwich layers, or "
-            "give the HybridModel a layout of pre and post layers only")
 
 
 def _check_stage(config, layer_type_list, pp_layer_offset: int, post_process: bool) -> None:

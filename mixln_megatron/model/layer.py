@@ -259,10 +259,6 @@ class MixLNTransformerLayer(TransformerLayer):
         self.is_post_ln = self.kind in layout.POST_LN_KINDS  # post and deepnorm
         self.norm_output_scale = 1.0 if is_mtp_layer else self.placement.norm_output_scale(self.block_number)
         check_supported(config, backend=backends.backend_of_norm(post_ln_norm), post_ln=self.is_post_ln)
-        if hybrid_part is not None:
-            from .hybrid import check_kinds  # HybridModel (megatron-core 0.19+) only
-
-            check_kinds(self.placement)
         check_kind_supported(config, self.kind)
         # A sandwich layer's place among the model's sandwich layers: its row of mixln_norm_c / _d.
         kinds = self.placement.kinds
@@ -301,17 +297,24 @@ class MixLNTransformerLayer(TransformerLayer):
             # A hybrid `*` layer has only N1, a `-` layer only N2 (the other stays None).
             self.post_attention_layernorm = make() if hybrid_part != hybrid.MLP else None  # N1
             self.post_mlp_layernorm = make() if hybrid_part != hybrid.ATTENTION else None  # N2
+        # A hybrid `*` layer has only the attention residual step, a `-` layer only the MLP's: each
+        # changes (and holds the norm of) its own step; the other half's step is an identity.
+        has_attention, has_mlp = hybrid_part != hybrid.MLP, hybrid_part != hybrid.ATTENTION
         if self.kind == layout.DEEPNORM:
             alpha = self.placement.deepnorm_alpha
-            self.self_attn_bda = ResidualStep(self.self_attn_bda, residual_scale=alpha)  # N1(a x + Attn(x))
-            self.mlp_bda = ResidualStep(self.mlp_bda, residual_scale=alpha)  # N2(a h + MLP(h))
+            if has_attention:
+                self.self_attn_bda = ResidualStep(self.self_attn_bda, residual_scale=alpha)  # N1(a x + Attn(x))
+            if has_mlp:
+                self.mlp_bda = ResidualStep(self.mlp_bda, residual_scale=alpha)  # N2(a h + MLP(h))
             if self.config.perform_initialization:
                 self._apply_deepnorm_init(self.placement.deepnorm_beta)
         if self.kind == layout.SANDWICH:
-            self.attn_output_layernorm = make()  # N_b
-            self.mlp_output_layernorm = make()  # N_d
-            self.self_attn_bda = ResidualStep(self.self_attn_bda, output_norm=self.attn_output_layernorm)
-            self.mlp_bda = ResidualStep(self.mlp_bda, output_norm=self.mlp_output_layernorm)
+            self.attn_output_layernorm = make() if has_attention else None  # N_b
+            self.mlp_output_layernorm = make() if has_mlp else None  # N_d
+            if has_attention:
+                self.self_attn_bda = ResidualStep(self.self_attn_bda, output_norm=self.attn_output_layernorm)
+            if has_mlp:
+                self.mlp_bda = ResidualStep(self.mlp_bda, output_norm=self.mlp_output_layernorm)
         if not self.is_post_ln and self.norm_output_scale != 1.0:
             self._apply_layernorm_scaling()
         self._register_state_dict_hook(

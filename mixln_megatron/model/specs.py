@@ -106,7 +106,7 @@ def get_mixln_hybrid_stack_spec(
     compat.require_hybrid_model()
     from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
 
-    from .hybrid import MixLNHybridStack, check_kinds, hybrid_layer_submodules
+    from .hybrid import MixLNHybridStack, hybrid_layer_submodules
 
     settings = _with_arguments(settings, alpha, post_ln_layers, scheme, layout)
     if hybrid_layer_pattern is not None:
@@ -114,8 +114,8 @@ def get_mixln_hybrid_stack_spec(
     if config is not None:
         config = getattr(config, "transformer", config)
         check_supported(config, backend=backend)
-        check_kinds(resolve_placement(hybrid_pattern.num_blocks(config.num_layers, hybrid_pattern.ATTENTION),
-                                      settings))
+        # a bad setting fails here, not inside a layer; the placement counts blocks (`*-` pairs)
+        resolve_placement(hybrid_pattern.num_blocks(config.num_layers, hybrid_pattern.ATTENTION), settings)
         layer = backends.layer_submodules(backend, config=config)
     else:
         layer = backends.layer_submodules(backend)

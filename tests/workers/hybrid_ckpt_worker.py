@@ -3,10 +3,11 @@
     python -m torch.distributed.run --nproc_per_node N hybrid_ckpt_worker.py JOBS.json WORKDIR
 
 JOBS.json is a list of actions, run in order (parallel state re-initialised for each):
-  {"do": "save", "name", "kind": "gpt"|"hybrid", "P", "tp"}   build (local backend), randomise, save
+  {"do": "save", "name", "kind": "gpt"|"hybrid", "P", "tp", "layout": optional}   build (local backend;
+        a layout, e.g. "deepnorm:1,sandwich:2,post:3,pre:4", instead of P), randomise, save
         WORKDIR/<name>/iter_0000005 as Megatron-LM does (model + its args, iteration, content metadata;
         the tracker file), and the logits
-  {"do": "load", "name", "path", "kind", "P", "tp", "resave": optional dir, "content_metadata": true}
+  {"do": "load", "name", "path", "kind", "P", "tp", "layout", "resave": optional dir, "content_metadata": true}
         load (megatron's default strictness; content metadata checked unless false), the logits; a
         refused load records its message
   {"do": "megatron_args", "name", "path"}   Megatron-LM's --use-checkpoint-args on the checkpoint:
@@ -46,15 +47,16 @@ def _without(flags, *names):
 MODEL_FLAGS = _without(list(testing.TINY_MEGATRON_LM_ARGS), "--global-batch-size")
 
 
-def build(kind, P, tp):
+def build(kind, P, tp, layout=None):
     from mixln_megatron.model.specs import get_mixln_decoder_block_spec, get_mixln_hybrid_stack_spec
 
     testing.init_distributed(tp=tp)
     if kind == "gpt":
         cfg = testing.tiny_config(num_layers=L, tp=tp)
-        return testing.build_gpt(cfg, get_mixln_decoder_block_spec(cfg, backend="local", post_ln_layers=P))
+        return testing.build_gpt(cfg, get_mixln_decoder_block_spec(cfg, backend="local", post_ln_layers=P,
+                                                                   layout=layout))
     cfg = testing.tiny_config(num_layers=2 * L, tp=tp)
-    spec = get_mixln_hybrid_stack_spec(cfg, backend="local", post_ln_layers=P)
+    spec = get_mixln_hybrid_stack_spec(cfg, backend="local", post_ln_layers=P, layout=layout)
     return testing.build_hybrid(cfg, spec, "*-" * L)
 
 
@@ -81,7 +83,7 @@ def logits(model):
     return torch.cat(parts, dim=-1)
 
 
-def megatron_lm_args(kind, P, tp):
+def megatron_lm_args(kind, P, tp, layout=None):
     """The args Megatron-LM's own parser and validation give this model (what it saves in checkpoints)."""
     from megatron.training.arguments import parse_args, validate_args
 
@@ -94,6 +96,7 @@ def megatron_lm_args(kind, P, tp):
     args = parse_args()
     validate_args(args)
     args.mixln_post_ln_layers = P  # what a patched checkout's --mixln-post-ln-layers saves
+    args.mixln_layout = layout  # ... and --mixln-layout
     return args
 
 
@@ -130,16 +133,17 @@ def load(model, path, content_metadata=True):
 
 def run_model_job(job, workdir):
     rank = torch.distributed.get_rank()
-    model = build(job["kind"], job["P"], job["tp"])
+    shape = (job["kind"], job["P"], job["tp"], job.get("layout"))
+    model = build(*shape)
     result = {"error": None, "logits": None}
     try:
         if job["do"] == "save":
             randomize(model)
-            save(model, os.path.join(workdir, job["name"]), megatron_lm_args(job["kind"], job["P"], job["tp"]))
+            save(model, os.path.join(workdir, job["name"]), megatron_lm_args(*shape))
         else:
             load(model, job["path"], job.get("content_metadata", True))
             if job.get("resave"):
-                save(model, job["resave"], megatron_lm_args(job["kind"], job["P"], job["tp"]))
+                save(model, job["resave"], megatron_lm_args(*shape))
         result["logits"] = logits(model)
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         result["error"] = f"{type(e).__name__}: {e}"
