@@ -10,8 +10,9 @@ Megatron-LM's args, then:
   - a legacy (per-rank torch) file of the same model exports to the same HF tensors, and from-hf
     writes legacy files whose layers carry their kind's module names;
   - `convert inspect` prints the layout; an all-sandwich model is mixln_llama, never stock Llama;
-  - gpt-to-hybrid / hybrid-to-gpt carry pre / post layouts of any placement and refuse deepnorm /
-    sandwich in one line;
+  - gpt-to-hybrid / hybrid-to-gpt carry every layout (sandwich's output norms stacked over the
+    sandwich layers in GPT, per `*` / `-` layer in hybrid): the hybrid checkpoint exports to the
+    same HF tensors and converts back bit for bit;
   - a bad layer_kinds / deepnorm_alpha in an HF config.json is one ConversionError line;
   - (mp) the torch_dist checkpoint resharded to TP2 and to PP2 exports to the same HF tensors.
 """
@@ -29,7 +30,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
-from mixln_megatron.convert import ConversionError, UnsupportedModelError  # noqa: E402
+from mixln_megatron.convert import ConversionError  # noqa: E402
 from mixln_megatron.convert import convert_from_hf as from_hf  # noqa: E402
 from mixln_megatron.convert import convert_to_hf as to_hf  # noqa: E402
 from mixln_megatron.dev import testing as mu  # noqa: E402
@@ -400,31 +401,34 @@ def test_explicit_settings_that_change_a_layout_folder_are_refused(exported, tmp
 
 
 # --------------------------------------------------------------------------------- GPT <-> hybrid
-def test_gpt_hybrid_carries_pre_post_layouts_and_refuses_other_kinds(exported, tmp_path):
+@pytest.mark.parametrize("name", ["every2", "mixed", "sandwich", "lns"])
+def test_gpt_hybrid_carries_every_layout(exported, tmp_path, name):
     from mixln_megatron.convert.gpt_hybrid import convert_gpt_to_hybrid, convert_hybrid_to_gpt
     from mixln_megatron.convert.megatron_reader import open_checkpoint
+    from mixln_megatron.model.layout import layout_text
 
-    model, ckpt, hf, _ = exported["every2"]
+    model, ckpt, hf, _ = exported[name]
+    layout = layout_text(KINDS[name])
     s = convert_gpt_to_hybrid(str(ckpt), str(tmp_path / "hybrid"))
-    assert s["layout"] == "pre:1,post:2,pre:3,post:4" and s["hybrid_pattern"] == "*-" * L
+    assert s["layout"] == layout and s["hybrid_pattern"] == "*-" * L
     hybrid = open_checkpoint(str(tmp_path / "hybrid"))
-    # a post block keeps N1 in its `*` layer and N2 in its `-` layer; a pre block the other way round
-    for block, post in enumerate((False, True, False, True)):
-        a, b = (f"decoder.layers.{2 * block + j}.mixln_norm_{n}.weight" for j, n in ((0, "a"), (1, "b")))
-        assert hybrid.has(a) is (not post) and hybrid.has(b) is (not post), block
+    for block, kind in enumerate(KINDS[name]):
+        # a post / deepnorm block keeps N1 in its `*` layer and N2 in its `-` layer, a pre / sandwich
+        # block the other way round; a sandwich block's N_b in its `*` layer, N_d in its `-` layer
+        post, sandwich = kind in ("post", "deepnorm"), kind == "sandwich"
+        a, b, c, d = (f"decoder.layers.{2 * block + j}.mixln_norm_{n}.weight"
+                      for j, n in ((0, "a"), (1, "b"), (0, "c"), (1, "d")))
+        assert (hybrid.has(a), hybrid.has(b), hybrid.has(c), hybrid.has(d)) == (
+            not post, not post, sandwich, sandwich), (block, kind)
     # the hybrid checkpoint exports as the GPT model it is, and converts back to the same tensors
     to_hf(str(tmp_path / "hybrid"), str(tmp_path / "hybrid_hf"), progress=False)
     assert_same_tensors(hf, tmp_path / "hybrid_hf")
     back = convert_hybrid_to_gpt(str(tmp_path / "hybrid"), str(tmp_path / "gpt"))
-    assert back["layout"] == "pre:1,post:2,pre:3,post:4"
-    fresh = load_torch_dist(build("every2", seed=99), tmp_path / "gpt")
+    assert back["layout"] == layout
+    fresh = load_torch_dist(build(name, seed=99), tmp_path / "gpt")
     for (pname, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         if torch.is_tensor(a) and a.is_floating_point():
             assert torch.equal(a, b), pname
-    for name, kinds in (("mixed", "deepnorm, sandwich"), ("sandwich", "sandwich")):
-        line = one_line_error(convert_gpt_to_hybrid, str(exported[name][1]), str(tmp_path / f"no_{name}"),
-                              error=UnsupportedModelError, match=f"has {kinds} layers .*not support")
-        assert "layout " in line and not (tmp_path / f"no_{name}").exists()
 
 
 def test_hybrid_model_loads_the_converted_layout(exported, tmp_path):
