@@ -155,3 +155,35 @@ def test_p0_is_megatrons_hybrid_stack_spec_model(mcore_single, edge_settings, bu
         same_as_stock_hybrid_layer(ours, theirs)
     assert mu.param_shapes(mixln) == mu.param_shapes(stock)
     assert list(mixln.state_dict()) == list(stock.state_dict())  # checkpoint-compatible both ways
+
+
+def test_every_layer_kind_builds_te_modules_and_saves_the_gpt_layout_keys(mcore_single):
+    """The comparison arms on TE: a deepnorm block is built as a Post-LN one, a sandwich block as a
+    Pre-LN one (TE's fused norm + linear) plus a TE norm after its sublayer (N_b in the `*` layer,
+    N_d in the `-` layer); the sharded keys are the GPT model's per hybrid layer, with sandwich's
+    output norms under mixln_norm_c / mixln_norm_d."""
+    import transformer_engine.pytorch as te
+    from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear
+
+    from mixln_megatron.model.layer import ResidualStep
+    from mixln_megatron.spec import get_mixln_hybrid_stack_spec
+
+    cfg = config()
+    spec = get_mixln_hybrid_stack_spec(cfg, backend="te", layout="deepnorm:1,sandwich:2,post:3,pre:4",
+                                       hybrid_layer_pattern=PATTERN)
+    with cpu.te_modules():
+        model = mu.build_hybrid(cfg, spec, PATTERN)
+    layers = model.decoder.layers
+    assert [l.kind for l in layers] == [k for k in ("deepnorm", "sandwich", "post", "pre") for _ in "*-"]
+    sandwich_attention, sandwich_mlp = layers[2], layers[3]
+    assert isinstance(sandwich_attention.self_attention.linear_qkv, TELayerNormColumnParallelLinear)
+    assert type(sandwich_attention.attn_output_layernorm) is te.RMSNorm
+    assert sandwich_attention.mlp_output_layernorm is None
+    assert type(sandwich_mlp.mlp_output_layernorm) is te.RMSNorm and sandwich_mlp.attn_output_layernorm is None
+    assert isinstance(sandwich_attention.self_attn_bda, ResidualStep) and isinstance(sandwich_mlp.mlp_bda, ResidualStep)
+    deepnorm_attention, deepnorm_mlp = layers[0], layers[1]
+    assert deepnorm_attention.self_attn_bda.residual_scale == deepnorm_mlp.mlp_bda.residual_scale == (2 * L) ** 0.25
+    assert not isinstance(deepnorm_attention.mlp_bda, ResidualStep)  # the identity half stays megatron's
+    keys = {v.key for v in model.sharded_state_dict().values() if "mixln_norm" in getattr(v, "key", "")}
+    assert keys == {f"decoder.layers.{j}.mixln_norm_{n}.weight" for j, n in (
+        (0, "b"), (1, "a"), (2, "a"), (3, "b"), (2, "c"), (3, "d"), (4, "b"), (5, "a"), (6, "a"), (7, "b"))}
