@@ -64,6 +64,18 @@ def logits_and_grads(model):
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def assert_same_network(gpt, hyb):
+    """Equal logits and the same gradient of every parameter (each non-zero: every one takes part)."""
+    gpt_logits, gpt_grads = logits_and_grads(gpt)
+    hyb_logits, hyb_grads = logits_and_grads(hyb)
+    assert torch.equal(hyb_logits, gpt_logits)
+    gpt_grads = {mu.hybrid_key(n): g for n, g in gpt_grads.items()}
+    assert sorted(hyb_grads) == sorted(gpt_grads)
+    for name, grad in gpt_grads.items():
+        assert grad.abs().max() > 0, name
+        assert torch.equal(hyb_grads[name], grad), name
+
+
 def norm_by_block_role(model) -> dict:
     """{(block, role): parameter} of every layer's norms: the name both model kinds share."""
     return {(layer.block_number, role): p for layer in model.decoder.layers for role, p in layer.norm_parameters()}
@@ -75,14 +87,7 @@ def norm_by_block_role(model) -> dict:
 def test_same_logits_and_gradients_as_the_gpt_model(mcore_single, scheme, p):
     gpt, hyb = twins(p, scheme)
     assert [l.is_post_ln for l in hyb.decoder.layers] == [k <= p for k in range(1, L + 1) for _ in "*-"]
-    gpt_logits, gpt_grads = logits_and_grads(gpt)
-    hyb_logits, hyb_grads = logits_and_grads(hyb)
-    assert torch.equal(hyb_logits, gpt_logits)
-    gpt_grads = {mu.hybrid_key(n): g for n, g in gpt_grads.items()}
-    assert sorted(hyb_grads) == sorted(gpt_grads)
-    for name, grad in gpt_grads.items():
-        assert grad.abs().max() > 0, name  # every parameter takes part
-        assert torch.equal(hyb_grads[name], grad), name
+    assert_same_network(gpt, hyb)
 
 
 # The paper's comparison arms, every kind in one model and each alone: DeepNorm's residual scale
@@ -103,14 +108,7 @@ def test_every_layer_kind_is_the_gpt_models_network(mcore_single, layout):
         sandwich = layer.kind == SANDWICH
         assert (getattr(layer, "attn_output_layernorm", None) is not None) == (sandwich and layer.hybrid_part == "attention")
         assert (getattr(layer, "mlp_output_layernorm", None) is not None) == (sandwich and layer.hybrid_part == "mlp")
-    gpt_logits, gpt_grads = logits_and_grads(gpt)
-    hyb_logits, hyb_grads = logits_and_grads(hyb)
-    assert torch.equal(hyb_logits, gpt_logits)
-    gpt_grads = {mu.hybrid_key(n): g for n, g in gpt_grads.items()}
-    assert sorted(hyb_grads) == sorted(gpt_grads)
-    for name, grad in gpt_grads.items():
-        assert grad.abs().max() > 0, name
-        assert torch.equal(hyb_grads[name], grad), name
+    assert_same_network(gpt, hyb)
     # (block, role) names the same norm in both models, sandwich's norm3 / norm4 included
     gpt_norms, hyb_norms = norm_by_block_role(gpt), norm_by_block_role(hyb)
     assert sorted(gpt_norms) == sorted(hyb_norms)
