@@ -5,9 +5,10 @@ An exported Mix-LN folder (the project's HF model code + save_hf_folder, a token
 package's block spec (local backend, CPU harness) -> logits equal HF's, the HF weights exported
 back exactly, save_hf_pretrained -> reloads equal; the model Bridge builds has the state-dict keys
 of the model this package builds itself. The TE backend builds, loads and exports exactly, and its
-checkpoint converts back to the source folder (TE's forward needs a GPU). TP2 and PP2 (torchrun jobs of 2 gloo processes,
-tests/workers/bridge_parallel_worker.py): the same logits and exact export (TP2: P = 1 and lns;
-PP2: Mix-LN + LNS with P = 3, so the second stage holds a Post-LN layer), then
+checkpoint converts back to the source folder (TE's forward needs a GPU). TP2, PP2 and PP2 x VPP2 (torchrun jobs of 2 gloo processes,
+tests/workers/bridge_parallel_worker.py): the same logits through megatron's pipeline schedule and
+exact export (TP2: P = 1 and lns; PP2 / VPP: Mix-LN + LNS with P = 3, so a later stage holds a
+Post-LN layer), then
 mixln_megatron.bridge.save_megatron_checkpoint; those checkpoints are read by `mixln-megatron
 convert to-hf` (the source folder again, bit for bit), and the TP2 one by `mixln-megatron pretrain
 --cpu --load` (vetted, loaded at TP1, one iteration trained).
@@ -353,7 +354,7 @@ else:
         code = {n for n in os.listdir(expected) if n.endswith(".py")}
         assert code and code <= set(os.listdir(got)), (code, os.listdir(got))
 
-    def _parallel_job(tmp_path, layouts, tp, pp):
+    def _parallel_job(tmp_path, layouts, tp, pp, vpp=None):
         """Exported folders (and reference logits) of the layouts, then one 2-process torchrun job of
         the parallel worker over them: (folders, rank 0's result by folder)."""
         folders = []
@@ -367,19 +368,27 @@ else:
             with torch.no_grad():
                 torch.save({"ids": ids, "logits": hf(ids).logits}, str(root / "reference.pt"))
             folders.append(folder)
+        virtual = ["--vpp", str(vpp)] if vpp else []
         result = testing.last_result(testing.torchrun(
-            PARALLEL_WORKER, 2, "--tp", str(tp), "--pp", str(pp), *folders, timeout=1200,
+            PARALLEL_WORKER, 2, "--tp", str(tp), "--pp", str(pp), *virtual, *folders, timeout=1200,
             env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}))
         return folders, result
 
-    def test_pp2_places_post_ln_by_global_layer_number_and_saves_a_checkpoint(tmp_path):
-        """PP2 through Bridge, Mix-LN + LNS with P = 3 of 4: the second stage holds global layers 3
-        (Post-LN) and 4 (Pre-LN, scaled by 1/sqrt(4)); logits through both stages equal HF's, the
-        export is exact, and the PP2 checkpoint converts back to the source folder bit for bit."""
-        folders, result = _parallel_job(tmp_path, [(3, "mixln+lns")], tp=1, pp=2)
+    # [rank][chunk][global layer numbers]: PP2 splits the 4 layers in halves; with 2 virtual stages
+    # each rank holds two chunks of one layer, interleaved (megatron's layer offsets).
+    PIPELINES = {"pp2": (None, [[[1, 2]], [[3, 4]]]), "pp2-vpp2": (2, [[[1], [3]], [[2], [4]]])}
+
+    @pytest.mark.parametrize("pipeline", sorted(PIPELINES))
+    def test_pipeline_places_post_ln_by_global_layer_number_and_saves_a_checkpoint(tmp_path, pipeline):
+        """PP2 through Bridge (and PP2 with 2 virtual stages), Mix-LN + LNS with P = 3 of 4: global
+        layer 3 is Post-LN on the second stage (PP2) or in the first rank's second chunk (VPP), layer
+        4 Pre-LN scaled by 1/sqrt(4); the logits through megatron's pipeline schedule equal HF's, the
+        export is exact, and the checkpoint converts back to the source folder bit for bit."""
+        vpp, numbers = PIPELINES[pipeline]
+        folders, result = _parallel_job(tmp_path, [(3, "mixln+lns")], tp=1, pp=2, vpp=vpp)
         r = result["P3-mixln+lns"]
         assert r["layout"] == [3, "mixln+lns"] and r["max_logit_diff"] < 2e-5, r
-        assert r["layer_numbers_rank0"] == [1, 2], r
+        assert r["layer_numbers"] == numbers, r
         ckpt, back = (os.path.join(os.path.dirname(folders[0]), name) for name in ("ckpt", "back"))
         _run(["-m", "mixln_megatron.cli", "convert", "to-hf", "--load", ckpt, "--save", back])
         assert_same_hf_folder(back, folders[0])

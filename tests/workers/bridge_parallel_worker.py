@@ -1,14 +1,15 @@
 """torchrun worker (2 processes, gloo) of tests/test_bridge.py's parallel tests.
 
-    bridge_parallel_worker.py --tp N --pp M FOLDER [FOLDER ...]      (N * M = the world size)
+    bridge_parallel_worker.py --tp N --pp M [--vpp V] FOLDER [FOLDER ...]   (N * M = the world size)
 
 For each exported HF folder given (made by the test, with reference.pt = {ids, logits} of the HF
 model beside it): AutoBridge.from_hf_pretrained(folder, trust_remote_code=True) -> provider with
-these TP / PP sizes (local backend, CPU harness) -> the Megatron model, split over the ranks ->
-every layer Post-LN or Pre-LN by its global number -> logits vs HF's (gathered over TP; under PP
-the stages hand the hidden states on as megatron's schedule does) -> export_hf_weights vs the
-folder's tensors (exact), then mixln_megatron.bridge.save_megatron_checkpoint(models,
-<folder>/../ckpt) (collective). Rank 0 prints `RESULT {...}`; any mismatch raises (non-zero exit).
+these TP / PP / virtual-pipeline sizes (local backend, CPU harness) -> the Megatron model chunks,
+split over the ranks -> every layer of the whole job, once, of the kind of its global number ->
+logits through megatron's own pipeline schedule (forward only; interleaved with virtual stages)
+vs HF's, gathered over TP -> export_hf_weights vs the folder's tensors (exact), then
+mixln_megatron.bridge.save_megatron_checkpoint(models, <folder>/../ckpt) (collective). Rank 0
+prints `RESULT {...}`; any mismatch raises (non-zero exit).
 """
 
 import argparse
@@ -38,24 +39,38 @@ def folder_tensors(folder):
     return out
 
 
-def pipelined_logits(model, ids, pos, hidden_size):
-    """The logits on the last stage (None elsewhere): each stage runs its layers on what the
-    previous stage sent (model.set_input_tensor, as megatron's pipeline schedule feeds a stage)."""
+def schedule_logits(models, ids, pos):
+    """The logits of `ids` through megatron's pipeline schedule, forward only (interleaved over
+    the chunks of virtual stages): this rank's vocabulary part on the last stage, None elsewhere.
+    The interleaved schedule takes micro-batches in multiples of the pipeline size: the batch is
+    fed that many times, and the first one's logits are returned."""
     from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    if not ps.is_pipeline_first_stage():
-        received = torch.empty(ids.shape[1], ids.shape[0], hidden_size)  # [sequence, batch, hidden]
-        torch.distributed.recv(received, src=ps.get_pipeline_model_parallel_prev_rank())
-        model.set_input_tensor(received)
+    seen = []
+
+    def forward_step(data_iterator, model):
+        next(data_iterator)
+        output = model(ids, pos, None)
+
+        def loss_func(logits):
+            seen.append(logits.detach())
+            return logits.float().mean(), {}
+
+        return output, loss_func
+
+    microbatches = ps.get_pipeline_model_parallel_world_size()
+    iterators = [iter([None] * microbatches) for _ in models]
+    virtual = len(models) > 1
     with torch.no_grad():
-        out = model(ids, pos, None)
-    if not ps.is_pipeline_last_stage():
-        torch.distributed.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-        return None
-    return out
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iterators if virtual else iterators[0],
+            model=models if virtual else models[0], num_microbatches=microbatches, seq_length=ids.shape[1],
+            micro_batch_size=ids.shape[0], forward_only=True)
+    return seen[0] if seen else None
 
 
-def run_one(folder, tp, pp):
+def run_one(folder, tp, pp, vpp):
     import mixln_megatron.bridge as mixln_bridge
     from megatron.bridge import AutoBridge
     from megatron.core import parallel_state as ps
@@ -65,24 +80,29 @@ def run_one(folder, tp, pp):
     provider = bridge.to_megatron_provider(load_weights=True)
     provider.tensor_model_parallel_size = tp
     provider.pipeline_model_parallel_size = pp
+    provider.virtual_pipeline_model_parallel_size = vpp
     mixln_bridge.use_local_backend(provider, cpu=True)
     provider.finalize()
     models = provider.provide_distributed_model(
         wrap_with_ddp=False, use_cpu_initialization=True, mixed_precision_wrapper=None)
-    (model,) = models
+    assert len(models) == (vpp or 1)
     assert ps.get_tensor_model_parallel_world_size() == tp and ps.get_pipeline_model_parallel_world_size() == pp
     assert type(bridge._model_bridge).__name__ == "MixLNLlamaBridge"
     layout = (provider.post_ln_layers, provider.mixln_scheme)
 
-    # This rank's layers, by their global numbers (1-based): Post-LN exactly below P, and under
-    # PP each stage holds its own share of the stack.
-    numbers = [layer.layer_number for layer in model.decoder.layers]
-    per_stage = provider.num_layers // pp
-    first = ps.get_pipeline_model_parallel_rank() * per_stage + 1
-    assert numbers == list(range(first, first + per_stage)), numbers
-    assert [layer.is_post_ln for layer in model.decoder.layers] == [n <= provider.post_ln_layers for n in numbers]
+    # Every layer of the job, by its global number (1-based), is built once, on one stage, Post-LN
+    # exactly below P: [chunk][layer numbers] of this rank, then of all ranks.
+    numbers = [[layer.layer_number for layer in m.decoder.layers] for m in models]
+    for m in models:
+        assert [l.is_post_ln for l in m.decoder.layers] == [l.layer_number <= provider.post_ln_layers
+                                                             for l in m.decoder.layers]
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, numbers if ps.get_tensor_model_parallel_rank() == 0 else [])
+    built = sorted(n for chunks in everyone for chunk in chunks for n in chunk)
+    assert built == list(range(1, provider.num_layers + 1)), everyone
 
     # Really split: under TP each rank holds half the query/key/value rows and half the vocabulary.
+    model = models[0]
     hf_tensors = folder_tensors(folder)
     qkv = model.decoder.layers[0].self_attention.linear_qkv.weight
     full_qkv_rows = sum(hf_tensors[f"model.layers.0.self_attn.{p}_proj.weight"].shape[0] for p in "qkv")
@@ -92,10 +112,10 @@ def run_one(folder, tp, pp):
     ref = torch.load(os.path.join(folder, "..", "reference.pt"), weights_only=True)
     ids = ref["ids"]
     pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-    logits = pipelined_logits(model, ids, pos, provider.hidden_size)
+    logits = schedule_logits(models, ids, pos)
     max_diff = None
     if logits is not None:
-        if logits.shape[-1] * tp == ref["logits"].shape[-1]:
+        if logits.shape[-1] * tp == ref["logits"].shape[-1] and tp > 1:
             logits = gather_tp(logits, tp)
         torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=2e-5)
         max_diff = (logits - ref["logits"]).abs().max().item()
@@ -112,7 +132,7 @@ def run_one(folder, tp, pp):
     ckpt = os.path.join(folder, "..", "ckpt")
     mixln_bridge.save_megatron_checkpoint(models, ckpt, tokenizer_model=folder)
     return {"layout": list(layout), "max_logit_diff": box[0], "exported": len(exported),
-            "qkv_rows_per_rank": qkv.shape[0], "layer_numbers_rank0": numbers,
+            "qkv_rows_per_rank": qkv.shape[0], "layer_numbers": everyone,
             "seconds": round(time.time() - t0, 1)}
 
 
@@ -122,14 +142,15 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=None)
     parser.add_argument("folders", nargs="+")
     args = parser.parse_args()
-    testing.init_distributed(tp=args.tp, pp=args.pp)
+    testing.init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp)
     import mixln_megatron.bridge  # noqa: F401  (registers the bridge; after torch)
 
     results = {}
     for folder in args.folders:
-        results[os.path.basename(os.path.dirname(os.path.abspath(folder)))] = run_one(folder, args.tp, args.pp)
+        results[os.path.basename(os.path.dirname(os.path.abspath(folder)))] = run_one(folder, args.tp, args.pp, args.vpp)
     if torch.distributed.get_rank() == 0:
         print("RESULT " + json.dumps(results), flush=True)
     testing.shutdown()
