@@ -66,13 +66,23 @@ else:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
         rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
-    # (P, scheme): stock Llama (Bridge's own Llama bridge), Mix-LN, all Post-LN, LNS, Mix-LN + LNS.
-    LAYOUTS = [(0, "mixln"), (1, "mixln"), (LAYERS, "mixln"), (0, "lns"), (2, "mixln+lns")]
-    IDS = [f"P{p}-{s}" for p, s in LAYOUTS]
+    # (P, scheme, layer kinds): stock Llama (Bridge's own Llama bridge), Mix-LN, all Post-LN, LNS,
+    # Mix-LN + LNS; then the comparison arms' per-layer layouts (every kind in one model, and
+    # sandwich layers under LNS).
+    ARMS, LNS_SANDWICH = ["deepnorm", "sandwich", "post", "pre"], ["pre", "sandwich", "sandwich", "sandwich"]
+    LAYOUTS = [(0, "mixln", None), (1, "mixln", None), (LAYERS, "mixln", None), (0, "lns", None),
+               (2, "mixln+lns", None), (2, "mixln", ARMS), (0, "lns", LNS_SANDWICH)]
+    IDS = [f"P{p}-{s}" + ("-" + "-".join(k) if k else "") for p, s, k in LAYOUTS]
 
-    def hf_model(post_ln, scheme, seed=0):
+    def layout_fields(kinds):
+        """config_for_export's per-layer fields (DeepNorm's constants set when a layer is deepnorm)."""
+        if kinds is None:
+            return {}
+        return {"layer_kinds": kinds, **({"deepnorm_alpha": 1.5, "deepnorm_beta": 0.4} if "deepnorm" in kinds else {})}
+
+    def hf_model(post_ln, scheme, seed=0, kinds=None):
         """The HF model of a layout, random weights (norm weights far from 1)."""
-        config = config_for_export(post_ln, scheme, None, **TINY)
+        config = config_for_export(post_ln, scheme, None, **layout_fields(kinds), **TINY)
         torch.manual_seed(seed)
         cls = MixLNLlamaForCausalLM if config.model_type == "mixln_llama" else LlamaForCausalLM
         model = cls(config)
@@ -121,15 +131,18 @@ else:
         def __exit__(self, *exc):
             return False
 
-    def our_model(post_ln, scheme):
+    def our_model(post_ln, scheme, kinds=None):
         """The GPTModel this package builds itself (mixln_megatron.model.specs), same shape."""
+        from mixln_megatron.model.layout import layout_text
         from mixln_megatron.model.settings import MixLNSettings
         from mixln_megatron.model.specs import get_mixln_decoder_block_spec
 
         cfg = testing.tiny_config(num_layers=LAYERS, hidden=64, heads=4, query_groups=2, ffn_hidden_size=96,
                                   layernorm_epsilon=1e-5)
-        spec = get_mixln_decoder_block_spec(
-            cfg, backend="local", settings=MixLNSettings(post_ln_layers=post_ln, scheme=scheme))
+        deepnorm = {k: v for k, v in layout_fields(kinds).items() if k.startswith("deepnorm")}
+        settings = (MixLNSettings(layout=layout_text(kinds), scheme=scheme, **deepnorm)
+                    if kinds else MixLNSettings(post_ln_layers=post_ln, scheme=scheme))
+        spec = get_mixln_decoder_block_spec(cfg, backend="local", settings=settings)
         return testing.build_gpt(cfg, spec, vocab=VOCAB, untie=True, seq=64)
 
     @pytest.fixture(scope="module")
@@ -142,22 +155,28 @@ else:
     def hf_state(model):
         return {k: v for k, v in model.state_dict().items() if not k.endswith("inv_freq")}
 
-    @pytest.mark.parametrize("post_ln,scheme", LAYOUTS, ids=IDS)
-    def test_round_trip_local_backend(gloo, tmp_path, post_ln, scheme):
-        hf = hf_model(post_ln, scheme)
+    @pytest.mark.parametrize("post_ln,scheme,kinds", LAYOUTS, ids=IDS)
+    def test_round_trip_local_backend(gloo, tmp_path, post_ln, scheme, kinds):
+        from mixln_megatron.model.layout import layout_text
+
+        hf = hf_model(post_ln, scheme, kinds=kinds)
         folder = export_folder(hf, str(tmp_path / "exported"))
         bridge, provider, models = bridge_models(folder)
 
         # The bridge: ours for Mix-LN folders (layout from the config), Bridge's Llama for P = 0.
-        stock = post_ln == 0 and scheme == "mixln"
+        stock = post_ln == 0 and scheme == "mixln" and kinds is None
         bridge_name = type(bridge._model_bridge).__name__
         assert bridge_name == ("LlamaBridge" if stock else "MixLNLlamaBridge")
         if not stock:
             assert isinstance(provider, mixln_bridge.MixLNModelProvider)
             assert (provider.post_ln_layers, provider.mixln_scheme) == (post_ln, scheme)
+            assert provider.mixln_layout == (layout_text(kinds) if kinds else None)
         (model,) = models
         layers = model.decoder.layers
-        assert [layer.is_post_ln for layer in layers] == [i < post_ln for i in range(LAYERS)]
+        expected_kinds = kinds or ["post"] * post_ln + ["pre"] * (LAYERS - post_ln)
+        assert [layer.kind for layer in layers] == expected_kinds
+        if kinds and "deepnorm" in kinds:
+            assert layers[kinds.index("deepnorm")].placement.deepnorm_alpha == 1.5
 
         # Logits equal HF's (fp32; different kernels, so to rounding).
         ids = tokens()
@@ -166,7 +185,7 @@ else:
         torch.testing.assert_close(megatron_logits(model, ids), reference, rtol=0, atol=2e-5)
 
         # The model Bridge builds has the keys of the model this package builds.
-        ours = our_model(post_ln, scheme)
+        ours = our_model(post_ln, scheme, kinds)
         assert set(model.state_dict()) == set(ours.state_dict())
         assert set(model.sharded_state_dict()) == set(ours.sharded_state_dict())
 
@@ -184,6 +203,9 @@ else:
         assert type(reloaded).__name__ == type(hf).__name__
         if not stock:
             assert (reloaded.config.post_ln_layers, reloaded.config.mixln_scheme) == (post_ln, scheme)
+            assert getattr(reloaded.config, "layer_kinds", None) == kinds
+            if kinds and "deepnorm" in kinds:
+                assert (reloaded.config.deepnorm_alpha, reloaded.config.deepnorm_beta) == (1.5, 0.4)
             assert reloaded.config.auto_map["AutoModelForCausalLM"].endswith(mixln_bridge.MIXLN_ARCHITECTURE)
             for name in ("configuration_mixln_llama.py", "modeling_mixln_llama.py"):
                 assert os.path.isfile(os.path.join(out, name)), name
@@ -206,13 +228,17 @@ else:
         assert config["auto_map"]["AutoModelForCausalLM"].endswith(mixln_bridge.MIXLN_ARCHITECTURE)
         assert config["num_hidden_layers"] == LAYERS
 
-    def test_a_per_layer_layout_is_refused_in_one_line(gloo, tmp_path):
-        """Bridge maps Mix-LN's first-P layout; a deepnorm / sandwich layout is refused, not mis-mapped."""
+    def test_an_invalid_layout_is_refused_in_one_line(gloo, tmp_path):
+        """An HF config whose layer_kinds the model code would refuse is refused by the bridge too."""
         config = config_for_export(1, "mixln", None, layer_kinds=["deepnorm", "sandwich", "pre", "pre"],
                                    deepnorm_alpha=2.0, deepnorm_beta=0.5, **TINY)
         folder = export_folder(MixLNLlamaForCausalLM(config).eval(), str(tmp_path / "layout"))
-        bridge = AutoBridge.from_hf_pretrained(folder, trust_remote_code=True)
-        with pytest.raises(ValueError, match="per-layer layout .* convert from-hf") as err:
+        with open(os.path.join(folder, "config.json")) as f:
+            text = f.read()
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            f.write(text.replace('"sandwich"', '"sandwitch"'))
+        with pytest.raises(ValueError, match="sandwitch") as err:
+            bridge = AutoBridge.from_hf_pretrained(folder, trust_remote_code=True)
             bridge.to_megatron_provider(load_weights=False)
         assert "\n" not in str(err.value)
 
@@ -261,12 +287,13 @@ else:
         assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "release"
         assert os.path.isfile(tmp_path / "ckpt" / "release" / ".metadata")
 
-    @pytest.mark.parametrize("post_ln,scheme", [(1, "mixln"), (0, "lns")], ids=["P1-mixln", "P0-lns"])
-    def test_te_backend_builds_loads_and_exports_exactly(gloo, tmp_path, post_ln, scheme):
+    @pytest.mark.parametrize("post_ln,scheme,kinds", [(1, "mixln", None), (0, "lns", None), (2, "mixln", ARMS)],
+                             ids=["P1-mixln", "P0-lns", "arms"])
+    def test_te_backend_builds_loads_and_exports_exactly(gloo, tmp_path, post_ln, scheme, kinds):
         reason = cpu.te_unavailable_reason()
         if reason:
             pytest.fail(reason) if REQUIRED else pytest.skip(reason)
-        hf = hf_model(post_ln, scheme)
+        hf = hf_model(post_ln, scheme, kinds=kinds)
         for key, value in TOKENIZER_IDS.items():  # those of the tokenizer beside it, as convert to-hf writes
             setattr(hf.config, key, value)
         folder = export_folder(hf, str(tmp_path / "exported"))
@@ -275,8 +302,9 @@ else:
         (model,) = models
         # TENorm is a factory: it builds TE's own RMSNorm.
         assert type(model.decoder.final_layernorm).__module__.startswith("transformer_engine")
+        expected_kinds = kinds or ["post"] * post_ln + ["pre"] * (LAYERS - post_ln)
         for i, layer in enumerate(model.decoder.layers):
-            assert layer.is_post_ln == (i < post_ln)
+            assert layer.kind == expected_kinds[i]
             if layer.is_post_ln:
                 assert type(layer.self_attention.linear_qkv).__name__ == "MixLNPostLNColumnParallelLinear"
         exported = dict(bridge.export_hf_weights(models, cpu=True, show_progress=False))

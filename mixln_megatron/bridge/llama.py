@@ -8,8 +8,15 @@ RoPE scaling, the embedding / attention / MLP / final-norm mappings) with two ad
         decoder.layers.<i>.post_attention_layernorm.*   model.layers.<i>.post_attention_layernorm.*  (N1)
         decoder.layers.<i>.post_mlp_layernorm.*         model.layers.<i>.post_feedforward_layernorm.* (N2)
     Pre-LN layers keep Llama's names (TE: linear_qkv / linear_fc1 .layer_norm_weight; local:
-    input_layernorm / pre_mlp_layernorm), so every layout (any P, lns, mixln+lns) is one registry:
-    a layer only has the parameters of its kind and each name maps to one HF tensor.
+    input_layernorm / pre_mlp_layernorm), so every first-P layout (any P, lns, mixln+lns) is one
+    registry: a layer only has the parameters of its kind and each name maps to one HF tensor.
+The comparison arms (an HF config with layer_kinds: the provider gets the layout): a deepnorm
+layer has a Post-LN layer's norms; a sandwich layer has Gemma 2's four (model.layout):
+        decoder.layers.<i>.attn_output_layernorm.*      model.layers.<i>.post_attention_layernorm.*  (N_b)
+        decoder.layers.<i>.mlp_output_layernorm.*       model.layers.<i>.post_feedforward_layernorm.* (N_d)
+        its MLP pre-norm                                model.layers.<i>.pre_feedforward_layernorm.*
+    where a Pre-LN layer's MLP pre-norm is HF's post_attention_layernorm: with sandwich layers the
+    MLP pre-norm is mapped layer by layer (the only name whose HF name depends on the kind).
 LNS scales norm outputs, never stored weights, so its tensors map like the plain scheme's.
 """
 
@@ -34,6 +41,15 @@ POST_LN_NORMS = {
     "post_mlp_layernorm": "post_feedforward_layernorm",  # N2, after the MLP residual add
 }
 
+# A sandwich layer's output norms: Megatron name -> HF name (model.layout; Gemma 2's names).
+SANDWICH_OUTPUT_NORMS = {
+    "attn_output_layernorm": "post_attention_layernorm",  # N_b, on the attention output
+    "mlp_output_layernorm": "post_feedforward_layernorm",  # N_d, on the MLP output
+}
+# The MLP pre-norm of a Pre-LN-kind layer (TE: fused into fc1; local): HF's post_attention_layernorm
+# in a pre layer, pre_feedforward_layernorm in a sandwich layer.
+MLP_PRE_NORMS = ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")
+
 # The parallel type of this package's own module classes, for AutoMapping: the Post-LN qkv / fc1
 # linear of the TE backend (mixln_megatron.model.backends) and the local backend's norm.
 MODULE_TYPES = {"MixLNPostLNColumnParallelLinear": "column", "MixLNNorm": "replicated"}
@@ -54,23 +70,49 @@ def _register_module_types() -> None:
         AutoMapping.register_module_type(name, kind)
 
 
+def _kinds_of(hf_config) -> list:
+    """Every layer's kind of an HF config (layer_kinds, or Mix-LN's first P)."""
+    kinds = getattr(hf_config, "layer_kinds", None)
+    if kinds is not None:
+        return list(kinds)
+    return _kinds_of_first_p(getattr(hf_config, "post_ln_layers", 0), hf_config.num_hidden_layers)
+
+
 def _layout_of(hf_config) -> dict:
-    """P, scheme and alpha of an HF config, checked the way the HF model code checks them."""
+    """The provider fields of an HF config (P, scheme, alpha; a per-layer layout and DeepNorm's
+    constants), checked the way the HF model code checks them."""
+    from ..hf.configuration_mixln_llama import _check_mixln_fields
+    from ..model.layout import layout_text
+
     post_ln = getattr(hf_config, "post_ln_layers", 0)
     scheme = getattr(hf_config, "mixln_scheme", "mixln")
-    alpha = getattr(hf_config, "mixln_alpha", None)
-    if isinstance(post_ln, bool) or not isinstance(post_ln, int) or not 0 <= post_ln <= hf_config.num_hidden_layers:
-        raise ValueError(f"post_ln_layers must be an integer in [0, num_hidden_layers], got {post_ln!r}")
-    if scheme not in MIXLN_SCHEMES:
-        raise ValueError(f"mixln_scheme must be one of {', '.join(MIXLN_SCHEMES)}; got {scheme!r}")
     kinds = getattr(hf_config, "layer_kinds", None)
-    if kinds is not None and list(kinds) != ["post"] * post_ln + ["pre"] * (hf_config.num_hidden_layers - post_ln):
-        # Bridge's mappings here cover Mix-LN's first-P layout (two norms per layer); a per-layer
-        # layout (deepnorm, sandwich, interleaved Post-LN) converts with `mixln-megatron convert`.
-        raise ValueError(
-            f"this HF config has a per-layer layout (layer_kinds {kinds!r:.120}) that the Megatron-Bridge path "
-            "does not map; convert it with `mixln-megatron convert from-hf` instead")
-    return {"post_ln_layers": post_ln, "mixln_scheme": scheme, "mixln_alpha": alpha}
+    dn_alpha, dn_beta = getattr(hf_config, "deepnorm_alpha", None), getattr(hf_config, "deepnorm_beta", None)
+    _check_mixln_fields(post_ln, scheme, hf_config.num_hidden_layers, kinds, dn_alpha, dn_beta)
+    fields = {"post_ln_layers": post_ln, "mixln_scheme": scheme, "mixln_alpha": getattr(hf_config, "mixln_alpha", None),
+              "mixln_layout": None, "mixln_deepnorm_alpha": None, "mixln_deepnorm_beta": None}
+    if kinds is not None and list(kinds) != _kinds_of_first_p(post_ln, hf_config.num_hidden_layers):
+        fields.update(mixln_layout=layout_text(kinds), mixln_deepnorm_alpha=dn_alpha, mixln_deepnorm_beta=dn_beta)
+    return fields
+
+
+def _kinds_of_first_p(post_ln: int, num_layers: int) -> list:
+    return ["post"] * post_ln + ["pre"] * (num_layers - post_ln)
+
+
+def layout_mappings(kinds) -> tuple:
+    """(Llama mappings to drop, mappings to add) for a layout with sandwich layers: the MLP
+    pre-norm layer by layer, and the sandwich output norms."""
+    if "sandwich" not in kinds:
+        return (), []
+    dropped = tuple(f"decoder.layers.*.{name}" for name in MLP_PRE_NORMS)
+    per_layer = [
+        AutoMapping(megatron_param=f"decoder.layers.{i}.{name}",
+                    hf_param=f"model.layers.{i}.{'pre_feedforward' if kind == 'sandwich' else 'post_attention'}_layernorm.weight")
+        for i, kind in enumerate(kinds) if kind in ("pre", "sandwich") for name in MLP_PRE_NORMS]
+    outputs = [AutoMapping(megatron_param=f"decoder.layers.*.{meg}.weight", hf_param=f"model.layers.*.{hf}.weight")
+               for meg, hf in SANDWICH_OUTPUT_NORMS.items()]
+    return dropped, per_layer + outputs
 
 
 @MegatronModelBridge.register_bridge(
@@ -93,17 +135,29 @@ class MixLNLlamaBridge(LlamaBridge):
 
     @classmethod
     def megatron_to_hf_config(cls, provider) -> dict:
+        from ..model.placement import resolve_placement
+        from .provider import mixln_settings
+
         hf_config = super().megatron_to_hf_config(provider)
+        layout = {}
+        if getattr(provider, "mixln_layout", None) is not None:
+            placement = resolve_placement(int(provider.num_layers), mixln_settings(provider))
+            layout = dict(layer_kinds=list(placement.kinds), deepnorm_alpha=placement.deepnorm_alpha,
+                          deepnorm_beta=placement.deepnorm_beta)
         hf_config.update(export_config_fields(
             int(getattr(provider, "post_ln_layers", 0)),
             getattr(provider, "mixln_scheme", "mixln"),
             getattr(provider, "mixln_alpha", None),
+            **layout,
         ))
         return hf_config
 
     def mapping_registry(self) -> MegatronMappingRegistry:
         llama = super().mapping_registry()
-        return MegatronMappingRegistry(*llama.mappings, *post_ln_mappings())
+        # self.hf_config: set by Bridge before it asks for the registry (None: a first-P layout)
+        dropped, added = layout_mappings(_kinds_of(self.hf_config) if self.hf_config is not None else [])
+        kept = [m for m in llama.mappings if getattr(m, "megatron_param", None) not in dropped]
+        return MegatronMappingRegistry(*kept, *post_ln_mappings(), *added)
 
 
 _register_module_types()

@@ -28,9 +28,14 @@ CUDA_ONLY_FUSIONS = (
 
 
 def mixln_settings(config) -> MixLNSettings:
-    """The settings a provider describes: P as given (never re-derived from alpha) and the scheme."""
-    return MixLNSettings(post_ln_layers=int(getattr(config, "post_ln_layers", 0)),
-                         scheme=getattr(config, "mixln_scheme", "mixln"))
+    """The settings a provider describes: its per-layer layout (with DeepNorm's constants) when it
+    has one, else P as given (never re-derived from alpha); and the scheme."""
+    scheme = getattr(config, "mixln_scheme", "mixln")
+    layout = getattr(config, "mixln_layout", None)
+    if layout is not None:
+        return MixLNSettings(layout=layout, scheme=scheme, deepnorm_alpha=getattr(config, "mixln_deepnorm_alpha", None),
+                             deepnorm_beta=getattr(config, "mixln_deepnorm_beta", None))
+    return MixLNSettings(post_ln_layers=int(getattr(config, "post_ln_layers", 0)), scheme=scheme)
 
 
 def mixln_block_spec(config, vp_stage: Optional[int] = None):
@@ -45,10 +50,15 @@ def mixln_block_spec(config, vp_stage: Optional[int] = None):
 class MixLNModelProvider(GPTModelProvider):
     """GPTModelProvider of a Mix-LN / LNS LLaMA.
 
-    post_ln_layers: P, the number of leading Post-LN layers (global numbering).
+    post_ln_layers: P, the number of leading Post-LN layers (global numbering); with a layout,
+                    the number of its post and deepnorm layers.
     mixln_scheme:   "mixln", "lns" (P = 0, norm outputs of layer l scaled by 1/sqrt(l)) or
                     "mixln+lns".
     mixln_alpha:    the text of the alpha that gave P, carried to the exported HF config only.
+    mixln_layout:   every layer's kind (model.layout text, e.g. "deepnorm:1,sandwich:2-"), for the
+                    paper's comparison arms; None: Mix-LN's first P layers.
+    mixln_deepnorm_alpha, mixln_deepnorm_beta: DeepNorm's residual scale and init factor (None:
+                    DeepNet's defaults for the depth), for a layout with deepnorm layers.
     mixln_backend:  "te" (TransformerEngine modules, Bridge's default for Llama) or "local"
                     (megatron's local modules; see use_local_backend).
     """
@@ -56,6 +66,9 @@ class MixLNModelProvider(GPTModelProvider):
     post_ln_layers: int = 0
     mixln_scheme: str = "mixln"
     mixln_alpha: Optional[str] = None
+    mixln_layout: Optional[str] = None
+    mixln_deepnorm_alpha: Optional[float] = None
+    mixln_deepnorm_beta: Optional[float] = None
     mixln_backend: str = "te"
     normalization: str = "RMSNorm"
     transformer_layer_spec: object = mixln_block_spec
