@@ -386,9 +386,10 @@ else:
         """Exported folders (and reference logits) of the layouts, then one 2-process torchrun job of
         the parallel worker over them: (folders, rank 0's result by folder)."""
         folders = []
-        for post_ln, scheme in layouts:
-            root = tmp_path / f"P{post_ln}-{scheme}"
-            hf = hf_model(post_ln, scheme)
+        for post_ln, scheme, *kinds in layouts:
+            kinds = kinds[0] if kinds else None
+            root = tmp_path / (f"P{post_ln}-{scheme}" + ("-layout" if kinds else ""))
+            hf = hf_model(post_ln, scheme, kinds=kinds)
             for key, value in TOKENIZER_IDS.items():
                 setattr(hf.config, key, value)
             folder = export_folder(hf, str(root / "exported"))
@@ -410,16 +411,19 @@ else:
     def test_pipeline_places_post_ln_by_global_layer_number_and_saves_a_checkpoint(tmp_path, pipeline):
         """PP2 through Bridge (and PP2 with 2 virtual stages), Mix-LN + LNS with P = 3 of 4: global
         layer 3 is Post-LN on the second stage (PP2) or in the first rank's second chunk (VPP), layer
-        4 Pre-LN scaled by 1/sqrt(4); the logits through megatron's pipeline schedule equal HF's, the
-        export is exact, and the checkpoint converts back to the source folder bit for bit."""
+        4 Pre-LN scaled by 1/sqrt(4); and the arms' layout (deepnorm, sandwich, post, pre), whose
+        per-layer mappings name global layers. The logits through megatron's pipeline schedule equal
+        HF's, the export is exact, and the checkpoints convert back to the source folders bit for bit."""
         vpp, numbers = PIPELINES[pipeline]
-        folders, result = _parallel_job(tmp_path, [(3, "mixln+lns")], tp=1, pp=2, vpp=vpp)
-        r = result["P3-mixln+lns"]
-        assert r["layout"] == [3, "mixln+lns"] and r["max_logit_diff"] < 2e-5, r
-        assert r["layer_numbers"] == numbers, r
-        ckpt, back = (os.path.join(os.path.dirname(folders[0]), name) for name in ("ckpt", "back"))
-        _run(["-m", "mixln_megatron.cli", "convert", "to-hf", "--load", ckpt, "--save", back])
-        assert_same_hf_folder(back, folders[0])
+        folders, result = _parallel_job(tmp_path, [(3, "mixln+lns"), (2, "mixln", ARMS)], tp=1, pp=2, vpp=vpp)
+        assert sorted(result) == ["P2-mixln-layout", "P3-mixln+lns"], result
+        for name, r in result.items():
+            assert r["max_logit_diff"] < 2e-5 and r["layer_numbers"] == numbers, (name, r)
+        assert result["P3-mixln+lns"]["layout"] == [3, "mixln+lns"]
+        for folder in folders:
+            ckpt, back = (os.path.join(os.path.dirname(folder), name) for name in ("ckpt", "back"))
+            _run(["-m", "mixln_megatron.cli", "convert", "to-hf", "--load", ckpt, "--save", back])
+            assert_same_hf_folder(back, folder)
 
     def test_tp2_and_a_checkpoint_our_tools_read(tmp_path):
         """Two gloo processes: AutoBridge -> TP2 provider -> the Mix-LN model split over both ranks ->

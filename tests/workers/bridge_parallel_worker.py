@@ -90,12 +90,16 @@ def run_one(folder, tp, pp, vpp):
     assert type(bridge._model_bridge).__name__ == "MixLNLlamaBridge"
     layout = (provider.post_ln_layers, provider.mixln_scheme)
 
-    # Every layer of the job, by its global number (1-based), is built once, on one stage, Post-LN
-    # exactly below P: [chunk][layer numbers] of this rank, then of all ranks.
+    # Every layer of the job, by its global number (1-based), is built once, on one stage, of the
+    # kind the HF config gives that number (layer_kinds, or Post-LN exactly below P): [chunk][layer
+    # numbers] of this rank, then of all ranks.
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    kinds = config.get("layer_kinds") or [
+        "post" if n < config["post_ln_layers"] else "pre" for n in range(config["num_hidden_layers"])]
     numbers = [[layer.layer_number for layer in m.decoder.layers] for m in models]
     for m in models:
-        assert [l.is_post_ln for l in m.decoder.layers] == [l.layer_number <= provider.post_ln_layers
-                                                             for l in m.decoder.layers]
+        assert [l.kind for l in m.decoder.layers] == [kinds[l.layer_number - 1] for l in m.decoder.layers]
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, numbers if ps.get_tensor_model_parallel_rank() == 0 else [])
     built = sorted(n for chunks in everyone for chunk in chunks for n in chunk)
