@@ -431,6 +431,34 @@ def test_gpt_hybrid_carries_every_layout(exported, tmp_path, name):
             assert torch.equal(a, b), pname
 
 
+def test_hybrid_sandwich_norms_that_disagree_with_the_settings_are_one_line(exported, tmp_path, monkeypatch):
+    """A hybrid checkpoint whose sandwich norms sit in other blocks than its settings record says
+    (block 2's, read with settings that make block 4 the sandwich one): to-hf and hybrid-to-gpt
+    refuse in one line, and write nothing."""
+    from mixln_megatron.convert import gpt_hybrid, inspect
+    from mixln_megatron.convert.gpt_hybrid import convert_gpt_to_hybrid, convert_hybrid_to_gpt
+    from mixln_megatron.model.placement import resolve_placement
+    from mixln_megatron.model.settings import MixLNSettings
+
+    convert_gpt_to_hybrid(str(exported["mixed"][1]), str(tmp_path / "hybrid"))
+    real = inspect.mixln_placement
+
+    def moved(reader, num_layers):  # the record as saved, the kinds of another layout
+        record, source, placement = real(reader, num_layers)
+        other = resolve_placement(num_layers, MixLNSettings(layout="deepnorm:1,pre:2,post:3,sandwich:4",
+                                                            deepnorm_alpha=placement.deepnorm_alpha,
+                                                            deepnorm_beta=placement.deepnorm_beta))
+        return record, source, other
+
+    monkeypatch.setattr(inspect, "mixln_placement", moved)
+    monkeypatch.setattr(gpt_hybrid, "mixln_placement", moved)
+    line = one_line_error(to_hf, str(tmp_path / "hybrid"), str(tmp_path / "hf"), progress=False)
+    assert "sandwich" in line and "block 2" in line, line
+    line = one_line_error(convert_hybrid_to_gpt, str(tmp_path / "hybrid"), str(tmp_path / "gpt"))
+    assert "sandwich" in line, line
+    assert sorted(os.listdir(tmp_path)) == ["hybrid"]
+
+
 def test_hybrid_model_loads_the_converted_layout(exported, tmp_path):
     """The gpt-to-hybrid output of a `post:every2` model loads into the HybridModel of that layout
     (its settings check passes) and gives the GPT model's logits."""

@@ -299,15 +299,15 @@ class _KeyMap:
             stacked.setdefault(name, {})[block] = key
         for name, by_block in sorted(stacked.items()):
             blocks = self._stacked_blocks(CK.LAYERS + name)
+            extra = sorted(b + 1 for b in set(by_block) - set(blocks))
+            if extra:  # only a sandwich norm can be where its settings have no such layer
+                raise ConversionError(f"decoder.layers.*.{name} (a sandwich norm) is in block(s) {extra[:8]}, which the "
+                                      "checkpoint's Mix-LN settings do not make sandwich layers: the settings do not "
+                                      "match the tensors")
             missing = [b + 1 for b in blocks if b not in by_block]
             if missing:
                 raise ConversionError(f"decoder.layers.*.{name} is missing in block(s) {missing[:8]} of "
                                       f"{self.blocks}: the checkpoint is incomplete")
-            extra = sorted(b + 1 for b in set(by_block) - set(blocks))
-            if extra:
-                raise ConversionError(f"decoder.layers.*.{name} (a sandwich norm) is in block(s) {extra[:8]}, which the "
-                                      "checkpoint's Mix-LN settings do not make sandwich layers: the settings do not "
-                                      "match the tensors")
             shapes = {tuple(self.reader.global_shape(k)) for k in by_block.values()}
             dtypes = {self.reader.files.tensors[k].properties.dtype for k in by_block.values()}
             if len(shapes) > 1 or len(dtypes) > 1:
