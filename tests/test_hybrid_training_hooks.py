@@ -189,6 +189,38 @@ def test_install_spike_scaler_on_a_built_hybrid_model(mcore_single, tmp_path):
     assert scaler.state.step.eq(1).all()
 
 
+def test_the_scaler_targets_every_norm_of_the_arms_layout_as_gpt_does(mcore_single, tmp_path):
+    """A layout with every kind (deepnorm, sandwich, post, pre): with targets 'all' the scaler on
+    the HybridModel takes the GPT model's (block, role) norms, sandwich's norm3 / norm4 included,
+    and steps on them."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from mixln_megatron.dev.testing import build_gpt, build_hybrid, tiny_config
+    from mixln_megatron.model.settings import MixLNSettings
+    from mixln_megatron.model.specs import get_mixln_decoder_block_spec, get_mixln_hybrid_stack_spec
+    from mixln_megatron.training.spike import install_spike_scaler, remove_spike_scaler
+
+    settings = MixLNSettings(layout="deepnorm:1,sandwich:2,post:3,pre:4")
+    names = {}
+    for kind in ("gpt", "hybrid"):
+        if kind == "gpt":
+            config = tiny_config(num_layers=W.BLOCKS)
+            model = build_gpt(config, get_mixln_decoder_block_spec(config, backend="local", settings=settings))
+        else:
+            config = tiny_config(num_layers=2 * W.BLOCKS)
+            model = build_hybrid(config, get_mixln_hybrid_stack_spec(config, backend="local", settings=settings),
+                                 W.PATTERN)
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+        scaler = install_spike_scaler([ddp], config, settings={"warmup_steps": 1, "targets": "all"})
+        scaler.after_finalize([ddp])
+        names[kind] = scaler.target_names()
+        assert scaler.state.step.eq(1).all(), kind
+        remove_spike_scaler(config)
+    assert names["hybrid"] == names["gpt"]
+    assert {"layer2.norm3.weight", "layer2.norm4.weight"} <= set(names["gpt"]), names["gpt"]
+    assert len(names["gpt"]) == 2 * W.BLOCKS + 2  # two norms a layer, four in the sandwich one
+
+
 def test_a_wrong_sized_state_names_block_and_hybrid_layer(reference, caplog):
     holder = reference["hybrid_model"].decoder.layers[4].mixln_spike_scaler
     errors = []
