@@ -183,8 +183,9 @@ def make_config(shape: Shape, dtype, on_cpu: bool, **overrides):
     return TransformerConfig(**cfg)
 
 
-def block_spec(config, kind: str, post_ln_layers: Optional[int] = None):
-    """kind: stock_local | stock_te (megatron's own GPT decoder spec) | mixln_local | mixln_te."""
+def block_spec(config, kind: str, post_ln_layers: Optional[int] = None, layout: Optional[str] = None):
+    """kind: stock_local | stock_te (megatron's own GPT decoder spec) | mixln_local | mixln_te;
+    `layout` (model.layout text) instead of P for the comparison arms."""
     if kind.startswith("stock_"):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -194,16 +195,18 @@ def block_spec(config, kind: str, post_ln_layers: Optional[int] = None):
     from mixln_megatron.spec import get_mixln_decoder_block_spec
 
     backend = {"mixln_local": "local", "mixln_te": "te"}[kind]
+    if layout is not None:
+        return get_mixln_decoder_block_spec(config, backend=backend, layout=layout)
     return get_mixln_decoder_block_spec(config, backend=backend, post_ln_layers=post_ln_layers)
 
 
-def build_block(config, kind: str, post_ln_layers: Optional[int], device, dtype):
+def build_block(config, kind: str, post_ln_layers: Optional[int], device, dtype, layout: Optional[str] = None):
     """The decoder (layers + final norm) as a TransformerBlock, on `device`, converted to `dtype`
     as megatron's Float16Module does for training (norm weights included)."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     block = TransformerBlock(
-        config, block_spec(config, kind, post_ln_layers), post_layer_norm=True,
+        config, block_spec(config, kind, post_ln_layers, layout), post_layer_norm=True,
         pre_process=True, post_process=True,
     )
     return block.to(device=device, dtype=dtype)
@@ -386,7 +389,8 @@ def finite_or_none(v):
 class Variant:
     name: str
     kind: str  # stock_local | stock_te | mixln_local | mixln_te
-    post_ln_layers: Optional[int]  # None for the stock spec
+    post_ln_layers: Optional[int]  # None for the stock spec and for a layout
+    layout: Optional[str] = None  # a comparison arm's layout (model.layout text)
     block: object = None
     params: list = None
     times_ms: list = dataclasses.field(default_factory=list)
@@ -394,11 +398,23 @@ class Variant:
     abs_peak: list = dataclasses.field(default_factory=list)
 
 
-def slice_variants(shape: Shape, backend: str = "local") -> List[Variant]:
-    """Stock spec, Mix-LN P = 0, P = 2 (the paper's 7B count) and P = L (every layer Post-LN)."""
+def arm_layouts(shape: Shape) -> dict:
+    """The comparison arms timed beside Mix-LN: DeepNorm in Mix-LN's place (its first P = 2 layers:
+    Post-LN's cost plus a residual scale) and Sandwich-LN in every layer (two more norms a layer)."""
+    p = min(PAPER_7B_POST_LN, shape.layers)
+    deepnorm = f"deepnorm:1-{p},pre:*" if p < shape.layers else "deepnorm:*"
+    return {"deepnorm_p2": deepnorm, "sandwich_all": "sandwich:*"}
+
+
+def slice_variants(shape: Shape, backend: str = "local", arms: bool = False) -> List[Variant]:
+    """Stock spec, Mix-LN P = 0, P = 2 (the paper's 7B count) and P = L (every layer Post-LN);
+    with `arms`, the comparison arms of arm_layouts too."""
     out = [Variant(f"stock_{backend}", f"stock_{backend}", None)]
     for p in sorted({0, min(PAPER_7B_POST_LN, shape.layers), shape.layers}):
         out.append(Variant(f"mixln_{backend}_p{p}", f"mixln_{backend}", p))
+    if arms:
+        for name, layout in arm_layouts(shape).items():
+            out.append(Variant(f"mixln_{backend}_{name}", f"mixln_{backend}", None, layout=layout))
     return out
 
 
@@ -427,7 +443,7 @@ def time_variants(rt: Runtime, config_for: Callable, shape: Shape, variants: Lis
     for v in variants:
         t = time.monotonic()
         cfg = config_for(shape, dtype)
-        v.block = build_block(cfg, v.kind, v.post_ln_layers, rt.device, dtype)
+        v.block = build_block(cfg, v.kind, v.post_ln_layers, rt.device, dtype, layout=v.layout)
         v.params = [p for p in v.block.parameters() if p.requires_grad]
         if rope is None:
             rope = rotary(cfg, shape.seq, rt.device, on_cpu=rt.dry_run)
@@ -467,7 +483,8 @@ def summarize_variants(variants: List[Variant], shape: Shape) -> dict:
     gib = 1024.0 ** 3
     out = {}
     for v in variants:
-        entry = {"kind": v.kind, "post_ln_layers": v.post_ln_layers, "times_ms": [round(t, 4) for t in v.times_ms],
+        entry = {"kind": v.kind, "post_ln_layers": v.post_ln_layers, "layout": v.layout,
+                 "times_ms": [round(t, 4) for t in v.times_ms],
                  "step_ms": quartile_stats(v.times_ms)}
         if v.step_peak:
             entry["step_peak_gib"] = max(v.step_peak) / gib
@@ -528,6 +545,11 @@ def derive_figures(summary: dict, shape: Shape, backend: str) -> dict:
             "overhead_pct": 100.0 * extra / pre_7b,
             "method": "per-layer time of the P=0 slice x 32; plus 2 x (median(P=L) - median(P=0)) / L",
         }
+    arms = {name: {"layout": layout, "step_ratio_vs_p0": _ratio(med(f"mixln_{backend}_{name}"), med(p0)),
+                   "mem_ratio_vs_p0": _ratio(mem(f"mixln_{backend}_{name}"), mem(p0))}
+            for name, layout in arm_layouts(shape).items() if f"mixln_{backend}_{name}" in summary}
+    if arms:
+        fig["arms"] = arms
     return fig
 
 

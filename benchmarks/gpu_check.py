@@ -405,7 +405,7 @@ def main(argv=None) -> int:
     spike_variant = None
     if not args.skip_timing:
         t = time.monotonic()
-        variants = slice_variants(shape, "local")
+        variants = slice_variants(shape, "local", arms=True)  # the comparison arms' cost beside Mix-LN's
         timing = {"shape": dataclasses.asdict(shape), "dtype": "bf16", "warmup": warmup, "repeats": repeats,
                   "scope": "decoder block only (TransformerBlock: layers + final norm)"}
         report["phases"]["timing"] = timing
@@ -430,6 +430,9 @@ def main(argv=None) -> int:
         log(f"timing ratios: P2/stock step {fmt(fig['step_ratio_p2_vs_stock'])} mem "
             f"{fmt(fig['mem_ratio_p2_vs_stock'])}; P2/P0 step {fmt(fig['step_ratio_p2_vs_p0'])}; "
             f"P0/stock step {fmt(fig['step_ratio_p0_vs_stock'])}")
+        for name, arm in fig.get("arms", {}).items():
+            log(f"timing arm {name} ({arm['layout']}): step {fmt(arm['step_ratio_vs_p0'])} x P0, "
+                f"mem {fmt(arm['mem_ratio_vs_p0'])} x P0")
         if "extrapolated_7b" in fig:
             e = fig["extrapolated_7b"]
             log(f"per Post-LN layer: {fmt(fig['per_post_ln_layer']['ms'], '.3f')} ms; 7B (32 layers, P=2) "

@@ -71,10 +71,15 @@ def test_gpu_check_cpu_dry_run(tmp_path):
     assert parity["ok"] and parity["fp32"]["ok"] and parity["bf16"]["ok"]
     assert parity["fp32"]["vs_cpu_fp32"]["param_grads"]["count"] > 0
     timing = report["phases"]["timing"]
-    assert set(timing["variants"]) == {"stock_local", "mixln_local_p0", "mixln_local_p2", "mixln_local_p4"}
+    assert set(timing["variants"]) == {"stock_local", "mixln_local_p0", "mixln_local_p2", "mixln_local_p4",
+                                       "mixln_local_deepnorm_p2", "mixln_local_sandwich_all"}
     for entry in timing["variants"].values():
         assert entry["step_ms"]["n"] == timing["repeats"]
+    assert timing["variants"]["mixln_local_sandwich_all"]["layout"] == "sandwich:*"
     fig = timing["figures"]
+    # the comparison arms beside Mix-LN: their step time against Mix-LN P = 0 (Pre-LN)
+    assert {a["layout"] for a in fig["arms"].values()} == {"deepnorm:1-2,pre:*", "sandwich:*"}
+    assert all(math.isfinite(a["step_ratio_vs_p0"]) and a["step_ratio_vs_p0"] > 0 for a in fig["arms"].values())
     assert fig["step_ratio_p2_vs_stock"] == pytest.approx(float(step_ratio), rel=1e-3)
     assert {"ms", "pre_ln_layer_ms"} <= set(fig["per_post_ln_layer"])
     assert fig["extrapolated_7b"]["layers"] == 32 and fig["extrapolated_7b"]["post_ln_layers"] == 2
