@@ -132,6 +132,29 @@ def test_megatron_lm_hybrid_path_builds_the_mixln_stack_and_trains(megatron_lm_p
 
 
 @needs_hybrid
+@pytest.mark.mp
+def test_megatron_lm_hybrid_path_trains_the_comparison_arms():
+    """pretrain_hybrid.py's model path at PP2 with MIXLN_LAYOUT=deepnorm:1,sandwich:2: block 1
+    (stage 0) is DeepNorm, block 2 (stage 1) Sandwich-LN with N_b in its `*` layer and N_d in its
+    `-` layer; one build line; 6 iterations train."""
+    proc = mu.torchrun(WORKER, 2, *PP2_FLAGS, "--spec", "mixln_megatron.spec", "mixln_hybrid_local_stack_spec",
+                       env={"MIXLN_LAYOUT": "deepnorm:1,sandwich:2", "OMP_NUM_THREADS": "1",
+                            "PYTHONWARNINGS": "ignore"}, timeout=300)
+    out = proc.stdout + proc.stderr
+    results = {r["rank"]: r for r in (json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines()
+                                      if line.startswith("RESULT "))}
+    assert sorted(results) == [0, 1], out[-3000:]
+    assert out.count("[mixln_megatron] scheme=mixln L=2 layout=deepnorm:1,sandwich:2 (from MIXLN_LAYOUT)") == 1
+    layers = [(l["layer_number"], l["kind"], l["is_post_ln"], l["sandwich_norms"])
+              for rank in (0, 1) for l in results[rank]["chunks"][0]["layers"]]
+    assert layers == [(1, "deepnorm", True, []), (2, "deepnorm", True, []),
+                      (3, "sandwich", False, ["attn_output_layernorm"]), (4, "sandwich", False, ["mlp_output_layernorm"])]
+    trained = {t["iteration"]: t["loss"] for t in results[1]["train"]}
+    assert sorted(trained) == [1, 2, 3, 4, 5, 6], results[1]
+    assert all(math.isfinite(v) for v in trained.values()) and trained[6] < trained[1]
+
+
+@needs_hybrid
 @pytest.mark.slow
 @pytest.mark.mp
 def test_megatron_lm_hybrid_path_trains_like_the_entry_point(megatron_lm_pp2, tmp_path):

@@ -34,7 +34,9 @@ def describe(chunk) -> dict:
         "layers": [
             {"class": type(layer).__name__, "layer_number": layer.layer_number,
              "hybrid_part": getattr(layer, "hybrid_part", None), "block": getattr(layer, "block_number", None),
-             "is_post_ln": getattr(layer, "is_post_ln", None)}
+             "is_post_ln": getattr(layer, "is_post_ln", None), "kind": getattr(layer, "kind", None),
+             "sandwich_norms": [name for name in ("attn_output_layernorm", "mlp_output_layernorm")
+                                if getattr(layer, name, None) is not None]}
             for layer in decoder.layers
         ],
     }
