@@ -28,7 +28,6 @@ from megatron.bridge.models.conversion.param_mapping import AutoMapping
 from megatron.bridge.models.llama.llama_bridge import LlamaBridge
 from megatron.core.models.gpt.gpt_model import GPTModel
 
-from ..hf.configuration_mixln_llama import MIXLN_SCHEMES
 from ..hf.export_code import MIXLN_ARCHITECTURES, export_config_fields
 from .provider import MixLNModelProvider
 
@@ -106,10 +105,9 @@ def layout_mappings(kinds) -> tuple:
     if "sandwich" not in kinds:
         return (), []
     dropped = tuple(f"decoder.layers.*.{name}" for name in MLP_PRE_NORMS)
-    per_layer = [
-        AutoMapping(megatron_param=f"decoder.layers.{i}.{name}",
-                    hf_param=f"model.layers.{i}.{'pre_feedforward' if kind == 'sandwich' else 'post_attention'}_layernorm.weight")
-        for i, kind in enumerate(kinds) if kind in ("pre", "sandwich") for name in MLP_PRE_NORMS]
+    hf_name = {"pre": "post_attention_layernorm", "sandwich": "pre_feedforward_layernorm"}
+    per_layer = [AutoMapping(megatron_param=f"decoder.layers.{i}.{name}", hf_param=f"model.layers.{i}.{hf_name[kind]}.weight")
+                 for i, kind in enumerate(kinds) if kind in hf_name for name in MLP_PRE_NORMS]
     outputs = [AutoMapping(megatron_param=f"decoder.layers.*.{meg}.weight", hf_param=f"model.layers.*.{hf}.weight")
                for meg, hf in SANDWICH_OUTPUT_NORMS.items()]
     return dropped, per_layer + outputs
