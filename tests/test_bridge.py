@@ -20,6 +20,7 @@ Bridge they skip, unless BRIDGE_TESTS_REQUIRED=1 (set by the make target), where
 import importlib.util
 import os
 import shutil
+import sys
 
 import pytest
 
@@ -322,6 +323,8 @@ else:
     # ------------------------------------------------------------------ TP2 and Megatron-LM checkpoints
     REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     PARALLEL_WORKER = os.path.join(REPO, "tests", "workers", "bridge_parallel_worker.py")
+    sys.path.insert(0, os.path.dirname(PARALLEL_WORKER))
+    from bridge_parallel_worker import folder_tensors  # noqa: E402  (every tensor of a folder's safetensors)
     # The special token ids of the tokenizer beside the folder (convert to-hf takes them from it).
     TOKENIZER_IDS = dict(bos_token_id=0, eos_token_id=0, pad_token_id=None)
     # Megatron-LM's tiny CPU run (as tests/test_vet_load.py): one iteration, lr 0 so that the saved
@@ -345,21 +348,11 @@ else:
 
     def _run(cmd, timeout=600):
         import subprocess
-        import sys
 
         proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=_our_env(),
                               timeout=timeout, cwd=REPO)
         assert proc.returncode == 0, f"{cmd} exit {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
         return proc
-
-    def _safetensors(folder):
-        from safetensors.torch import load_file
-
-        out = {}
-        for name in sorted(os.listdir(folder)):
-            if name.endswith(".safetensors"):
-                out.update(load_file(os.path.join(folder, name)))
-        return out
 
     def assert_same_hf_folder(got, expected):
         """Every weight bit for bit (names, dtypes, values), the same config once loaded, the same
@@ -368,7 +361,7 @@ else:
 
         from transformers import AutoConfig
 
-        a, b = _safetensors(expected), _safetensors(got)
+        a, b = folder_tensors(expected), folder_tensors(got)
         assert set(a) == set(b), sorted(set(a) ^ set(b))
         for name, tensor in a.items():
             assert b[name].dtype == tensor.dtype and torch.equal(b[name], tensor), name

@@ -71,17 +71,19 @@ def _register_module_types() -> None:
 
 def _kinds_of(hf_config) -> list:
     """Every layer's kind of an HF config (layer_kinds, or Mix-LN's first P)."""
+    from ..model.layout import first_p_kinds
+
     kinds = getattr(hf_config, "layer_kinds", None)
     if kinds is not None:
         return list(kinds)
-    return _kinds_of_first_p(getattr(hf_config, "post_ln_layers", 0), hf_config.num_hidden_layers)
+    return list(first_p_kinds(hf_config.num_hidden_layers, getattr(hf_config, "post_ln_layers", 0)))
 
 
 def _layout_of(hf_config) -> dict:
     """The provider fields of an HF config (P, scheme, alpha; a per-layer layout and DeepNorm's
     constants), checked the way the HF model code checks them."""
     from ..hf.configuration_mixln_llama import _check_mixln_fields
-    from ..model.layout import layout_text
+    from ..model.layout import layout_text, leading_post_count
 
     post_ln = getattr(hf_config, "post_ln_layers", 0)
     scheme = getattr(hf_config, "mixln_scheme", "mixln")
@@ -90,13 +92,9 @@ def _layout_of(hf_config) -> dict:
     _check_mixln_fields(post_ln, scheme, hf_config.num_hidden_layers, kinds, dn_alpha, dn_beta)
     fields = {"post_ln_layers": post_ln, "mixln_scheme": scheme, "mixln_alpha": getattr(hf_config, "mixln_alpha", None),
               "mixln_layout": None, "mixln_deepnorm_alpha": None, "mixln_deepnorm_beta": None}
-    if kinds is not None and list(kinds) != _kinds_of_first_p(post_ln, hf_config.num_hidden_layers):
+    if kinds is not None and leading_post_count(kinds) is None:  # a first-P layer_kinds says no more than P
         fields.update(mixln_layout=layout_text(kinds), mixln_deepnorm_alpha=dn_alpha, mixln_deepnorm_beta=dn_beta)
     return fields
-
-
-def _kinds_of_first_p(post_ln: int, num_layers: int) -> list:
-    return ["post"] * post_ln + ["pre"] * (num_layers - post_ln)
 
 
 def layout_mappings(kinds) -> tuple:

@@ -183,7 +183,7 @@ class TorchDistCheckpoint(ReaderBase):
 
     def _check_hybrid_sandwich_norms(self, rows: Sequence[int], blocks: int) -> None:
         hidden = self.global_shape(M.TD_EMBEDDING)[1]
-        for role, name in M.SANDWICH_NORM_NAMES.items():
+        for name in M.SANDWICH_NORM_NAMES.values():
             for block in range(blocks):
                 key = f"{keys.LAYERS}{keys.hybrid_layer_of(block, name, False)}.{name}"
                 if block not in rows:

@@ -293,13 +293,12 @@ class MixLNTransformerLayer(TransformerLayer):
             post_ln_norm, config=self.config, hidden_size=self.config.hidden_size,
             eps=self.config.layernorm_epsilon,
         )
-        if self.is_post_ln:
-            # A hybrid `*` layer has only N1, a `-` layer only N2 (the other stays None).
-            self.post_attention_layernorm = make() if hybrid_part != hybrid.MLP else None  # N1
-            self.post_mlp_layernorm = make() if hybrid_part != hybrid.ATTENTION else None  # N2
         # A hybrid `*` layer has only the attention residual step, a `-` layer only the MLP's: each
         # changes (and holds the norm of) its own step; the other half's step is an identity.
         has_attention, has_mlp = hybrid_part != hybrid.MLP, hybrid_part != hybrid.ATTENTION
+        if self.is_post_ln:
+            self.post_attention_layernorm = make() if has_attention else None  # N1
+            self.post_mlp_layernorm = make() if has_mlp else None  # N2
         if self.kind == layout.DEEPNORM:
             alpha = self.placement.deepnorm_alpha
             if has_attention:
