@@ -248,6 +248,7 @@ else:
         after its files are written leaves no checkpoint and no temporary; a non-empty folder is
         refused untouched; what a killed save left (its process gone) goes with the next save."""
         import json
+        import signal
         import subprocess
 
         from megatron.core import dist_checkpointing
@@ -275,8 +276,9 @@ else:
             mixln_bridge.save_megatron_checkpoint(models, str(mine))
         assert os.listdir(mine) == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep"
 
-        gone = subprocess.Popen(["true"])
-        gone.wait()  # a process that no longer runs, as a killed save's
+        gone = subprocess.Popen(["sleep", "600"])
+        gone.send_signal(signal.SIGKILL)  # the save's process, killed outright (no cleanup ran)
+        assert gone.wait() == -signal.SIGKILL
         stale = tmp_path / f".ckpt.tmp-{gone.pid}-0badc0de"
         (stale / "release").mkdir(parents=True)
         (stale / ".mixln-owner").write_text(json.dumps({"pid": gone.pid, "host": os.uname().nodename}))
