@@ -6,6 +6,8 @@ setup(
     description="Mix-LN (Post-LN in the first layers, Pre-LN after) as a Megatron-LM / megatron-core plugin",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    classifiers=["License :: OSI Approved :: Apache Software License"],
     python_requires=">=3.12",
     packages=find_packages(include=["mixln_megatron", "mixln_megatron.*"]),
     include_package_data=True,
