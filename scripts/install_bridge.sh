@@ -27,11 +27,13 @@ TORCH_WANTED=2.14.1+cu130
 overlay=${BRIDGE_OVERLAY:-.venv/bridge-$BRIDGE_VERSION}  # BRIDGE_OVERLAY: another place (tests of this script)
 stamp=$overlay/.installed
 # Pinned, each checked after the install. transformers/tokenizers/huggingface-hub: the newest
-# Bridge 0.6.2 accepts (they shadow the venv's newer ones in these tests only).
+# Bridge 0.6.2 accepts (they shadow the venv's newer ones in these tests only); kernels: the range
+# that transformers 5.12.1 imports at start-up (>=0.12,<0.13; the venv's newer one breaks its import).
 PINS="megatron-bridge==$BRIDGE_VERSION
 transformers==5.12.1
 tokenizers==0.22.2
 huggingface-hub==1.33.0
+kernels==0.12.3
 omegaconf==2.3.0
 antlr4-python3-runtime==4.9.3
 hydra-core==1.3.2
