@@ -36,6 +36,7 @@ from typing import List, Optional
 import torch
 
 from . import runtime
+from .config_shared import SharedByConfigCopies
 from .ddp_shards import owned_range
 from ..model.layer import MixLNTransformerLayer
 
@@ -54,7 +55,7 @@ def norm_columns(layer) -> dict:
     return {id(p): int(role[len("norm")]) for role, p in layer.norm_parameters()}
 
 
-class GradTelemetry:
+class GradTelemetry(SharedByConfigCopies):
     """Computes and logs per-layer gradient norms every `interval` finalize calls."""
 
     def __init__(self, interval: int, path: Optional[str] = None):
@@ -166,7 +167,7 @@ class GradTelemetry:
         return record
 
 
-class TelemetryHook:
+class TelemetryHook(SharedByConfigCopies):
     """The finalize_model_grads_func wrapper; keeps the call signature of what it wraps."""
 
     def __init__(self, telemetry: GradTelemetry, original=None):

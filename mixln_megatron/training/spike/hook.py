@@ -26,6 +26,7 @@ from ...model.placement import Placement
 from ...model.settings import SpikeSettings
 from ... import compat
 from .. import runtime
+from ..config_shared import SharedByConfigCopies
 from .scaler import SpikeScaler
 from .targets import mixln_layers, placement_text, target_layers
 
@@ -37,7 +38,7 @@ def resolve_spike_settings(settings=None) -> SpikeSettings:
     return settings.resolved()
 
 
-class SpikeGradsHook:
+class SpikeGradsHook(SharedByConfigCopies):
     """What `config.finalize_model_grads_func` becomes: the original finalize, then the scaler."""
 
     def __init__(self, scaler: SpikeScaler, original: Optional[Callable] = None):

@@ -35,6 +35,7 @@ import torch
 
 from ...model.placement import Placement
 from .. import runtime
+from ..config_shared import SharedByConfigCopies
 from ...model.settings import SpikeSettings
 from .rule import SpikeState
 from .state import HOLDER_NAME, CheckpointState, SpikeStateHolder
@@ -84,7 +85,7 @@ class CommitAfterStep:
                 self.optimizer.step = self.previous
 
 
-class SpikeScaler:
+class SpikeScaler(SharedByConfigCopies):
     """Per-process owner of the rule's state, the hook's work, the commit and the reporting."""
 
     def __init__(self, settings: SpikeSettings, placement: Placement, config=None):
