@@ -240,19 +240,20 @@ def load_torch(source: Source, what: str, *, mmap: bool = False):
     head = _head(source, what)
     if head[:1] != b"\x80" and head != b"PK\x03\x04":
         raise _unreadable(what, "not a torch.save file (neither its zip format nor its older pickle format)")
+    torch_safe = _torch_safe_names()
     if head != b"PK\x03\x04":
         # torch's pre-1.6 (non-zip) format holds no compressed data: torch's weights-only
-        # unpickler reads it with its own safe set only (nothing of ours is made loadable)
-        try:
-            return torch.load(opened(), map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, ValueError, OSError, EOFError, KeyError, IndexError,
-                TypeError, AttributeError, struct.error, MemoryError, OverflowError) as e:
-            raise _unreadable(what, e) from None
+        # unpickler reads it with its own safe set only (nothing of ours is made loadable), after
+        # the same static scan as an archive's, so that a refusal names what the file holds.
+        names, newer = _legacy_findings(source, what)
+        forbidden = [n for n in names if not _allowed_name(n, torch_safe)]
+        if forbidden:
+            raise _refusal(what, forbidden)
+        return _weights_only_load(lambda: torch.load(opened(), map_location="cpu", weights_only=True),
+                                  what, names, newer, torch_safe)
     data = _check_archive(source, what)
     names = _archive_globals(data)
-    torch_safe = _torch_safe_names()
-    forbidden = [n for n in names if n not in _ALLOWED and n not in torch_safe
-                 and not _is_torch_constant(*n.rsplit(".", 1) if "." in n else ("", n))]
+    forbidden = [n for n in names if not _allowed_name(n, torch_safe)]
     if forbidden:
         raise _refusal(what, forbidden)
     needed = sorted({n for n in names if n in _ALLOWED and n not in torch_safe})
@@ -261,13 +262,80 @@ def load_torch(source: Source, what: str, *, mmap: bool = False):
     if missing:
         raise _refusal(what, missing)
 
+    with _loadable(classes):
+        return _weights_only_load(lambda: torch.load(opened(), map_location="cpu", weights_only=True, mmap=mmap),
+                                  what, names, _newer_opcodes(data), torch_safe)
+
+
+def _allowed_name(name: str, torch_safe: frozenset) -> bool:
+    return (name in _ALLOWED or name in torch_safe
+            or _is_torch_constant(*name.rsplit(".", 1) if "." in name else ("", name)))
+
+
+def _weights_only_load(load, what: str, names: list, newer: list, torch_safe: frozenset):
+    """`load()` (a torch.load with weights_only=True) where the scan saw nothing forbidden.
+
+    A refusal is one line of ours: torch's warnings (e.g. about the pickle protocol) are silenced
+    for the call, and torch's UnpicklingError, whose text advises loading the file with
+    weights_only=False, is never passed on: the line names what the scan found instead."""
+    import warnings
+
     try:
-        with _loadable(classes):
-            return torch.load(opened(), map_location="cpu", weights_only=True, mmap=mmap)
-    except (pickle.UnpicklingError, RuntimeError, ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile,
-            IndexError, TypeError, AttributeError, struct.error, MemoryError, OverflowError) as e:
-        # torch refused or failed where the scan saw nothing forbidden: unreadable, in its own words
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return load()
+    except pickle.UnpicklingError:
+        if newer:
+            why = (f"its pickle uses opcodes that protocol 2 (what torch.save writes and torch's weights-only "
+                   f"unpickler reads) does not have: {', '.join(newer)}")
+        else:
+            unknown = sorted({n for n in names if n not in torch_safe})
+            why = "torch's weights-only unpickler refused its content" + (
+                f" (it names {', '.join(repr(n) for n in unknown)})" if unknown else "")
+        raise _unsafe(what, why) from None
+    except (RuntimeError, ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile, IndexError, TypeError,
+            AttributeError, struct.error, MemoryError, OverflowError) as e:
+        # torch failed where the scan saw nothing forbidden: unreadable, in its own words
         raise _unreadable(what, e) from None
+
+
+def _newer_opcodes(data) -> list:
+    """The opcodes of one pickle (bytes, or a stream at its start) that protocol 2 lacks, in order of
+    first use, by a static scan; a damaged stream is scanned up to the damage."""
+    seen = []
+    try:
+        for op, _, _ in pickletools.genops(data):
+            if op.proto > 2 and op.name not in seen:
+                seen.append(op.name)
+    except Exception:  # noqa: BLE001 - damaged or truncated: what was seen so far
+        pass
+    return seen
+
+
+# torch's pre-1.6 format: pickles of its magic number, protocol version, system info, the object
+# and its storage keys, then raw storage bytes.
+_LEGACY_PICKLES = 5
+
+
+def _legacy_findings(source: Source, what: str):
+    """(globals named, opcodes beyond protocol 2) of the pickles a pre-1.6 torch.save file starts
+    with, by static scans (nothing is run; the storage bytes after them are not read)."""
+    try:
+        stream = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else open(source, "rb")
+    except OSError as e:
+        raise _unreadable(what, e) from None
+    names, newer = [], []
+    with stream:
+        for _ in range(_LEGACY_PICKLES):
+            start = stream.tell()
+            newer += [op for op in _newer_opcodes(stream) if op not in newer]
+            end = stream.tell()
+            stream.seek(start)
+            names += _archive_globals(stream.read(end - start))
+            if end == start or stream.read(1) != b"\x80":  # no further pickle (damage, or the storage bytes)
+                break
+            stream.seek(end)
+    return names, newer
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ import os
 import pickle
 import re
 import shutil
+import subprocess
 import sys
 import time
 import zipfile
@@ -330,3 +331,70 @@ def test_load_vetting_passes_the_clean_copy(bases):
     for fmt in ("torch_dist", "torch"):
         report = vet.vet_checkpoint(str(bases[fmt]))
         assert "clean" in report.line() and sum(report.pickles.values()) >= 1, report.line()
+
+
+# ------------------------------------------------------------------------------ common.pt as a plain pickle
+TORCH_ADVICE = ("weights_only", "Weights only", "UserWarning", "Warning")
+
+
+def plant_plain_pickle_common_pt(case, payload_name, protocol=5):
+    """common.pt replaced by a bare pickle (not a torch.save file) of the payload, at `protocol`."""
+    case.payload = P.PAYLOADS[payload_name]
+    obj = case.payload.build(str(case.marker), str(case.scratch))
+    case.file = P.target_file("torch_dist-common.pt", case.ckpt)
+    with open(case.file, "wb") as f:
+        f.write(pickle.dumps(obj, protocol=protocol))
+    return case
+
+
+def test_plain_pickle_common_pt_payload_is_live(bases, tmp_path):
+    case = plant_plain_pickle_common_pt(Case(tmp_path, bases, "torch_dist-common.pt"), "os.system")
+    with open(case.file, "rb") as f:
+        assert f.read(2) == b"\x80\x05"  # protocol 5: torch takes it for its pre-1.6 format
+        f.seek(0)
+        pickle.load(f)
+    assert case.payload_ran()
+
+
+def test_plain_pickle_common_pt_refusal_names_the_global_not_torch_s_advice(bases, tmp_path):
+    """A fresh `python -m mixln_megatron.cli convert to-hf` (warnings on, as a user runs it): exit 2,
+    stderr exactly one line naming common.pt and posix.system, no torch warning before it and none
+    of torch's advice to load with weights_only=False; the payload never runs."""
+    case = plant_plain_pickle_common_pt(Case(tmp_path, bases, "torch_dist-common.pt"), "os.system")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    env["PYTHONPATH"] = REPO
+    proc = subprocess.run([sys.executable, "-m", "mixln_megatron.cli", *to_hf_argv(case)], cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert_refused(case, proc.returncode, proc.stderr)
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # not even a blank-looking warning line
+    for text in TORCH_ADVICE:
+        assert text not in proc.stderr + proc.stdout, proc.stderr
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("payload", ["os.system", "builtins.exec"])
+def test_plain_pickle_common_pt_is_refused_by_the_load_vetting_without_warnings(bases, tmp_path, payload):
+    """--load's vetting (convert.vet.vet_checkpoint) names the global, emits no warning and never
+    passes on torch's advice; a payload-free protocol-5 pickle is refused naming the opcodes that
+    torch's weights-only unpickler does not read, in our words."""
+    import warnings
+
+    from mixln_megatron.convert import vet
+
+    case = plant_plain_pickle_common_pt(Case(tmp_path, bases, "torch_dist-common.pt"), payload)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        error = call(vet.vet_checkpoint, str(case.ckpt))
+    assert_raised(case, error, "vet_checkpoint")
+    assert "\n" not in str(error) and not any(t in str(error) for t in TORCH_ADVICE), error
+    assert [str(w.message) for w in caught] == []
+
+    with open(case.file, "wb") as f:
+        f.write(pickle.dumps({"iteration": 1, "args": [1, 2]}, protocol=5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        error = call(vet.vet_checkpoint, str(case.ckpt))
+    case.payload = None
+    assert_raised(case, error, "vet_checkpoint")
+    assert "FRAME" in str(error) and not any(t in str(error) for t in TORCH_ADVICE), error
+    assert [str(w.message) for w in caught] == []
