@@ -8,8 +8,8 @@
 #
 # Run it on every node (NODE_RANK 0 .. NNODES-1), once per arm. The arms (the same table
 # benchmarks/schemes.py trains on CPU): pre_ln post_ln deepnorm deepnorm_authors sandwich lns mix_ln
-# mix_deepnorm pre_post post_every4 pre_every4 pre_sandwich; `python -m mixln_megatron.analysis.arms
-# --help` lists them, `... --layers 24 ARM` prints the MIXLN_* exports of one. MODEL=1b: 24 layers,
+# mix_deepnorm pre_post post_every4 pre_every4 pre_sandwich; `mixln-megatron arms --num-layers 24`
+# lists them, `mixln-megatron arms --num-layers 24 ARM` prints the MIXLN_* exports of one. MODEL=1b: 24 layers,
 # the "alpha*L" groups are 6 layers (alpha 0.25); MODEL=7b: 32 layers, 2 layers (alpha 0.0625).
 # Each arm writes its own CHECKPOINT_DIR (default /checkpoints/llama<MODEL>-<ARM>); compare the
 # validation loss Megatron-LM logs (TensorBoard under CHECKPOINT_DIR/tensorboard) at equal steps.
@@ -26,7 +26,7 @@ esac
 
 # Only the arm's settings reach the launcher: nothing inherited from this shell mixes in.
 unset MIXLN_ALPHA MIXLN_POST_LN_LAYERS MIXLN_LAYOUT MIXLN_SCHEME MIXLN_DEEPNORM_ALPHA MIXLN_DEEPNORM_BETA
-exports=$("${PYTHON}" -m mixln_megatron.analysis.arms --layers "${layers}" --alpha "${alpha}" "${ARM}")
+exports=$("${PYTHON}" -m mixln_megatron.analysis.arms --num-layers "${layers}" --mixln-alpha "${alpha}" "${ARM}")
 eval "${exports}"
 export CHECKPOINT_DIR=${CHECKPOINT_DIR:-/checkpoints/llama${MODEL}-${ARM}}
 

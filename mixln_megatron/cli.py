@@ -5,11 +5,15 @@
     mixln-megatron convert to-hf | from-hf | gpt-to-hybrid | hybrid-to-gpt | inspect ...
                                                                checkpoints: Megatron <-> HF, GPT <-> Hybrid
     mixln-megatron analyze grad-norms | angular-distance | layer-drop | train-health ...
-    mixln-megatron placement --num-layers L [--alpha A | --post-ln-layers P | --layout TEXT]
+    mixln-megatron placement --num-layers L [--mixln-alpha A | --mixln-post-ln-layers P | --mixln-layout TEXT]
+    mixln-megatron arms --num-layers L [ARM]                   the comparison arms (MIXLN_* exports)
+    mixln-megatron --version
 
 Each sub-command's module is imported only when it runs, so `--help` stays fast. A user error
 (any mixln_megatron.errors.MixLNError: a bad setting, an unsupported configuration, a refused
-conversion) ends the command with one line on stderr and exit status 2, never a traceback.
+conversion), and a usage error, ends the command with one line on stderr and exit status 2, never
+a traceback (cli_parsing). Flags are spelled as Megatron-LM spells them; old spellings still work,
+with a deprecation line.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-from .errors import MixLNError, one_line
+from .cli_parsing import CommandParser, add_flag, refused
+from .errors import EXIT_STATUS, MixLNError
 
 COMMANDS = {
     "pretrain": ("mixln_megatron.training.pretrain", "Pretrain with Megatron-LM's training loop (Mix-LN spec, --mixln-* flags)."),
@@ -25,39 +30,51 @@ COMMANDS = {
     "convert": ("mixln_megatron.convert.cli", "Convert checkpoints: to-hf, from-hf, gpt-to-hybrid, hybrid-to-gpt, inspect."),
     "analyze": ("mixln_megatron.analysis.cli", "Diagnostics: grad-norms, angular-distance, layer-drop, train-health."),
     "placement": ("mixln_megatron.cli", "Print which layers are Post-LN for a model shape."),
+    "arms": ("mixln_megatron.analysis.arms", "The arms of the paper's comparison: a table, or one arm's MIXLN_* exports."),
 }
 
 
 def _usage() -> str:
-    lines = ["usage: mixln-megatron <command> [args]", "", "commands:"]
+    lines = ["usage: mixln-megatron <command> [args]   (mixln-megatron <command> --help: its flags)", "",
+             "commands:"]
     lines += [f"  {name:11s} {help_text}" for name, (_, help_text) in COMMANDS.items()]
+    lines += ["", "options:", "  -h, --help   this list", "  --version    the package version"]
     return "\n".join(lines)
 
 
-def placement_main(argv=None) -> int:
-    import argparse
+def version() -> str:
+    """The installed distribution's version, else the package's own (a source tree on PYTHONPATH)."""
+    from importlib import metadata
 
+    from . import __version__
+
+    try:
+        return metadata.version("mixln-megatron")
+    except metadata.PackageNotFoundError:
+        return __version__
+
+
+def placement_main(argv=None) -> int:
     from .model import hybrid_pattern
     from .model.placement import resolve_placement
-    from .model.settings import MixLNSettings
+    from .model.settings import FIELDS, MixLNSettings
 
-    parser = argparse.ArgumentParser(prog="mixln-megatron placement", description="Show the Post-LN layers.")
+    parser = CommandParser(prog="mixln-megatron placement", description="Show the Post-LN layers.")
     shape = parser.add_mutually_exclusive_group(required=True)
     shape.add_argument("--num-layers", type=int, help="transformer layers of a GPT model")
     shape.add_argument("--hybrid-layer-pattern", type=str, help="a HybridModel pattern '*-*-...' (L blocks)")
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--alpha", type=str)
-    group.add_argument("--post-ln-layers", type=int)
-    group.add_argument("--layout", type=str, help="per-layer kinds, e.g. 'deepnorm:1-2,pre:3-' (model.layout)")
-    parser.add_argument("--scheme", type=str)
-    parser.add_argument("--deepnorm-alpha", type=str)
-    parser.add_argument("--deepnorm-beta", type=str)
+    # The same names and help as Megatron-LM's --mixln-* flags (settings.FIELDS); the old spellings still work.
+    help_of = {flag: help_text for _, flag, _, _, help_text in FIELDS}
+    for name in ("--mixln-alpha", "--mixln-post-ln-layers", "--mixln-layout"):
+        add_flag(group, name, "--" + name[len("--mixln-"):], help=help_of[name],
+                 type=int if name == "--mixln-post-ln-layers" else str)
+    for name in ("--mixln-scheme", "--mixln-deepnorm-alpha", "--mixln-deepnorm-beta"):
+        add_flag(parser, name, "--" + name[len("--mixln-"):], help=help_of[name], type=str)
     args = parser.parse_args(argv)
-    settings = MixLNSettings(alpha=args.alpha, post_ln_layers=args.post_ln_layers, layout=args.layout,
-                             scheme=args.scheme, deepnorm_alpha=args.deepnorm_alpha, deepnorm_beta=args.deepnorm_beta,
-                             sources={"alpha": "--alpha", "post_ln_layers": "--post-ln-layers", "layout": "--layout",
-                                      "scheme": "--scheme", "deepnorm_alpha": "--deepnorm-alpha",
-                                      "deepnorm_beta": "--deepnorm-beta"})
+    fields = ("alpha", "post_ln_layers", "layout", "scheme", "deepnorm_alpha", "deepnorm_beta")
+    settings = MixLNSettings(**{field: getattr(args, "mixln_" + field) for field in fields},
+                             sources={field: "--mixln-" + field.replace("_", "-") for field in fields})
     if args.hybrid_layer_pattern is None:
         print(resolve_placement(args.num_layers, settings).describe())
         return 0
@@ -73,15 +90,18 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
+    if argv[0] in ("--version", "-V"):
+        print(f"mixln-megatron {version()}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        print(f"mixln-megatron: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
+        print(f"mixln-megatron: error: unknown command {command!r} (one of {', '.join(COMMANDS)}; see "
+              "mixln-megatron --help)", file=sys.stderr)
+        return EXIT_STATUS
     try:
         return _run(command, rest)
-    except MixLNError as error:
-        print(f"mixln-megatron {command}: error: {one_line(error)}", file=sys.stderr, flush=True)
-        return 2
+    except MixLNError as error:  # the commands print their own; this is the backstop
+        return refused(f"mixln-megatron {command}", error)
 
 
 def _run(command: str, rest: list) -> int:
@@ -90,7 +110,7 @@ def _run(command: str, rest: list) -> int:
     module = importlib.import_module(COMMANDS[command][0])
     if command == "pretrain":
         sys.argv = [f"mixln-megatron {command}", *rest]  # Megatron-LM's parser reads sys.argv
-    result = module.main(rest)
+    result = module.main(rest, prog=f"mixln-megatron {command}") if command == "arms" else module.main(rest)
     return int(result or 0)
 
 

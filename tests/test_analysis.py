@@ -239,7 +239,7 @@ def test_megatron_checkpoint_roundtrip(mcore_single, tmp_path, text_tokens):
     from mixln_megatron.analysis.cli import main
 
     out = tmp_path / "a"
-    assert main(["angular-distance", "--megatron", str(tmp_path / "save"), "--tokens", "64",
+    assert main(["angular-distance", "--load", str(tmp_path / "save"), "--tokens", "64",
                  "--seq-length", "32", "--out-dir", str(out)]) == 0
     res = json.loads((out / "angular_distance.json").read_text())
     assert res["tokens"] == 64 and "P=2" in res["model"]
@@ -269,7 +269,7 @@ def test_cli_angular_and_layer_drop_on_hf_folder(tmp_path, text_file):
     folder = tmp_path / "hf"
     save_hf_folder(_tiny_hf(post_ln_layers=1), folder)
     common = ["--hf", str(folder), "--text", text_file, "--tokens", "128", "--seq-length", "32",
-              "--tokenizer", tokenizer_dir()]
+              "--tokenizer-model", tokenizer_dir()]
     assert main(["angular-distance", *common, "--out-dir", str(tmp_path / "a")]) == 0
     res = json.loads((tmp_path / "a" / "angular_distance.json").read_text())
     assert res["tokens"] == 128 and len(res["matrix"]) == 4
@@ -280,11 +280,11 @@ def test_cli_angular_and_layer_drop_on_hf_folder(tmp_path, text_file):
     assert len(res["layers"]) == 4 and res["baseline"]["tokens"] == 128
     assert os.path.getsize(tmp_path / "d" / "layer_drop.png") > 1000
     # HF folders say their own P; an override is refused
-    assert main(["layer-drop", *common, "--post-ln-layers", "2", "--out-dir", str(tmp_path / "x")]) == 1
+    assert main(["layer-drop", *common, "--mixln-post-ln-layers", "2", "--out-dir", str(tmp_path / "x")]) == 2
 
 
 def test_cli_train_health_is_delegated(tmp_path, capsys):
     from mixln_megatron.analysis.cli import main
 
-    assert main(["train-health", str(tmp_path / "missing")]) == 1
+    assert main(["train-health", str(tmp_path / "missing")]) == 2
     assert "mixln_telemetry.jsonl" in capsys.readouterr().err

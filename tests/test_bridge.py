@@ -466,6 +466,6 @@ else:
         # The run's args say vocab 127 and no tokenizer (its NullTokenizer): the true vocabulary and
         # the tokenizer (special token ids) are given, as after any NullTokenizer run.
         _run(["-m", "mixln_megatron.cli", "convert", "to-hf", "--load", trained, "--save", trained + "-hf",
-              "--vocab-size", str(VOCAB), "--tokenizer", folders[0]])
+              "--vocab-size", str(VOCAB), "--tokenizer-model", folders[0]])
         assert_same_hf_folder(trained + "-hf", folders[0])
         print("bridge tp2 + checkpoint timings (s):", times)

@@ -496,7 +496,7 @@ def test_resharded_checkpoints_export_the_same(exported, tmp_path):
 # --------------------------------------------------------------------------------- analysis loader
 @pytest.mark.parametrize("name", ["mixed", "lns"])
 def test_the_analysis_loader_builds_the_checkpoint_s_layout(exported, name):
-    """`mixln-megatron analyze --megatron` reads a layout checkpoint into the same network."""
+    """`mixln-megatron analyze --load` reads a layout checkpoint into the same network."""
     from mixln_megatron.analysis.models import load_megatron_checkpoint
 
     model, ckpt, _, _ = exported[name]

@@ -48,7 +48,7 @@ def test_a_script_and_a_module_run_with_their_argv(tmp_path):
     script.write_text(PROBE)
     proc = forked_ranks.run([PY, str(script), "--x", "1"], timeout=300)
     assert proc.returncode == 0 and "argv ['--x', '1']" in proc.stdout, proc.stderr
-    module = forked_ranks.run([PY, "-m", "mixln_megatron.cli", "placement", "--num-layers", "8", "--alpha", "0.25"],
+    module = forked_ranks.run([PY, "-m", "mixln_megatron.cli", "placement", "--num-layers", "8", "--mixln-alpha", "0.25"],
                               timeout=300)
     assert module.returncode == 0, module.stderr
     assert "Post-LN" in module.stdout or "post" in module.stdout.lower(), module.stdout

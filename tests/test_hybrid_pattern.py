@@ -72,7 +72,7 @@ def test_the_placement_counts_blocks_as_gpt_counts_layers():
 
 
 def test_placement_command_shows_the_hybrid_layers(capsys):
-    assert cli.main(["placement", "--hybrid-layer-pattern", "*-*-|*-*-", "--post-ln-layers", "1"]) == 0
+    assert cli.main(["placement", "--hybrid-layer-pattern", "*-*-|*-*-", "--mixln-post-ln-layers", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("[mixln_megatron] scheme=mixln L=4 P=1")
     assert out[1] == "HybridModel layers (1-based): 1, 2 Post-LN, of 8"

@@ -239,7 +239,7 @@ def test_existing_output_is_refused_without_overwrite(tmp_path, tok, capsys):
     src.write_text("New text.")
     with pytest.raises(pp.PreprocessError, match="already exists"):
         pp.preprocess_files([str(src)], prefix, progress=False)
-    assert pp.main(["-i", str(src), "-o", prefix, "--no-progress"]) == 1
+    assert pp.main(["-i", str(src), "-o", prefix, "--no-progress"]) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert _decode_docs(prefix, tok) == ["Old text."]
     assert pp.main(["-i", str(src), "-o", prefix, "--no-progress", "--overwrite"]) == 0
@@ -248,22 +248,22 @@ def test_existing_output_is_refused_without_overwrite(tmp_path, tok, capsys):
 
 
 def test_clear_errors(tmp_path, capsys):
-    assert pp.main(["-i", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "x"), "--no-progress"]) == 1
+    assert pp.main(["-i", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "x"), "--no-progress"]) == 2
     assert "input file not found" in capsys.readouterr().err
     (tmp_path / "in.txt").write_bytes(b"fine\nbad \xff byte\n")
-    assert pp.main(["-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "x"), "--no-progress"]) == 1
+    assert pp.main(["-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "x"), "--no-progress"]) == 2
     assert "in.txt:2: not valid UTF-8" in capsys.readouterr().err
     # the same error raised while worker processes run
     assert pp.main(["-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "x"), "--no-progress",
-                    "--workers", "2", "--text-unit", "line"]) == 1
+                    "--workers", "2", "--text-unit", "line"]) == 2
     assert "in.txt:2: not valid UTF-8" in capsys.readouterr().err
     (tmp_path / "empty.jsonl").write_text('{"text": ""}\n{"nope": 1}\n')
-    assert pp.main(["-i", str(tmp_path / "empty.jsonl"), "-o", str(tmp_path / "x"), "--no-progress"]) == 1
+    assert pp.main(["-i", str(tmp_path / "empty.jsonl"), "-o", str(tmp_path / "x"), "--no-progress"]) == 2
     assert "no documents to write (1 bad lines, 1 empty documents" in capsys.readouterr().err
     assert _listing(tmp_path) == ["empty.jsonl", "in.txt"]
-    assert pp.main(["-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "x.bin")]) == 1
+    assert pp.main(["-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "x.bin")]) == 2
     assert pp.main(["-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "x"),
-                    "--tokenizer-dir", str(tmp_path / "nope")]) == 1
+                    "--tokenizer-model", str(tmp_path / "nope")]) == 2
     assert "tokenizer directory not found" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         pp.main(["-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "x"), "--vocab-file", "v.json"])

@@ -37,7 +37,7 @@ def test_the_authors_deepnorm_arm_has_their_constants_and_deepnet_s_has_deepnet_
 def test_the_arm_cli_prints_exports_the_settings_read_back(capsys):
     from mixln_megatron.model.settings import MixLNSettings
 
-    assert arms.main(["--layers", "32", "--alpha", "0.0625", "mix_deepnorm"]) == 0
+    assert arms.main(["--num-layers", "32", "--mixln-alpha", "0.0625", "mix_deepnorm"]) == 0
     lines = capsys.readouterr().out.splitlines()
     env = dict(line[len("export "):].split("=", 1) for line in lines)
     env = {k: v.strip("'") for k, v in env.items()}

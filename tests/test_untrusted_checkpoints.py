@@ -287,7 +287,7 @@ def test_analyze_refuses(bases, tmp_path, capsys, monkeypatch, analysis_process,
     case = Case(tmp_path, bases, kind)
     case.damage(what) if what in P.DAMAGES else case.plant(what, monkeypatch)
     out_dir = case.out_parent / "analysis"
-    rc, err = run_main(capsys, ["analyze", "angular-distance", "--megatron", str(case.ckpt), "--out-dir",
+    rc, err = run_main(capsys, ["analyze", "angular-distance", "--load", str(case.ckpt), "--out-dir",
                                 str(out_dir), "--tokens", "32", "--seq-length", "16", "--batch-size", "2"])
     assert_refused(case, rc, err, written=[out_dir])
 

@@ -3,22 +3,25 @@
 One table for the CPU benchmark (benchmarks/schemes.py) and for the cluster launchers
 (examples/compare_schemes.sh), so that the arm a user trains at 1B is the arm the benchmark measured:
 
-    python -m mixln_megatron.analysis.arms --layers 24 mix_deepnorm
+    mixln-megatron arms --num-layers 24 mix_deepnorm     (or python -m mixln_megatron.analysis.arms ...)
     export MIXLN_LAYOUT='deepnorm:1-6,pre:*'
     export MIXLN_SCHEME='mixln'
+
+Without an arm it prints the table: every arm's name, what it is, and its layout at that depth.
 
 Pure Python (model.settings / model.placement only).
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import shlex
 import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from ..cli_parsing import CommandParser, add_flag, refused
+from ..errors import MixLNError
 from ..model.placement import resolve_placement
 from ..model.settings import MixLNSettings
 
@@ -66,19 +69,46 @@ _VARIABLES = {"layout": "MIXLN_LAYOUT", "scheme": "MIXLN_SCHEME", "deepnorm_alph
               "deepnorm_beta": "MIXLN_DEEPNORM_BETA"}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description="Print the MIXLN_* exports of one arm of the paper's comparison.")
-    ap.add_argument("--layers", type=int, required=True, help="the model's number of layers L")
-    ap.add_argument("--alpha", type=float, default=ALPHA,
-                    help="Mix-LN's alpha, the size of the L/4 groups (default 0.25; the paper's 7B: 0.0625)")
-    ap.add_argument("arm", choices=sorted(ARM_BY_NAME))
+def build_parser(prog: Optional[str] = None) -> CommandParser:
+    ap = CommandParser(prog=prog or "mixln-megatron arms",
+                       description="The arms of the Mix-LN paper's comparison at one depth: the table, or "
+                       "the MIXLN_* exports of one arm (for Megatron-LM's pretrain_gpt.py with --spec).")
+    add_flag(ap, "--num-layers", "--layers", type=int, required=True, help="the model's number of layers L")
+    add_flag(ap, "--mixln-alpha", "--alpha", type=float, default=ALPHA,
+             help="Mix-LN's alpha, the size of the L/4 groups (default 0.25; the paper's 7B: 0.0625)")
+    ap.add_argument("arm", nargs="?", choices=sorted(ARM_BY_NAME),
+                    help="the arm whose exports to print (default: print the table of every arm)")
+    return ap
+
+
+def table(num_layers: int, alpha: float = ALPHA) -> str:
+    """Every arm at `num_layers` layers: name, layout (and scheme when not mixln), what it is."""
+    rows = []
+    for arm in ARMS:
+        values = arm.values(num_layers, alpha)
+        scheme = "" if values["scheme"] == "mixln" else f" scheme={values['scheme']}"
+        rows.append((arm.name, values["layout"] + scheme, arm.label))
+    width = [max(len(row[i]) for row in rows) for i in range(2)]
+    return "\n".join(f"{name:{width[0]}s}  {layout:{width[1]}s}  {label}" for name, layout, label in rows)
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
+    ap = build_parser(prog)
     a = ap.parse_args(argv)
-    arm = ARM_BY_NAME[a.arm]
-    resolve_placement(a.layers, arm.settings(a.layers, a.alpha))  # a layout that does not fit L fails here
-    for name, value in arm.values(a.layers, a.alpha).items():
+    try:
+        if a.arm is None:
+            for arm in ARMS:  # every layout must fit L before anything is printed
+                resolve_placement(a.num_layers, arm.settings(a.num_layers, a.mixln_alpha))
+            print(table(a.num_layers, a.mixln_alpha))
+            return 0
+        arm = ARM_BY_NAME[a.arm]
+        resolve_placement(a.num_layers, arm.settings(a.num_layers, a.mixln_alpha))  # a layout that does not fit L fails here
+    except MixLNError as error:
+        return refused(ap.prog, error)
+    for name, value in arm.values(a.num_layers, a.mixln_alpha).items():
         print(f"export {_VARIABLES[name]}={shlex.quote(value)}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m mixln_megatron.analysis.arms"))

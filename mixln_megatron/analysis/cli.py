@@ -10,12 +10,15 @@
 
 Each writes <out-dir>/<name>.json and <out-dir>/<name>.png and prints a short table. Everything
 runs on CPU in one process. Text: --text FILE (paragraphs separated by blank lines), default the
-shipped Austen corpus; tokenizer: --tokenizer DIR (a Hugging Face tokenizer directory), default
+shipped Austen corpus; tokenizer: --tokenizer-model DIR (a Hugging Face tokenizer directory), default
 the tokenizer in the HF folder if it has one, else the one named in the Megatron checkpoint's
 args if that directory exists here, else the shipped byte-level BPE.
 
 Megatron checkpoints are read directly into a megatron-core GPTModel (no conversion): the shape
 comes from the args Megatron-LM saved with the checkpoint, P / scheme from its Mix-LN record.
+Flags are Megatron-LM's where it has one (--load, --tokenizer-model, --mixln-*); the old spellings
+(--megatron, --tokenizer, --post-ln-layers, --scheme, --alpha, train-health's --out) still work.
+A refusal (a bad input or option) is one stderr line and exit status 2.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from ..errors import MixLNError, one_line
+from ..cli_parsing import CommandParser, add_flag, refused
+from ..errors import MixLNError
 from .grad_norms import DEFAULT_VARIANTS, VARIANTS
 
 
@@ -63,48 +67,49 @@ def _embedding_std(text: str):
 
 def _add_text_args(p):
     p.add_argument("--text", default=None, help="text file (default: the shipped Austen corpus)")
-    p.add_argument("--tokenizer", default=None,
-                   help="Hugging Face tokenizer directory (default: see the command's help)")
+    add_flag(p, "--tokenizer-model", "--tokenizer", default=None,
+             help="Hugging Face tokenizer directory (default: the model's own, else the shipped one)")
     p.add_argument("--cache-dir", default=None, help="where the shipped corpus is tokenized once (default: $TMPDIR)")
     p.add_argument("--out-dir", default="analysis", help="where the JSON and PNG go (default: ./analysis)")
 
 
 def _add_model_source_args(p):
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--megatron", metavar="DIR",
-                     help="Megatron-LM torch_dist checkpoint: the --save directory or one iter_* directory")
+    add_flag(src, "--load", "--megatron", metavar="DIR",
+             help="Megatron-LM torch_dist checkpoint: the --save directory or one iter_* directory")
     src.add_argument("--hf", metavar="DIR", help="Hugging Face folder (LLaMA or our mixln_llama export)")
     p.add_argument("--iteration", type=int, default=None, help="Megatron checkpoint iteration (default: latest)")
-    p.add_argument("--post-ln-layers", type=int, default=None,
-                   help="override P for a Megatron checkpoint (default: the checkpoint's record)")
-    p.add_argument("--scheme", default=None, choices=("mixln", "lns", "mixln+lns"),
-                   help="override the scheme for a Megatron checkpoint")
+    add_flag(p, "--mixln-post-ln-layers", "--post-ln-layers", type=int, default=None,
+             help="override P for a Megatron checkpoint (default: the checkpoint's record)")
+    add_flag(p, "--mixln-scheme", "--scheme", default=None, choices=("mixln", "lns", "mixln+lns"),
+             help="override the scheme for a Megatron checkpoint")
     p.add_argument("--tokens", type=int, default=8192, help="tokens to average over (default 8192)")
     p.add_argument("--seq-length", type=int, default=128, help="tokens per sequence (default 128)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
 
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog or "mixln-megatron analyze", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(prog=prog or "mixln-megatron analyze", description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("grad-norms", help="per-layer gradient norms at initialization (Figures 3e / 6a)",
                        description="Per-layer gradient norm (L2 over each layer's parameters) at "
                        "initialization, one fresh megatron-core GPT per variant and seed.")
-    g.add_argument("--num-layers", type=int, default=12)
-    g.add_argument("--hidden-size", type=int, default=128)
-    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-layers", type=int, default=12, help="transformer layers L (default 12)")
+    g.add_argument("--hidden-size", type=int, default=128, help="hidden size (default 128)")
+    g.add_argument("--num-attention-heads", type=int, default=4, help="attention heads (default 4)")
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 8/3 hidden, rounded up to 16")
-    g.add_argument("--seq-length", type=int, default=128)
-    g.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("--seq-length", type=int, default=128, help="tokens per sequence (default 128)")
+    g.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default 8)")
     g.add_argument("--num-batches", type=int, default=4, help="batches whose mean loss is differentiated")
-    g.add_argument("--alpha", type=float, default=0.25, help="Mix-LN alpha (P = floor(alpha * L))")
+    add_flag(g, "--mixln-alpha", "--alpha", type=float, default=0.25,
+             help="Mix-LN alpha (P = floor(alpha * L)); default 0.25")
     g.add_argument("--variants", type=_variants, default=list(DEFAULT_VARIANTS),
                    help=f"comma list from {', '.join(VARIANTS)} (default {','.join(DEFAULT_VARIANTS)})")
     g.add_argument("--seeds", type=_seeds, default=[1234, 1235, 1236], help="model init seeds (default 3)")
     g.add_argument("--data-seed", type=int, default=0, help="which windows of the text are used")
-    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--init-method-std", type=float, default=0.02, help="Megatron's weight init std (default 0.02)")
     g.add_argument("--exclude-norms", action="store_true",
                    help="norm over the weight matrices only (default: every parameter of the layer, "
                    "the norms' scale vectors included)")
@@ -123,15 +128,15 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
 
     # Its own parser (analysis.train_health) takes the arguments; imported only when it runs.
     sub.add_parser("train-health", add_help=False,
-                   help="plots of the per-layer telemetry a training run logged (RUN_DIR [--out DIR])")
+                   help="plots of the per-layer telemetry a training run logged (RUN_DIR [--out-dir DIR])")
     return parser
 
 
 def _tokenizer_spec(a, lm=None):
     from ..data import TokenizerSpec
 
-    if a.tokenizer:
-        return TokenizerSpec.hf_dir(a.tokenizer)
+    if a.tokenizer_model:
+        return TokenizerSpec.hf_dir(a.tokenizer_model)
     hf = getattr(a, "hf", None)
     if hf and any(os.path.exists(os.path.join(hf, f)) for f in ("tokenizer.json", "vocab.json", "tokenizer.model")):
         return TokenizerSpec.hf_dir(hf)
@@ -153,10 +158,6 @@ def _run_grad_norms(a) -> int:
     from . import grad_norms, textdata
     from .models import FreshShape
 
-    if a.num_layers < 1 or a.batch_size < 1 or a.num_batches < 1 or not a.seeds:
-        print("error: --num-layers, --batch-size, --num-batches must be positive and --seeds non-empty",
-              file=sys.stderr)
-        return 2
     spec = _tokenizer_spec(a)
     tokens = textdata.corpus_tokens(a.text, spec, a.cache_dir)
     from ..data import load_tokenizer
@@ -169,7 +170,7 @@ def _run_grad_norms(a) -> int:
     )
     batch_list = textdata.batches(tokens, a.seq_length, a.batch_size, a.num_batches, seed=a.data_seed)
     t0 = time.time()
-    result = grad_norms.measure_at_init(shape, batch_list, a.variants, a.alpha, a.seeds, a.exclude_norms)
+    result = grad_norms.measure_at_init(shape, batch_list, a.variants, a.mixln_alpha, a.seeds, a.exclude_norms)
     result.update(
         when="at initialization", text=a.text or "shipped Austen corpus",
         tokens_per_gradient=a.batch_size * a.num_batches * a.seq_length, seconds=round(time.time() - t0, 1),
@@ -191,11 +192,12 @@ def _run_grad_norms(a) -> int:
 def _load(a):
     from .models import load_model
 
-    if a.megatron:
-        return load_model(megatron=a.megatron, iteration=a.iteration, post_ln_layers=a.post_ln_layers,
-                          scheme=a.scheme)
-    if a.post_ln_layers is not None or a.scheme is not None:
-        raise ValueError("--post-ln-layers / --scheme apply to Megatron checkpoints; an HF folder's config says them")
+    if a.load:
+        return load_model(megatron=a.load, iteration=a.iteration, post_ln_layers=a.mixln_post_ln_layers,
+                          scheme=a.mixln_scheme)
+    if a.mixln_post_ln_layers is not None or a.mixln_scheme is not None:
+        raise ValueError("--mixln-post-ln-layers / --mixln-scheme apply to Megatron checkpoints; an HF folder's "
+                         "config says them")
     return load_model(hf=a.hf)
 
 
@@ -272,28 +274,31 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     warnings.filterwarnings("ignore", message=".*absl.logging is not installed.*")
     argv = list(sys.argv[1:] if argv is None else argv)
+    prog = prog or "mixln-megatron analyze"
+    where = f"{prog} {argv[0]}" if argv and not argv[0].startswith("-") else prog  # the refusal line's command
     try:
         if argv[:1] == ["train-health"]:  # analysis.train_health parses its own arguments
             from . import train_health
 
-            return train_health.main(argv[1:])
+            return train_health.main(argv[1:], prog=where)
         a = build_parser(prog).parse_args(argv)
-        if getattr(a, "megatron", None):
+        if getattr(a, "load", None):
+            from ..convert.announce import announce_checkpoint_read
             from ..convert.inspect import inspect_checkpoint
 
-            inspect_checkpoint(a.megatron, a.iteration)  # refuse a bad checkpoint before megatron is imported
+            announce_checkpoint_read(a.load, a.iteration)  # a large .metadata: say so before reading it
+            inspect_checkpoint(a.load, a.iteration)  # refuse a bad checkpoint before megatron is imported
         if getattr(a, "hf", None):
             from .models import check_hf_folder
 
             check_hf_folder(a.hf)  # refuse a bad folder (confined, validated) before the harness or transformers
+        if a.command == "grad-norms" and (a.num_layers < 1 or a.batch_size < 1 or a.num_batches < 1 or not a.seeds):
+            raise ValueError("--num-layers, --batch-size, --num-batches must be positive and --seeds non-empty")
         run = {"grad-norms": _run_grad_norms, "angular-distance": _run_angular}.get(a.command, _run_layer_drop)
         with _megatron_on_this_machine():
             return run(a)
-    except MixLNError:
-        raise  # a refused checkpoint or setting: cli.main prints it in one line, exit 2
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {one_line(e)}", file=sys.stderr)
-        return 1
+    except (MixLNError, ValueError, OSError) as e:  # a refused input or setting, or an unreadable file
+        return refused(where, e)
 
 
 if __name__ == "__main__":

@@ -151,4 +151,4 @@ def check_vocab(batch_list, vocab_size: int, what: str = "the model") -> None:
     top = max(top, max(int(lab.max()) for _, lab in batch_list))
     if top >= vocab_size:
         raise ValueError(f"token id {top} is outside the vocabulary of {what} ({vocab_size}); "
-                         "pass the tokenizer the model was trained with (--tokenizer)")
+                         "pass the tokenizer the model was trained with (--tokenizer-model)")

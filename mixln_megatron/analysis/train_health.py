@@ -18,6 +18,7 @@ import math
 import os
 from typing import List, Optional
 
+from ..cli_parsing import CommandParser, add_flag
 from ..model.layout import boundaries, first_p_kinds
 from ..training.telemetry import JSONL_NAME
 
@@ -136,18 +137,18 @@ def plot(summary: dict, out_dir: str) -> List[str]:
     return [heatmap, boundary]
 
 
-def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="mixln-megatron analyze train-health", description=__doc__,
-                                               formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(parser: Optional[argparse.ArgumentParser] = None, prog: Optional[str] = None):
+    parser = parser or CommandParser(prog=prog or "mixln-megatron analyze train-health", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="run directory (or the JSONL file) with mixln_telemetry.jsonl")
-    parser.add_argument("--out", default=None, help="output directory (default: RUN_DIR)")
+    add_flag(parser, "--out-dir", "--out", default=None, help="output directory (default: RUN_DIR)")
     return parser
 
 
 def run(args) -> dict:
     path = find_records(args.run_dir)
     summary = summarize(read_records(path))
-    out_dir = args.out or (args.run_dir if os.path.isdir(args.run_dir) else os.path.dirname(path))
+    out_dir = args.out_dir or (args.run_dir if os.path.isdir(args.run_dir) else os.path.dirname(path))
     os.makedirs(out_dir, exist_ok=True)
     summary["figures"] = plot(summary, out_dir)
     summary["source"] = path
@@ -162,10 +163,14 @@ def run(args) -> dict:
     return summary
 
 
-def main(argv=None) -> int:
-    run(build_parser().parse_args(argv))
+def main(argv=None, prog: Optional[str] = None) -> int:
+    run(build_parser(prog=prog).parse_args(argv))
     return 0
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from .cli import main as analyze_main  # its refusals: one line, exit 2
+
+    sys.exit(analyze_main(["train-health", *sys.argv[1:]], prog="python -m mixln_megatron.analysis"))

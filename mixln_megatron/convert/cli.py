@@ -2,13 +2,13 @@
 mixln_megatron.convert.
 
     mixln-megatron convert to-hf --load CKPT_DIR [--iteration N] --save HF_DIR
-        [--dtype auto|bfloat16|float16|float32] [--tokenizer DIR] [--vocab-size N]
+        [--dtype auto|bfloat16|float16|float32] [--tokenizer-model DIR] [--vocab-size N]
         [--max-shard-size 5GB] [--overwrite] [--no-progress]
 
     mixln-megatron convert from-hf --load HF_DIR --save CKPT_DIR [--tp N] [--pp M]
         [--ckpt-format torch_dist|torch] [--transformer-impl transformer_engine|local]
         [--dtype auto|...] [--make-vocab-size-divisible-by 128]
-        [--post-ln-layers P | --mixln-alpha A] [--mixln-scheme S] [--tokenizer-model PATH]
+        [--mixln-post-ln-layers P | --mixln-alpha A] [--mixln-scheme S] [--tokenizer-model PATH]
         [--overwrite] [--no-progress]
 
     mixln-megatron convert gpt-to-hybrid --load CKPT_DIR --save CKPT_DIR [--iteration N] [--overwrite]
@@ -22,8 +22,8 @@ mixln_megatron.convert.
         would read, through the allow-list (convert.vet); exit 0 and one line saying it is clean, or
         the refusal line and exit 2)
 
-Exit status: 0 on success, 2 when the conversion is refused or fails (the message says why; no
-output is left behind), 1 on an unexpected error, 128 + N when stopped by signal N (SIGINT,
+Exit status: 0 on success, 2 when the conversion is refused or fails, or for a usage error (one
+stderr line says why; no output is left behind), 1 on an unexpected error, 128 + N when stopped by signal N (SIGINT,
 SIGTERM, SIGHUP: the temporary output is removed and the previous output, if any, is kept).
 """
 
@@ -35,12 +35,14 @@ import signal
 import sys
 from typing import Optional, Sequence
 
+from ..cli_parsing import CommandParser, add_flag, refused
+from ..errors import MixLNError
 from ..safe_output import Interrupted, signals_as_interrupt
-from ..errors import ConversionError, one_line
+from .announce import announce_checkpoint_read
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="mixln-megatron convert",
         description="Convert checkpoints between Megatron-LM (torch_dist or legacy torch) and Hugging Face.",
     )
@@ -59,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     to.add_argument("--iteration", default=None,
                     help="iteration to export (default: latest_checkpointed_iteration.txt); 'release' allowed")
-    to.add_argument("--tokenizer", default=None,
-                    help="tokenizer directory to copy into the output (also gives the true vocabulary size and "
+    add_flag(to, "--tokenizer-model", "--tokenizer", default=None,
+             help="tokenizer directory to copy into the output (also gives the true vocabulary size and "
                     "the special token ids)")
     to.add_argument("--vocab-size", type=int, default=None,
                     help="true (unpadded) vocabulary size, when the checkpoint's args do not record it")
@@ -86,10 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     fr.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                     help="Megatron's vocabulary padding unit (default 128; padded to a multiple of it x TP)")
     group = fr.add_mutually_exclusive_group()
-    group.add_argument("--post-ln-layers", type=int, default=None,
-                       help="stock Llama folders only: convert as Mix-LN with P Post-LN layers (default: Pre-LN, "
-                       "P = 0). A Mix-LN folder's own settings are always kept.")
-    group.add_argument("--mixln-alpha", default=None, help="like --post-ln-layers, as P = floor(alpha * L)")
+    add_flag(group, "--mixln-post-ln-layers", "--post-ln-layers", type=int, default=None,
+             help="stock Llama folders only: convert as Mix-LN with P Post-LN layers (default: Pre-LN, "
+             "P = 0). A Mix-LN folder's own settings are always kept.")
+    group.add_argument("--mixln-alpha", default=None, help="like --mixln-post-ln-layers, as P = floor(alpha * L)")
     fr.add_argument("--mixln-scheme", default=None, choices=["mixln", "lns", "mixln+lns"],
                     help="stock Llama folders only: the scheme to convert as")
     fr.add_argument("--tokenizer-model", default=None,
@@ -137,10 +139,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         with signals_as_interrupt():
+            if args.command != "from-hf":  # it reads a Megatron-LM checkpoint: say so first when it is large
+                announce_checkpoint_read(args.load, args.iteration, every_pickle=args.command == "inspect" and args.check)
             return _run(args)
-    except ConversionError as e:
-        print(f"mixln-megatron convert {args.command}: error: {one_line(e)}", file=sys.stderr)
-        return 2
+    except (MixLNError, OSError) as e:  # a refused input, or one the system will not let us read or write
+        return refused(f"mixln-megatron convert {args.command}", e)
     except (KeyboardInterrupt, Interrupted) as e:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         where = f"; {args.save} is as it was before this run" if getattr(args, "save", None) else ""
@@ -150,7 +153,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _run(args) -> int:
-    """Run one sub-command; refusals raise ConversionError."""
+    """Run one sub-command; refusals raise MixLNError (mostly ConversionError)."""
     if args.command in ("gpt-to-hybrid", "hybrid-to-gpt"):
         from .gpt_hybrid import convert_gpt_to_hybrid, convert_hybrid_to_gpt
 
@@ -191,7 +194,7 @@ def _run(args) -> int:
         from .to_hf import convert_to_hf
 
         summary = convert_to_hf(
-            args.load, args.save, iteration=args.iteration, dtype=args.dtype, tokenizer=args.tokenizer,
+            args.load, args.save, iteration=args.iteration, dtype=args.dtype, tokenizer=args.tokenizer_model,
             vocab_size=args.vocab_size, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
             progress=not args.no_progress,
         )
@@ -215,7 +218,7 @@ def _run(args) -> int:
             args.load, args.save, tp=args.tp, pp=args.pp, ckpt_format=args.ckpt_format, dtype=args.dtype,
             transformer_impl=args.transformer_impl,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-            post_ln_layers=args.post_ln_layers, alpha=args.mixln_alpha, scheme=args.mixln_scheme,
+            post_ln_layers=args.mixln_post_ln_layers, alpha=args.mixln_alpha, scheme=args.mixln_scheme,
             tokenizer_model=args.tokenizer_model, overwrite=args.overwrite, progress=not args.no_progress,
         )
         print(f"[mixln-megatron convert] {json.dumps(summary)}")

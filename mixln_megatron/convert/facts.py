@@ -20,7 +20,7 @@ from typing import Mapping, Optional, Tuple
 from ..errors import ConversionError
 from .shape import ModelShape
 
-# Tokenizer files an export copies with --tokenizer; the first four mark a folder as a tokenizer.
+# Tokenizer files an export copies with --tokenizer-model; the first four mark a folder as a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "spiece.model",
                    "chat_template.jinja", "chat_template.json")
@@ -89,18 +89,18 @@ def resolve_true_vocab(reader, vocab_size: Optional[int], tokenizer_dir: Optiona
     args_vocab = getattr(reader.args, "vocab_size", None)
     if args_vocab:
         return int(args_vocab), "the checkpoint's args (vocab_size)"
-    for source, path in (("--tokenizer", tokenizer_dir), ("the checkpoint's args (tokenizer_model)",
+    for source, path in (("--tokenizer-model", tokenizer_dir), ("the checkpoint's args (tokenizer_model)",
                                                            getattr(reader.args, "tokenizer_model", None))):
         if path and os.path.isdir(str(path)):
             return len(load_tokenizer(str(path))), f"the tokenizer in {path} ({source})"
     raise ConversionError(
         "cannot tell the true vocabulary size: the checkpoint's args record none and no local tokenizer "
-        f"is known; pass --vocab-size N or --tokenizer DIR (the padded size is {reader.padded_vocab_size})"
+        f"is known; pass --vocab-size N or --tokenizer-model DIR (the padded size is {reader.padded_vocab_size})"
     )
 
 
 def _token_ids(reader, tokenizer: Optional[str]) -> Mapping[str, Optional[int]]:
-    """Special token ids only come from a tokenizer (--tokenizer, else a local folder the args
+    """Special token ids only come from a tokenizer (--tokenizer-model, else a local folder the args
     record); without one they stay unset (not Llama's 1 / 2)."""
     tok = None
     if tokenizer:

@@ -10,7 +10,7 @@ What is written (into a temporary directory renamed to --save at the end):
   configuration_mixln_llama.py, modeling_mixln_llama.py   the model code (Mix-LN / LNS only).
   model-0000k-of-0000N.safetensors + model.safetensors.index.json
   generation_config.json
-  tokenizer files            with --tokenizer DIR.
+  tokenizer files            with --tokenizer-model DIR.
 
 A Mix-LN HybridModel checkpoint (`*-` pairs) exports as the GPT model its blocks are: the same
 config.json and tensors as the GPTModel checkpoint with the same weights.
@@ -379,20 +379,11 @@ def _copy_tokenizer(src: str, dst: str) -> None:
             shutil.copyfile(path, os.path.join(dst, name))
             copied += 1
     if not copied:
-        raise ConversionError(f"--tokenizer {src}: no tokenizer files found ({', '.join(TOKENIZER_FILES[:4])}, ...)")
-
-
-class _NoBar:
-    def update(self, n):
-        pass
-
-    def close(self):
-        pass
+        raise ConversionError(f"--tokenizer-model {src}: no tokenizer files found ({', '.join(TOKENIZER_FILES[:4])}, ...)")
 
 
 def _progress(enabled: bool, total: int, desc: str):
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
+    """The conversions' byte progress (progress.bar: a bar on a terminal, periodic lines in a log)."""
+    from ..progress import bar
 
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, dynamic_ncols=True)
+    return bar(total, desc, enabled=enabled)

@@ -26,7 +26,8 @@ Documents that are empty (or only whitespace) are skipped and counted separately
 
 Tokenization: the shipped byte-level BPE by default (mixln_megatron/assets/tokenizer), or GPT-2
 format --vocab-file/--merge-file, a `tokenizers` --tokenizer-file tokenizer.json, or a local Hugging
-Face --tokenizer-dir; all offline. No special tokens are added by the encoding; --append-eod appends
+Face tokenizer directory --tokenizer-model (Megatron-LM's name; the old --tokenizer-dir still
+works); all offline. No special tokens are added by the encoding; --append-eod appends
 the tokenizer's end-of-document id (EOS, else `<|endoftext|>`) to the last sequence of every
 document. The .bin dtype is chosen from the vocabulary size the way Megatron does
 (DType.optimal_dtype: uint16 below 65500 ids, else int32).
@@ -36,6 +37,7 @@ document. The .bin dtype is chosen from the vocabulary size the way Megatron doe
 Output is atomic (see data.indexed_output): an exception, Ctrl-C, SIGTERM or SIGHUP leaves no new
 .bin/.idx pair, a SIGKILLed run's leftovers are removed by the next run into the same prefix, an
 existing prefix is refused without --overwrite, and an output that is one of the inputs always.
+A refusal (a bad input or option) is one stderr line and exit status 2.
 
 --workers N tokenizes in N processes (multiprocessing "spawn" Pool, imap over chunks of
 --chunk-size documents, order preserved: the output is byte-identical to --workers 1).
@@ -54,6 +56,9 @@ import sys
 import time
 from typing import Iterable, List, Optional, Sequence
 
+from ..cli_parsing import CommandParser, add_flag, refused
+from ..errors import MixLNError
+from ..progress import bar as progress_bar
 from ..safe_output import Interrupted, check_separate, new_temp_name, signals_as_interrupt
 from .encode import WorkerConfig, encode_chunk, init_worker, load_sentence_splitter, reset_worker
 from .indexed_output import check_output, import_indexed_dataset, output_paths, publish, remove_if_present, sweep_stale_output
@@ -108,7 +113,6 @@ def _run(
         load_sentence_splitter()  # fail early if the model is missing
 
     DType, IndexedDatasetBuilder = import_indexed_dataset()
-    from tqdm import tqdm
 
     dtype = DType.optimal_dtype(tok.vocab_size)
     stats.dtype, stats.vocab_size, stats.eod_id = dtype.__name__, tok.vocab_size, eod
@@ -122,11 +126,8 @@ def _run(
     tmp_bin, tmp_idx = stem + ".bin", stem + ".idx"
 
     builder = None
-    bar = tqdm(
-        total=total_bytes, unit="B" if total_bytes is not None else " docs",
-        unit_scale=total_bytes is not None, desc=f"preprocess {base}",
-        disable=not progress, file=sys.stderr, dynamic_ncols=True,
-    )
+    bar = progress_bar(total_bytes, f"preprocess {base}", enabled=progress,
+                       unit="B" if total_bytes is not None else "docs")
 
     def consume(nbytes: int, results: list) -> None:
         for r in results:
@@ -280,7 +281,7 @@ def build_from_documents(
 
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog=prog or "mixln-megatron preprocess",
         description="Tokenize text (JSONL or plain text) into a Megatron indexed dataset "
         "(<prefix>.bin + <prefix>.idx), offline.",
@@ -308,8 +309,8 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     g = tk.add_mutually_exclusive_group()
     g.add_argument("--vocab-file", metavar="VOCAB_JSON", help="GPT-2 format vocab.json (with --merge-file)")
     g.add_argument("--tokenizer-file", metavar="TOKENIZER_JSON", help="a `tokenizers` tokenizer.json")
-    g.add_argument("--tokenizer-dir", metavar="DIR",
-                   help="a local Hugging Face tokenizer directory (AutoTokenizer, no network)")
+    add_flag(g, "--tokenizer-model", "--tokenizer-dir", metavar="DIR",
+             help="a local Hugging Face tokenizer directory (AutoTokenizer, no network)")
     tk.add_argument("--merge-file", metavar="MERGES_TXT", help="GPT-2 format merges.txt (with --vocab-file)")
 
     pr = p.add_argument_group("processing")
@@ -330,8 +331,8 @@ def _spec_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> Option
         return TokenizerSpec.gpt2(a.vocab_file, a.merge_file)
     if a.tokenizer_file:
         return TokenizerSpec.json(a.tokenizer_file)
-    if a.tokenizer_dir:
-        return TokenizerSpec.hf_dir(a.tokenizer_dir)
+    if a.tokenizer_model:
+        return TokenizerSpec.hf_dir(a.tokenizer_model)
     return None
 
 
@@ -351,9 +352,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
                 append_eod=a.append_eod, tokenizer=spec, workers=a.workers, chunk_size=a.chunk_size,
                 max_documents=a.max_documents, overwrite=a.overwrite, progress=not a.no_progress,
             )
-    except PreprocessError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except (MixLNError, OSError) as e:  # PreprocessError, or a file the system will not let us read or write
+        return refused(p.prog, e)
     except KeyboardInterrupt:
         print("interrupted: nothing written", file=sys.stderr)
         return 130

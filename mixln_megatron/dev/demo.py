@@ -253,7 +253,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     # The demo is a script of user commands: the health plots come from the CLI, like the training.
     commands["train_health"] = [sys.executable, "-m", "mixln_megatron.cli", "analyze", "train-health",
-                                telemetry["mixln"], "--out", os.path.join(out, "mixln")]
+                                telemetry["mixln"], "--out-dir", os.path.join(out, "mixln")]
     subprocess.run(commands["train_health"], check=True, env=env)
     with open(os.path.join(out, "mixln", "train_health.json")) as f:
         health = json.load(f)

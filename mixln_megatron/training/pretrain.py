@@ -42,7 +42,8 @@ import time
 from functools import partial
 from typing import Optional, Sequence
 
-from ..errors import MixLNError, one_line, report
+from ..cli_parsing import one_line_usage_errors, refused
+from ..errors import MixLNError, report
 from ..megatron_args import add_mixln_args, backend_from_args, run_settings  # noqa: F401  (run_settings: part of this entry point's API)
 from ..model import hybrid_pattern, settings as mixln_settings, support
 from ..model.placement import resolve_placement
@@ -262,13 +263,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sys.argv = [saved_argv[0] if saved_argv else "mixln-megatron-pretrain", *argv]
     try:
         # The unsupported configurations get a clear message before Megatron validates anything.
-        given = parse_args(add_pretrain_args)
+        with one_line_usage_errors():  # Megatron-LM's parser: a bad flag is one line, not its whole usage
+            given = parse_args(add_pretrain_args)
         # Every pickle Megatron-LM's load will touch (--use-checkpoint-args reads the args next),
         # read through the allow-list first: a payload is refused here, before Megatron sees it.
         vet_load_args(given)
         check_supported_args(given)
         check_hybrid_args(given)
-        args = compat.parse_and_validate_args(add_pretrain_args)
+        with one_line_usage_errors():
+            args = compat.parse_and_validate_args(add_pretrain_args)
         check_supported_args(args, spec_from_checkpoint=True)
         check_hybrid_args(args)  # --use-checkpoint-args may bring the pattern
         checkpoint_args = _checkpoint_args(args)
@@ -281,8 +284,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _report_on_rank_0(error)
         return 2
     except MixLNError as error:
-        print(f"mixln-megatron pretrain: error: {one_line(error)}", file=sys.stderr, flush=True)
-        return 2
+        return refused("mixln-megatron pretrain", error)
     finally:
         sys.argv = saved_argv
     _note_ignored_environment()
