@@ -54,10 +54,8 @@ def version() -> str:
         return __version__
 
 
-def placement_main(argv=None) -> int:
-    from .model import hybrid_pattern
-    from .model.placement import resolve_placement
-    from .model.settings import FIELDS, MixLNSettings
+def placement_parser() -> CommandParser:
+    from .model.settings import FIELDS
 
     parser = CommandParser(prog="mixln-megatron placement", description="Show the Post-LN layers.")
     shape = parser.add_mutually_exclusive_group(required=True)
@@ -71,7 +69,15 @@ def placement_main(argv=None) -> int:
                  type=int if name == "--mixln-post-ln-layers" else str)
     for name in ("--mixln-scheme", "--mixln-deepnorm-alpha", "--mixln-deepnorm-beta"):
         add_flag(parser, name, "--" + name[len("--mixln-"):], help=help_of[name], type=str)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def placement_main(argv=None) -> int:
+    from .model import hybrid_pattern
+    from .model.placement import resolve_placement
+    from .model.settings import MixLNSettings
+
+    args = placement_parser().parse_args(argv)
     fields = ("alpha", "post_ln_layers", "layout", "scheme", "deepnorm_alpha", "deepnorm_beta")
     settings = MixLNSettings(**{field: getattr(args, "mixln_" + field) for field in fields},
                              sources={field: "--mixln-" + field.replace("_", "-") for field in fields})

@@ -216,6 +216,11 @@ def _note_ignored_environment() -> None:
 def print_help(file=None) -> None:
     """--help: this entry point's flags. (megatron-core 0.19.2's own --help crashes on a help
     string with a stray '%'; see Megatron-LM's arguments.py for its flags.)"""
+    help_parser().print_help(file)
+
+
+def help_parser():
+    """The parser --help shows: the --mixln-* flags and this entry point's own."""
     import argparse
 
     parser = argparse.ArgumentParser(
@@ -225,8 +230,7 @@ def print_help(file=None) -> None:
         "Megatron-LM flag (see megatron/training/arguments.py; Megatron's own --help is broken in "
         "megatron-core 0.19.2) plus the flags below.",
     )
-    add_pretrain_args(parser)
-    parser.print_help(file)
+    return add_pretrain_args(parser)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
