@@ -81,9 +81,10 @@ else:
             return {}
         return {"layer_kinds": kinds, **({"deepnorm_alpha": 1.5, "deepnorm_beta": 0.4} if "deepnorm" in kinds else {})}
 
-    def hf_model(post_ln, scheme, seed=0, kinds=None):
-        """The HF model of a layout, random weights (norm weights far from 1)."""
-        config = config_for_export(post_ln, scheme, None, **layout_fields(kinds), **TINY)
+    def hf_model(post_ln, scheme, seed=0, kinds=None, tied=False):
+        """The HF model of a layout, random weights (norm weights far from 1); tied: the output layer
+        is the embedding (tie_word_embeddings)."""
+        config = config_for_export(post_ln, scheme, None, **layout_fields(kinds), **{**TINY, "tie_word_embeddings": tied})
         torch.manual_seed(seed)
         cls = MixLNLlamaForCausalLM if config.model_type == "mixln_llama" else LlamaForCausalLM
         model = cls(config)
@@ -132,7 +133,7 @@ else:
         def __exit__(self, *exc):
             return False
 
-    def our_model(post_ln, scheme, kinds=None):
+    def our_model(post_ln, scheme, kinds=None, tied=False):
         """The GPTModel this package builds itself (mixln_megatron.model.specs), same shape."""
         from mixln_megatron.model.layout import layout_text
         from mixln_megatron.model.settings import MixLNSettings
@@ -144,7 +145,7 @@ else:
         settings = (MixLNSettings(layout=layout_text(kinds), scheme=scheme, **deepnorm)
                     if kinds else MixLNSettings(post_ln_layers=post_ln, scheme=scheme))
         spec = get_mixln_decoder_block_spec(cfg, backend="local", settings=settings)
-        return testing.build_gpt(cfg, spec, vocab=VOCAB, untie=True, seq=64)
+        return testing.build_gpt(cfg, spec, vocab=VOCAB, untie=not tied, seq=64)
 
     @pytest.fixture(scope="module")
     def gloo():
@@ -153,16 +154,26 @@ else:
         testing.shutdown()
         cpu.disable()
 
-    def hf_state(model):
-        return {k: v for k, v in model.state_dict().items() if not k.endswith("inv_freq")}
+    def hf_state(model, stored=False):
+        """The HF model's tensors; stored: those its folder holds (a tied lm_head is not stored)."""
+        tied = stored and model.config.tie_word_embeddings
+        return {k: v for k, v in model.state_dict().items()
+                if not k.endswith("inv_freq") and not (tied and k == "lm_head.weight")}
 
+    # Every layout untied and tied: Bridge's tied path once lost the sandwich output norms (their
+    # names contain "output_layer").
+    TIES = [False, True]
+
+    @pytest.mark.parametrize("tied", TIES, ids=["untied", "tied"])
     @pytest.mark.parametrize("post_ln,scheme,kinds", LAYOUTS, ids=IDS)
-    def test_round_trip_local_backend(gloo, tmp_path, post_ln, scheme, kinds):
+    def test_round_trip_local_backend(gloo, tmp_path, post_ln, scheme, kinds, tied):
         from mixln_megatron.model.layout import layout_text
 
-        hf = hf_model(post_ln, scheme, kinds=kinds)
+        hf = hf_model(post_ln, scheme, kinds=kinds, tied=tied)
         folder = export_folder(hf, str(tmp_path / "exported"))
+        assert ("lm_head.weight" in folder_tensors(folder)) is not tied
         bridge, provider, models = bridge_models(folder)
+        assert provider.share_embeddings_and_output_weights is tied
 
         # The bridge: ours for Mix-LN folders (layout from the config), Bridge's Llama for P = 0.
         stock = post_ln == 0 and scheme == "mixln" and kinds is None
@@ -186,22 +197,24 @@ else:
         torch.testing.assert_close(megatron_logits(model, ids), reference, rtol=0, atol=2e-5)
 
         # The model Bridge builds has the keys of the model this package builds.
-        ours = our_model(post_ln, scheme, kinds)
+        ours = our_model(post_ln, scheme, kinds, tied)
         assert set(model.state_dict()) == set(ours.state_dict())
         assert set(model.sharded_state_dict()) == set(ours.sharded_state_dict())
 
-        # HF weights exported back exactly.
+        # HF weights exported back exactly (those the folder holds).
         exported = dict(bridge.export_hf_weights(models, cpu=True, show_progress=False))
-        expected = hf_state(hf)
+        expected = hf_state(hf, stored=True)
         assert set(exported) == set(expected)
         for name, tensor in expected.items():
             assert torch.equal(exported[name], tensor), name
+        expected = hf_state(hf)
 
         # save_hf_pretrained -> the same folder kind, reloading to the same model.
         out = str(tmp_path / "saved")
         bridge.save_hf_pretrained(models, out, show_progress=False)
         reloaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
         assert type(reloaded).__name__ == type(hf).__name__
+        assert reloaded.config.tie_word_embeddings is tied
         if not stock:
             assert (reloaded.config.post_ln_layers, reloaded.config.mixln_scheme) == (post_ln, scheme)
             assert getattr(reloaded.config, "layer_kinds", None) == kinds

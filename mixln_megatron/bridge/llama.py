@@ -29,6 +29,7 @@ from megatron.bridge.models.llama.llama_bridge import LlamaBridge
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from ..hf.export_code import MIXLN_ARCHITECTURES, export_config_fields
+from .conversion_tasks import build_tasks
 from .provider import MixLNModelProvider
 
 MIXLN_ARCHITECTURE = MIXLN_ARCHITECTURES[0]  # "MixLNLlamaForCausalLM", the auto_map class name
@@ -154,6 +155,14 @@ class MixLNLlamaBridge(LlamaBridge):
         dropped, added = layout_mappings(_kinds_of(self.hf_config) if self.hf_config is not None else [])
         kept = [m for m in llama.mappings if getattr(m, "megatron_param", None) not in dropped]
         return MegatronMappingRegistry(*kept, *post_ln_mappings(), *added)
+
+    # Bridge's task builders, corrected (conversion_tasks): tied embeddings keep the sandwich output
+    # norms, and a parameter no task writes is refused instead of left at its initial value.
+    def build_conversion_tasks(self, hf_pretrained, megatron_model, *args, **kwargs):
+        return build_tasks(self, super().build_conversion_tasks, hf_pretrained, megatron_model, *args, **kwargs)
+
+    def build_export_fp8_tasks(self, hf_pretrained, megatron_model, *args, **kwargs):
+        return build_tasks(self, super().build_export_fp8_tasks, hf_pretrained, megatron_model, *args, **kwargs)
 
 
 _register_module_types()
