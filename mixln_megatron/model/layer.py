@@ -43,12 +43,15 @@ the recorded settings do (see checkpoint.py): every layer's kind is checked on l
 DeepNorm's residual scale and Sandwich's output norms sit in the layer's bias-dropout-add steps
 (self_attn_bda / mlp_bda, wrapped by ResidualStep), which every supported megatron release calls
 as `bda(training, fusion)(out_with_bias, residual, dropout)`. DeepNorm's init (DeepNet's beta on
-fc1, fc2, the attention output projection and the value rows of linear_qkv) multiplies the weights
-megatron's init methods made, on each TP shard, so CPU and TP-sharded init agree.
+fc1, fc2, the attention output projection and the value rows of linear_qkv, all four from the base
+init: megatron's depth-scaled output-layer init is not used for a deepnorm layer's linear_proj and
+linear_fc2, see output_layers_at_base_init) multiplies the weights megatron's init methods made, on
+each TP shard, so CPU and TP-sharded init agree.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Optional
@@ -211,6 +214,24 @@ def value_rows(weight_rows: int, attention) -> slice:
     return slice(per_group - dim, per_group)
 
 
+@contextlib.contextmanager
+def output_layers_at_base_init(config):
+    """While a deepnorm layer is built: megatron draws linear_proj and linear_fc2 with the base init
+    (config.init_method) instead of its depth-scaled output-layer init (init_method_std / sqrt(2L)).
+
+    DeepNet's rule is one gain, beta = (8L)^(-1/4), on a depth-free base init for V, the output
+    projection, fc1 and fc2; beta is the depth scaling, so on top of megatron's 1/sqrt(2L) the two
+    output projections would start sqrt(2L) times smaller than fc1 and V. The swap lasts only for
+    the construction (every init method is read then; meta-device init, which re-initialises
+    later, is refused for deepnorm layers) and is undone even when the build fails."""
+    saved = config.output_layer_init_method
+    config.output_layer_init_method = config.init_method
+    try:
+        yield
+    finally:
+        config.output_layer_init_method = saved
+
+
 @compat.keep_release_hooks  # only the MLP residual-step override this release calls stays
 class MixLNTransformerLayer(TransformerLayer):
     """A TransformerLayer of the kind (pre, post, deepnorm, sandwich) the placement gives its global
@@ -276,17 +297,19 @@ class MixLNTransformerLayer(TransformerLayer):
                 submodules, sharded_state_dict_keys_map={**PRE_LN_KEYS_MAP, **SANDWICH_KEYS_MAP})
         elif not self.placement.is_stock:
             submodules = dataclasses.replace(submodules, sharded_state_dict_keys_map=dict(PRE_LN_KEYS_MAP))
-        super().__init__(
-            config,
-            submodules,
-            layer_number=layer_number,
-            hidden_dropout=hidden_dropout,
-            pg_collection=pg_collection,
-            vp_stage=vp_stage,
-            is_mtp_layer=is_mtp_layer,
-            add_layer_offset=add_layer_offset,
-            **kwargs,
-        )
+        deepnorm_init = self.kind == layout.DEEPNORM and getattr(config, "perform_initialization", True)
+        with output_layers_at_base_init(config) if deepnorm_init else contextlib.nullcontext():
+            super().__init__(
+                config,
+                submodules,
+                layer_number=layer_number,
+                hidden_dropout=hidden_dropout,
+                pg_collection=pg_collection,
+                vp_stage=vp_stage,
+                is_mtp_layer=is_mtp_layer,
+                add_layer_offset=add_layer_offset,
+                **kwargs,
+            )
         assert self.layer_number == global_number, (self.layer_number, global_number)
         # Never the fused-residual RMSNorm: the residual add happens in bias-dropout-add.
         make = None if post_ln_norm is None else functools.partial(
@@ -357,9 +380,9 @@ class MixLNTransformerLayer(TransformerLayer):
     # ---------------------------------------------------------------- DeepNorm's init
     @torch.no_grad()
     def _apply_deepnorm_init(self, beta: float) -> None:
-        """DeepNet's init on the weights megatron's init methods just made (this TP shard's): fc1,
-        fc2, the attention output projection and the value rows of linear_qkv times `beta`; the
-        query and key rows, biases and norms unchanged."""
+        """DeepNet's init on the weights megatron's init methods just made (this TP shard's, all
+        four drawn with the base init): fc1, fc2, the attention output projection and the value
+        rows of linear_qkv times `beta`; the query and key rows, biases and norms unchanged."""
         attention, mlp = self.self_attention, self.mlp
         for module, name in ((mlp, "linear_fc1"), (mlp, "linear_fc2"), (attention, "linear_proj")):
             linear = getattr(module, name, None)
