@@ -41,7 +41,7 @@ import pickletools
 import sys
 import struct
 import zipfile
-from typing import Iterable, Union
+from typing import Iterable, Optional, Union
 
 from .errors import UnsafeCheckpointError
 from .input_root import LIMITS
@@ -578,10 +578,15 @@ for _code in (pickle.EMPTY_DICT, pickle.DICT, pickle.EMPTY_LIST, pickle.LIST, pi
 del _code, _fn
 
 
-def load_pickle(source: Source, what: str, kind: str = ".metadata"):
-    """A plain pickle (a path or its bytes, at most LIMITS[kind]), e.g. a torch_dist `.metadata`,
-    through the allow-list."""
-    limit = LIMITS[kind]
+def load_pickle(source: Source, what: str, kind: str = ".metadata", limit: Optional[int] = None):
+    """A plain pickle (a path or its bytes, at most `limit` bytes, by default LIMITS[kind]), e.g. a
+    torch_dist `.metadata`, through the allow-list.
+
+    DCP metadata (only the globals of _FAST) is read by the C unpickler under the guards of
+    _fast_load; a refusal there, or a pickle that names other allowed globals, goes through the
+    pure-Python unpickler, whose verdict and words are the rule (for a refused file larger than
+    PURE_RETRY_BYTES the fast path's own line stands: the pure-Python reading of it would take minutes)."""
+    limit = LIMITS[kind] if limit is None else limit
     try:
         if isinstance(source, (bytes, bytearray)):
             data = bytes(source)
@@ -594,6 +599,17 @@ def load_pickle(source: Source, what: str, kind: str = ".metadata"):
         raise _unreadable(what, e) from None
     if len(data) > limit:
         raise _unsafe(what, f"it holds {len(data)} bytes, more than any real {kind} ({limit} bytes)")
+    try:
+        return _fast_load(data, what)
+    except _NotFast:
+        pass
+    except UnsafeCheckpointError:
+        if len(data) > PURE_RETRY_BYTES:
+            raise
+    return _pure_load(data, what)
+
+
+def _pure_load(data: bytes, what: str):
     unpickler = _AllowListUnpickler(io.BytesIO(data), what)
     try:
         return unpickler.load()
@@ -603,3 +619,180 @@ def load_pickle(source: Source, what: str, kind: str = ".metadata"):
         raise _unsafe(what, "it nests deeper than any real checkpoint pickle") from None
     except Exception as e:  # noqa: BLE001 - any other failure of a damaged pickle is "unreadable"
         raise _unreadable(what, e) from None
+
+
+# ------------------------------------------------------------------------------ DCP metadata, at C speed
+# A 405B run's `.metadata` holds over a million chunks (~160 MB of pickle): the pure-Python unpickler
+# takes ~3x as long as DCP's own plain read, and any Python work per opcode costs more than the read
+# itself. So DCP metadata is read by CPython's C unpickler, with what the pure-Python one enforces
+# per opcode made to hold another way:
+#   - globals: find_class answers for _FAST only (classes whose construction touches nothing but the
+#     new object); persistent ids are refused; another allow-listed global sends the file to the
+#     pure-Python unpickler (_NotFast), anything else is refused by name;
+#   - callables: only what find_class returned can be called (nothing else a file can build is
+#     callable), so REDUCE / NEWOBJ / OBJ / INST construct _FAST classes, as the pure-Python reading does;
+#   - BUILD on something the file did not create: the only shared objects a file can reach are the
+#     _FAST classes, their enum members and torch.serialization._get_layout (torch.Size /
+#     OrderedDict are immutable types, torch dtypes / layouts take no attributes). Their state is
+#     taken before the load and compared after; a change is undone and refused. During the load
+#     only _FAST callables can be reached, so the window can do no more than fail the load
+#     (its unraisable exceptions are kept off stderr);
+#   - memo: a write's index may not pass the writes made so far, checked on the final memo (a hole
+#     or a forward index is refused); a memo index that would grow the memo array (a 9-byte file
+#     asking for 2**27 slots) fails against the memory bound below before it is filled;
+#   - memory: the process's data segment may grow by at most fast_load_allowance(len(data)) during the
+#     load (RLIMIT_DATA, restored after): a file cannot make the C unpickler allocate more than a
+#     real one of its size needs. Where the limit cannot be set the pure-Python unpickler reads it.
+_FAST = frozenset(n for n in ALLOWED if n.startswith(f"{_DCP}.") and ".planner." not in n) | frozenset(
+    (f"{_DCP}.planner.SavePlan", f"{_DCP}.planner.WriteItem", f"{_DCP}.planner.WriteItemType",
+     f"{_DCP}.planner.TensorWriteData", f"{_DCP}.planner.BytesIOWriteData", "torch.Size",
+     "torch.serialization._get_layout", "collections.OrderedDict"))
+PURE_RETRY_BYTES = 16 << 20  # a refused file up to this size is re-read by the pure-Python unpickler for its words
+FAST_ALLOWANCE_BASE = 256 << 20
+FAST_ALLOWANCE_PER_BYTE = 24  # a real .metadata grows the heap by ~10x its size when unpickled
+
+
+def fast_load_allowance(size: int) -> int:
+    """The most bytes the data segment may grow while the C unpickler reads `size` bytes of pickle."""
+    return FAST_ALLOWANCE_BASE + FAST_ALLOWANCE_PER_BYTE * size
+
+
+class _NotFast(Exception):
+    """The file needs the pure-Python unpickler (another allowed global, or no memory limit here)."""
+
+
+_fast_globals: Optional[dict] = None
+
+
+def _fast_objects() -> dict:
+    """The _FAST names resolved once (DCP's modules are imported with torch)."""
+    global _fast_globals
+    if _fast_globals is None:
+        resolved = {n: _resolve(n) for n in _FAST}
+        _fast_globals = {n: v for n, v in resolved.items() if v is not None}
+    return _fast_globals
+
+
+def _shared_state() -> list:
+    """(object, its attributes) for every shared object a fast-path file can reach and change."""
+    found = []
+    for obj in _fast_objects().values():
+        if isinstance(obj, type) and issubclass(obj, enum.Enum):
+            found += [(m, dict(vars(m))) for m in obj]
+        if hasattr(obj, "__dict__"):
+            found.append((obj, dict(vars(obj))))
+    return found
+
+
+def _changed(state: list) -> list:
+    """The objects of _shared_state whose attributes differ now; their attributes are put back."""
+    changed = []
+    for obj, before in state:
+        now = vars(obj)
+        if len(now) == len(before) and all(now.get(k, _changed) is v for k, v in before.items()):
+            continue
+        changed.append(obj)
+        for key in [k for k in now if k not in before]:
+            with contextlib.suppress(AttributeError, TypeError):
+                delattr(obj, key) if isinstance(obj, type) or callable(obj) else now.pop(key)
+        for key, value in before.items():
+            if now.get(key, _changed) is not value:
+                with contextlib.suppress(AttributeError, TypeError):
+                    setattr(obj, key, value) if isinstance(obj, type) or callable(obj) else now.__setitem__(key, value)
+    return changed
+
+
+class _FastUnpickler(pickle.Unpickler):
+    def __init__(self, file, what: str):
+        super().__init__(file)
+        self.what = what
+        self._fast = _fast_objects()
+
+    def find_class(self, module: str, name: str):
+        full = f"{module}.{name}"
+        found = self._fast.get(full)
+        if found is not None:
+            return found
+        if _is_torch_constant(module, name):
+            return vars(sys.modules["torch"])[name]
+        if full in _ALLOWED:
+            raise _NotFast(full)
+        raise _refusal(self.what, [full])
+
+    def persistent_load(self, pid):
+        raise _unsafe(self.what, "it uses a persistent id, which checkpoint pickles never need")
+
+
+@contextlib.contextmanager
+def _data_limit(allowance: int):
+    """RLIMIT_DATA at the current data segment + `allowance` for the block, then as it was."""
+    try:
+        import resource
+
+        with open("/proc/self/status") as f:
+            vm_data = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        new = vm_data + allowance
+        if hard != resource.RLIM_INFINITY:
+            new = min(new, hard)
+        if soft != resource.RLIM_INFINITY:
+            new = min(new, soft)
+        resource.setrlimit(resource.RLIMIT_DATA, (new, hard))
+    except (ImportError, OSError, ValueError, StopIteration):
+        raise _NotFast("no data-segment limit on this system") from None
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+def _memo_problem(unpickler) -> Optional[str]:
+    """Why the final memo is not what a pickler writes (indices 0, 1, 2, ... without a hole), or None."""
+    memo = unpickler.memo.copy()
+    if memo and max(memo) >= len(memo):
+        return (f"its memo writes reach slot {max(memo)} with {len(memo)} slots written (a real pickler numbers "
+                "them 0, 1, 2, ...)")
+    return None
+
+
+def _fast_load(data: bytes, what: str):
+    """DCP metadata through the C unpickler, under the guards described above _FAST."""
+    import gc
+
+    if "torch" not in sys.modules:
+        raise _NotFast("torch is not imported")  # no DCP metadata can be read without it anyway
+    state = _shared_state()
+    unpickler = _FastUnpickler(io.BufferedReader(io.BytesIO(data)), what)
+    unraisable, hook = [], sys.unraisablehook
+    gc_was_on = gc.isenabled()
+    result = failure = None
+    try:
+        sys.unraisablehook = unraisable.append
+        gc.disable()  # the load makes millions of objects and no cycles: collecting in between only costs
+        with _data_limit(fast_load_allowance(len(data))):
+            try:
+                result = unpickler.load()
+            except (UnsafeCheckpointError, _NotFast) as e:
+                failure = e
+            except MemoryError:
+                failure = _unsafe(what, f"unpickling it needs more memory than a real pickle of {len(data)} bytes")
+            except RecursionError:
+                failure = _unsafe(what, "it nests deeper than any real checkpoint pickle")
+            except Exception as e:  # noqa: BLE001 - any other failure of a damaged pickle is "unreadable"
+                failure = _unreadable(what, e)
+    finally:
+        changed = _changed(state)
+        if gc_was_on:
+            gc.enable()
+        sys.unraisablehook = hook
+    if changed:
+        shown = ", ".join(sorted({(o.__qualname__ if isinstance(o, type) else getattr(o, "__qualname__", None))
+                                  or f"{type(o).__name__} {o!s}"[:80] for o in changed}))
+        raise _unsafe(what, f"its BUILD opcode would change {shown}, which the file did not create (only "
+                            "objects built by the pickle itself may be filled in)")
+    if failure is not None:
+        raise failure
+    problem = _memo_problem(unpickler)
+    if problem:
+        raise _unsafe(what, problem)
+    return result
