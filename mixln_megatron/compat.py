@@ -25,6 +25,8 @@ here and nowhere else (docs/megatron-releases.md, sections A-J, says what was me
      linears forward untouched; a misspelt `--spec` module raises ImportError.)
   P  HybridModel: Mix-LN builds on the 0.19+ one (HYBRID_MODEL); the --spec stack objects are
      the edge's (mixln_megatron.spec).
+  G  full-iteration CUDA graphs: 0.17 asks for them with cuda_graph_impl "local" and the scope
+     "full_iteration"; 0.18+ with cuda_graph_impl "full_iteration" (the old scope migrates).
 
 The release is that of the megatron.core actually imported (a Megatron-LM checkout on sys.path
 wins over the installed wheel), so its own version string decides, not the installed dist-info.
@@ -365,3 +367,22 @@ def dist_load(sharded_state_dict, checkpoint_dir, process_group=None, **kwargs):
     if process_group is not None and RELEASE >= (0, 19):
         kwargs["process_group"] = process_group
     return dist_checkpointing.load(sharded_state_dict, checkpoint_dir, **kwargs)
+
+
+# ------------------------------------------------------------------ G: full-iteration CUDA graphs
+def full_iteration_cuda_graph(config) -> Optional[str]:
+    """How `config` (a TransformerConfig, or Megatron-LM's parsed args) asks for a CUDA graph of
+    the whole forward-backward step, which captures config.finalize_model_grads_func; None when
+    it does not."""
+    config = getattr(config, "transformer", config)
+    impl = getattr(config, "cuda_graph_impl", "none")
+    if impl == "full_iteration":  # 0.18+
+        return "--cuda-graph-impl full_iteration"
+    scopes = []
+    for name in ("cuda_graph_scope", "cuda_graph_modules"):  # 0.17's field; 0.19's flag takes the old value too
+        value = getattr(config, name, None) or []
+        scopes += value.split(",") if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else [value]
+    if impl == "local" and any(getattr(s, "name", s) == "full_iteration" for s in scopes):  # 0.17
+        how = "--enable-cuda-graph" if getattr(config, "enable_cuda_graph", False) else "--cuda-graph-impl local"
+        return f"{how} --cuda-graph-scope full_iteration"
+    return None

@@ -161,7 +161,7 @@ class TinyTrainer:
     """
 
     def __init__(self, config, models: List, distributed_optimizer: bool = False, lr: float = 1e-2,
-                 micro_batches: int = 2, micro_batch_size: int = 2):
+                 micro_batches: int = 2, micro_batch_size: int = 2, optimizer_instances: int = 1):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -170,8 +170,9 @@ class TinyTrainer:
         self.models = models
         self.micro_batches = micro_batches
         self.micro_batch_size = micro_batch_size
+        instances = {"num_distributed_optimizer_instances": optimizer_instances} if optimizer_instances > 1 else {}
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                   use_distributed_optimizer=distributed_optimizer)
+                                                   use_distributed_optimizer=distributed_optimizer, **instances)
         self.chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=m) for m in models]
         if config.finalize_model_grads_func is None:  # hooks installed before (spike, telemetry) stay
             config.finalize_model_grads_func = finalize_model_grads
@@ -252,8 +253,10 @@ class MixLNRun(TinyTrainer):
 
     def __init__(self, tp=1, pp=1, vpp=None, sp=False, distopt=False, post_ln_layers=2, stock=False,
                  load=None, seed=1234, num_layers=4, metadata_check=True, scheme=None, micro_batches=2,
-                 **cfg_overrides):
-        init_distributed(tp, pp, vpp, seed=seed)
+                 optimizer_instances=1, **cfg_overrides):
+        # optimizer_instances > 1: --num-distributed-optimizer-instances (needs the distributed optimizer)
+        instances = {"num_distributed_optimizer_instances": optimizer_instances} if optimizer_instances > 1 else {}
+        init_distributed(tp, pp, vpp, seed=seed, **instances)
         cfg = tiny_config(num_layers=num_layers, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, **cfg_overrides)
         self.models = [
             build_gpt(cfg, mixln_spec(cfg, post_ln_layers, i if vpp else None, stock, scheme),
@@ -262,7 +265,8 @@ class MixLNRun(TinyTrainer):
         ]
         if load:
             self.load(load, metadata_check)
-        super().__init__(cfg, self.models, distributed_optimizer=distopt, micro_batches=micro_batches)
+        super().__init__(cfg, self.models, distributed_optimizer=distopt, micro_batches=micro_batches,
+                         optimizer_instances=optimizer_instances)
 
     def sharded_state_dict(self, metadata=None):
         if len(self.models) == 1:

@@ -25,3 +25,15 @@ def owned_range(chunk, param) -> tuple:
     lo = min(max(rank * shard, start), end) - start
     hi = max(min((rank + 1) * shard, end), start) - start
     return lo, max(lo, hi)
+
+
+def shard_group(chunk, param):
+    """The process group over which param's owned ranges split its elements: under the
+    distributed optimizer, the ranks of one optimizer instance (with several instances,
+    --num-distributed-optimizer-instances, each instance holds every element once, so summing
+    over the whole data-parallel group would count each element once per instance); None under
+    DDP all-reduce, where every rank holds every element."""
+    ddp_config = getattr(chunk, "ddp_config", None)
+    if ddp_config is None or not ddp_config.use_distributed_optimizer:
+        return None
+    return chunk.param_to_bucket_group[param].intra_distributed_optimizer_instance_group

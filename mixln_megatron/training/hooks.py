@@ -15,6 +15,12 @@ building the model:
     model = GPTModel(config=config, transformer_layer_spec=block_spec, ...)
 
 Idempotent: Megatron calls the spec / model provider once per virtual pipeline chunk.
+Both hooks run inside config.finalize_model_grads_func, which a full-iteration CUDA graph
+captures: the telemetry counts steps in Python and reads its norms on the host (a replay does
+neither), and the scaler, whose per-step tensor work is written to be capturable, finds its
+targets at its first call and, under fp16, takes the loss scale tensor the optimizer later
+replaces (a replay keeps reading the old one); it has not been run under capture. So either hook
+with such a graph is refused in one line; per-layer CUDA graphs do not capture the hook.
 """
 
 from __future__ import annotations
@@ -24,7 +30,26 @@ from typing import Optional
 from .. import compat
 from ..model import advice, hybrid_pattern
 from ..model.placement import resolve_placement
+from ..errors import MixLNError
 from ..model.settings import MixLNSettings
+
+
+class HooksUnderCudaGraph(MixLNError, NotImplementedError):
+    """A training hook asked for together with a CUDA graph that would capture it."""
+
+
+def check_no_full_iteration_graph(config, spike: bool, telemetry: bool) -> None:
+    """HooksUnderCudaGraph when a hook that is on would run inside a full-iteration CUDA graph."""
+    graph = compat.full_iteration_cuda_graph(config)
+    if graph is None or not (spike or telemetry):
+        return
+    names = " and ".join(n for n, on in (("the gradient-spike scaler (--mixln-spike-scaler)", spike),
+                                          ("the gradient telemetry (--mixln-telemetry-interval)", telemetry)) if on)
+    raise HooksUnderCudaGraph(
+        f"{names} cannot run under {graph}: that graph captures the gradient-finalize step the "
+        "hooks run in, and its replays would skip their host-side work; drop the hook, or use "
+        "per-layer CUDA graphs (--cuda-graph-impl local / transformer_engine without the "
+        "full_iteration scope)")
 
 
 def install_training_hooks(config, settings: Optional[MixLNSettings] = None, hybrid: bool = False) -> dict:
@@ -40,9 +65,10 @@ def install_training_hooks(config, settings: Optional[MixLNSettings] = None, hyb
     placement = resolve_placement(hybrid_pattern.num_blocks(config.num_layers, part), settings)
     advice.announce(placement, *runtime.schedule())
     spike = resolve_spike_settings(settings.spike)
+    interval = settings.telemetry.interval or 0
+    check_no_full_iteration_graph(config, spike.enabled, interval > 0)
     if spike.enabled:
         installed["spike_scaler"] = install_on_config(config, placement, spike)
-    interval = settings.telemetry.interval or 0
     if interval > 0:
         installed["telemetry"] = telemetry.install_telemetry(config, interval, settings.telemetry.path)
     compat.keep_finalize_hook(config)  # 0.17/0.18's train() would replace it

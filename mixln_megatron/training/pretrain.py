@@ -113,6 +113,16 @@ def check_supported_args(args, spec_from_checkpoint: bool = False) -> None:
         )
 
 
+def check_hooks_against_cuda_graphs(args, settings: MixLNSettings) -> None:
+    """The hooks' refusal of full-iteration CUDA graphs (training.hooks), here before Megatron-LM
+    initialises anything: its CUDA-graph set-up would fail first on a machine without CUDA."""
+    from .hooks import check_no_full_iteration_graph
+    from .spike import resolve_spike_settings
+
+    check_no_full_iteration_graph(args, resolve_spike_settings(settings.spike).enabled,
+                                  (settings.telemetry.interval or 0) > 0)
+
+
 # ------------------------------------------------------------------ HybridModel
 class MixLNHybridUnsupported(MixLNPretrainUnsupported):
     """A HybridModel run Mix-LN does not support: a pattern other than `*-*-...`, or a release
@@ -284,6 +294,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         MixLNSettings.from_checkpoint(checkpoint_args, **_saved_settings_sources(args))
         settings = run_settings(args, checkpoint_args)
         resolve_placement(hybrid_pattern.blocks_of_args(args), settings)  # a bad setting stops here, in one line
+        check_hooks_against_cuda_graphs(args, settings)
     except MixLNHybridUnsupported as error:
         _report_on_rank_0(error)
         return 2

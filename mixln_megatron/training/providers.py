@@ -35,6 +35,7 @@ from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_l
 
 from .. import compat
 from ..compat import core_transformer_config_from_args  # its module differs by release
+from ..errors import refusals_leave
 from ..megatron_args import backend_from_args, run_settings
 from ..model.settings import MixLNSettings
 from ..model.specs import get_mixln_decoder_block_spec, get_mixln_hybrid_stack_spec
@@ -45,6 +46,9 @@ from .loss_log import LossLog
 BATCH_KEYS = ["tokens", "labels", "loss_mask", "attention_mask", "position_ids"]
 
 
+# Megatron-LM calls the providers: a refusal while building (a layer's unsupported kind, a hook
+# the run's CUDA graphs would capture) is one line and exit 2 on every rank, not a traceback.
+@refusals_leave()
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None,
                    settings: Optional[MixLNSettings] = None, backend: Optional[str] = None):
     """Megatron-LM's model-provider contract: GPTModel with the Mix-LN decoder block spec.
@@ -83,6 +87,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     )
 
 
+@refusals_leave()
 def hybrid_model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None,
                           settings: Optional[MixLNSettings] = None, backend: Optional[str] = None):
     """The same contract for HybridModel (--hybrid-layer-pattern, a `*-*-...` Mix-LN pattern).

@@ -15,8 +15,10 @@ model kinds, so the same network logs the same numbers.
 Squared sums are formed like megatron's grad norm: TP-duplicated parameters count once (TP rank 0), TP-sharded ones are
 summed over TP, stages are summed over PP (each holds its own layers), and under the
 distributed optimizer each rank adds only the shard of main_grad it owns (the rest is not
-reduced) and the shards are summed over the data-parallel group. One all-reduce of an
-[L, 5] vector per logged step.
+reduced) and the shards are summed over the ranks of its optimizer instance (with
+--num-distributed-optimizer-instances k, every instance holds each element once: summing over
+the whole data-parallel group would make the norms sqrt(k) too large). At most two all-reduces of
+an [L, 5] vector per logged step.
 
 Where it goes: Megatron's TensorBoard / W&B writers when they exist (one scalar per layer and
 the group aggregates), and always a JSONL file (`mixln_telemetry.jsonl` next to the checkpoints,
@@ -37,7 +39,7 @@ import torch
 
 from . import runtime
 from .config_shared import SharedByConfigCopies
-from .ddp_shards import owned_range
+from .ddp_shards import owned_range, shard_group
 from ..model.layer import MixLNTransformerLayer
 
 logger = logging.getLogger(__name__)
@@ -73,10 +75,8 @@ class GradTelemetry(SharedByConfigCopies):
         from megatron.core import parallel_state as ps
 
         tp_rank = ps.get_tensor_model_parallel_rank()
-        items, num_layers, placement, distopt = [], None, None, False
+        items, num_layers, placement, groups = [], None, None, set()
         for chunk in model_chunks:
-            ddp_config = getattr(chunk, "ddp_config", None)
-            distopt |= bool(ddp_config is not None and ddp_config.use_distributed_optimizer)
             for layer in chunk.modules():
                 if not isinstance(layer, MixLNTransformerLayer) or getattr(layer, "is_mtp_layer", False):
                     continue
@@ -88,10 +88,14 @@ class GradTelemetry(SharedByConfigCopies):
                         continue
                     duplicate = not getattr(param, "tensor_model_parallel", False) and tp_rank != 0
                     lo, hi = owned_range(chunk, param)
+                    groups.add(shard_group(chunk, param))
                     # One row per block: a hybrid block's `*` and `-` layers add to the same row.
                     items.append((layer.block_number - 1, norms.get(id(param)), param, lo, hi, duplicate))
         if placement is None:
             raise ValueError("mixln telemetry: the model has no Mix-LN layers")
+        if len(groups) > 1:
+            raise NotImplementedError("mixln telemetry: Mix-LN parameters in different data-parallel shard groups")
+        shards = groups.pop() if groups else None  # the ranks the owned shards are split over
         kept = [it for it in items if not it[5] and it[4] > it[3]]  # skip TP duplicates, empty shards
         device = kept[0][2].main_grad.device if kept else (items[0][2].device if items else torch.device("cpu"))
         rows = torch.tensor([row * COLUMNS for row, *_ in kept], dtype=torch.long, device=device)
@@ -102,7 +106,7 @@ class GradTelemetry(SharedByConfigCopies):
             norm_select=torch.tensor(with_norm, dtype=torch.long, device=device),
             norm_rows=torch.tensor([kept[i][0] * COLUMNS + kept[i][1] for i in with_norm], dtype=torch.long,
                                    device=device),
-            num_layers=num_layers, placement=placement, distopt=distopt, device=device,
+            num_layers=num_layers, placement=placement, shards=shards, device=device,
         )
 
     # -- per call --------------------------------------------------------------------------
@@ -124,20 +128,20 @@ class GradTelemetry(SharedByConfigCopies):
             sq.index_add_(0, plan["rows"], squares)
             sq.index_add_(0, plan["norm_rows"], squares[plan["norm_select"]])
         sq = sq.view(plan["num_layers"], COLUMNS)
-        self._reduce(sq, plan["distopt"])
+        self._reduce(sq, plan["shards"])
         record = self._record(sq.sqrt().tolist())
         self.seconds += time.perf_counter() - started
         return record
 
     @staticmethod
-    def _reduce(sq: torch.Tensor, distopt: bool) -> None:
+    def _reduce(sq: torch.Tensor, shards) -> None:
         from megatron.core import parallel_state as ps
 
         if not torch.distributed.is_initialized():
             return
         torch.distributed.all_reduce(sq, group=ps.get_model_parallel_group())  # TP shards, PP stages
-        if distopt:  # owned shards of every DP rank
-            torch.distributed.all_reduce(sq, group=ps.get_data_parallel_group(with_context_parallel=True))
+        if shards is not None and torch.distributed.get_world_size(shards) > 1:
+            torch.distributed.all_reduce(sq, group=shards)  # the owned shards of one optimizer instance
 
     def _record(self, norms: list) -> dict:
         placement = self._plan["placement"]
