@@ -230,6 +230,44 @@ else:
         with torch.no_grad():
             assert torch.equal(reloaded(ids).logits, reference)
 
+    def _without_tensor(folder, name):
+        """The folder's weights less one tensor (a folder that does not hold what the config says)."""
+        from safetensors.torch import save_file
+
+        tensors = folder_tensors(folder)
+        del tensors[name]
+        for old in os.listdir(folder):
+            if old.endswith(".safetensors") or old.endswith(".safetensors.index.json"):
+                os.remove(os.path.join(folder, old))
+        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+
+    @pytest.mark.parametrize("tied", TIES, ids=["untied", "tied"])
+    @pytest.mark.parametrize("lost", ["mapping", "tensor"])
+    def test_a_parameter_the_load_would_not_write_is_refused(gloo, tmp_path, monkeypatch, lost, tied):
+        """A Megatron parameter that no HF tensor is loaded into (its mapping removed from the
+        registry, or its tensor from the folder) is a one-line ConversionError naming it, before
+        any weight is copied, instead of a load that reports success and leaves it initialised."""
+        from mixln_megatron.errors import ConversionError
+
+        hf = hf_model(2, "mixln", kinds=ARMS, tied=tied)
+        folder = export_folder(hf, str(tmp_path / "exported"))
+        lost_name = "decoder.layers.1.mlp_output_layernorm.weight"  # the sandwich layer's N_d
+        if lost == "mapping":
+            real = mixln_bridge.MixLNLlamaBridge.mapping_registry
+
+            def without_it(self):
+                kept = [m for m in real(self).mappings if m.megatron_param != "decoder.layers.*.mlp_output_layernorm.weight"]
+                assert len(kept) == len(real(self).mappings) - 1
+                return type(real(self))(*kept)
+
+            monkeypatch.setattr(mixln_bridge.MixLNLlamaBridge, "mapping_registry", without_it)
+        else:
+            _without_tensor(folder, "model.layers.1.post_feedforward_layernorm.weight")
+        with pytest.raises(ConversionError) as err:
+            bridge_models(folder)
+        line = str(err.value)
+        assert "\n" not in line and f"to 1 Megatron parameter(s) ({lost_name})" in line, line
+
     def test_megatron_to_hf_config_keeps_the_layout(gloo, tmp_path):
         """A config-only export (from a Megatron checkpoint) writes the Mix-LN fields and auto_map."""
         folder = export_folder(hf_model(2, "mixln+lns"), str(tmp_path / "exported"))
