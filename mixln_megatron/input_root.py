@@ -109,7 +109,7 @@ class InputRoot:
         return sorted(os.listdir(self.path(rel) if rel else self.root))
 
     # ------------------------------------------------------------------ files
-    def check_file(self, rel: str, kind: Optional[str] = None) -> str:
+    def check_file(self, rel: str, kind: Optional[str] = None, limit: Optional[int] = None) -> str:
         """The real path of `rel`, refused unless it is a regular file inside the folder (and, with
         a `kind` in LIMITS, at most that many bytes). Opens nothing that could block."""
         real = self.path(rel)
@@ -120,13 +120,13 @@ class InputRoot:
         if not stat.S_ISREG(st.st_mode):
             raise UnsafeInputError(f"{self._shown(rel)} is not a regular file ({_file_type(st.st_mode)}); a "
                                    f"{self.what} holds regular files only")
-        _check_size(self._shown(rel), st.st_size, kind)
+        _check_size(self._shown(rel), st.st_size, kind, limit)
         return real
 
-    def open(self, rel: str, kind: Optional[str] = None):
+    def open(self, rel: str, kind: Optional[str] = None, limit: Optional[int] = None):
         """`rel` opened for binary reading: a regular file inside the folder (never a FIFO or device:
         the open itself cannot block), at most LIMITS[kind] bytes."""
-        self.check_file(rel, kind)
+        self.check_file(rel, kind, limit)
         real = self.path(rel)
         try:
             fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
@@ -138,20 +138,20 @@ class InputRoot:
             st = os.fstat(fd)  # what was opened, not what was checked: no swap in between counts
             if not stat.S_ISREG(st.st_mode):
                 raise UnsafeInputError(f"{self._shown(rel)} is not a regular file ({_file_type(st.st_mode)})")
-            _check_size(self._shown(rel), st.st_size, kind)
+            _check_size(self._shown(rel), st.st_size, kind, limit)
             os.set_blocking(fd, True)
             return os.fdopen(fd, "rb")
         except BaseException:
             os.close(fd)
             raise
 
-    def read_bytes(self, rel: str, kind: str) -> bytes:
-        """The whole of a small file `rel` (kind in LIMITS); never more than the bound is read,
-        even if the file grows while it is read."""
-        limit = LIMITS[kind]
-        with self.open(rel, kind) as f:
+    def read_bytes(self, rel: str, kind: str, limit: Optional[int] = None) -> bytes:
+        """The whole of a small file `rel` (kind in LIMITS, bounded by LIMITS[kind] or `limit`); never
+        more than the bound is read, even if the file grows while it is read."""
+        limit = LIMITS[kind] if limit is None else limit
+        with self.open(rel, kind, limit) as f:
             data = f.read(limit + 1)
-        _check_size(self._shown(rel), len(data), kind)
+        _check_size(self._shown(rel), len(data), kind, limit)
         return data
 
     def read_json(self, rel: str, kind: str, expect: type = dict):
@@ -168,10 +168,10 @@ class InputRoot:
         return value
 
 
-def _check_size(shown: str, size: int, kind: Optional[str]) -> None:
+def _check_size(shown: str, size: int, kind: Optional[str], limit: Optional[int] = None) -> None:
     if kind is None:
         return
-    limit = LIMITS[kind]
+    limit = LIMITS[kind] if limit is None else limit
     if size > limit:
         raise UnsafeInputError(f"{shown} holds {size} bytes, more than any real {kind} file ({limit} bytes); "
                                "refused as a safety bound (a damaged or crafted file?)")

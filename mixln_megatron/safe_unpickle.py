@@ -746,12 +746,29 @@ def _data_limit(allowance: int):
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
 
-def _memo_problem(unpickler) -> Optional[str]:
-    """Why the final memo is not what a pickler writes (indices 0, 1, 2, ... without a hole), or None."""
-    memo = unpickler.memo.copy()
-    if memo and max(memo) >= len(memo):
-        return (f"its memo writes reach slot {max(memo)} with {len(memo)} slots written (a real pickler numbers "
-                "them 0, 1, 2, ...)")
+_EXACT_MEMO_SLOTS = 1 << 16
+
+
+def _memo_slots(unpickler) -> int:
+    """The length of the C unpickler's memo array (its __sizeof__ counts 8 bytes a slot over a fixed part;
+    marks and line buffers add a little, so this is an upper bound)."""
+    fresh = pickle.Unpickler(io.BytesIO(b""))
+    return 32 + (unpickler.__sizeof__() - fresh.__sizeof__()) // 8
+
+
+def _memo_problem(unpickler, size: int) -> Optional[str]:
+    """Why the memo is not what a pickler writes, or None. Each memo write costs at least one byte,
+    so a memo array beyond twice the file's length (it grows by doubling) numbered a slot the file
+    never reached; a memo of up to _EXACT_MEMO_SLOTS slots is read whole: indices 0, 1, 2, ... without
+    a hole (reading a million-slot memo whole would cost half the load)."""
+    slots = _memo_slots(unpickler)
+    if slots > 2 * max(size, 32) + 64:
+        return f"its memo writes number slots beyond the {size} memo writes a file of {size} bytes can make"
+    if slots <= _EXACT_MEMO_SLOTS:
+        memo = unpickler.memo.copy()
+        if memo and max(memo) >= len(memo):
+            return (f"its memo writes reach slot {max(memo)} with {len(memo)} slots written (a real pickler "
+                    "numbers them 0, 1, 2, ...)")
     return None
 
 
@@ -792,7 +809,7 @@ def _fast_load(data: bytes, what: str):
                             "objects built by the pickle itself may be filled in)")
     if failure is not None:
         raise failure
-    problem = _memo_problem(unpickler)
+    problem = _memo_problem(unpickler, len(data))
     if problem:
         raise _unsafe(what, problem)
     return result

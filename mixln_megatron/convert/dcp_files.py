@@ -99,6 +99,61 @@ class _Window(io.RawIOBase):
         return len(data)
 
 
+METADATA_BYTES_PER_FILE = 16 << 20  # far above what one rank's chunks add to .metadata (a 405B rank: ~0.3 MB)
+
+
+def metadata_limit(root: InputRoot) -> int:
+    """The most bytes this folder's `.metadata` may hold: LIMITS[".metadata"], or 16 MiB for each
+    .distcp file when that is more. The metadata grows with the chunks, the chunks with the ranks
+    that wrote them, and every rank writes its own files: a 1T model at DP 256 has thousands."""
+    files = sum(1 for name in root.listdir() if name.endswith(".distcp"))
+    return max(LIMITS[METADATA], METADATA_BYTES_PER_FILE * files)
+
+
+_cache: Optional[dict] = None  # while metadata_cache() is open: {file identity: (Metadata, byte items)}
+
+
+@contextmanager
+def metadata_cache():
+    """Within the block, a `.metadata` already read and checked by this process (same file: path,
+    inode, size, mtime) is not read again; its objects are dropped at the end (a 405B run's take
+    a few GiB)."""
+    global _cache
+    outer = _cache
+    _cache = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _cache = outer
+
+
+def read_checked_metadata(root: InputRoot):
+    """(Metadata, {byte item: its storage entry}) of the folder's `.metadata`: read within its bound,
+    through the allow-list, checked (check_metadata), with the garbage collector paused (the objects
+    hold no cycles, and collecting over millions of them would cost more than the read)."""
+    import gc
+
+    path = os.path.join(root.given, METADATA)
+    st = os.stat(root.check_file(METADATA))
+    identity = (root.path(METADATA), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if _cache is not None and identity in _cache:
+        return _cache[identity]
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        limit = metadata_limit(root)
+        md = load_pickle(root.read_bytes(METADATA, METADATA, limit=limit), what=path, limit=limit)
+        items = check_metadata(md, root)
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+    finally:
+        if was_on:
+            gc.enable()
+    if _cache is not None:
+        _cache[identity] = (md, items)
+    return md, items
+
+
 class SafeFileSystemReader(dcp.FileSystemReader):
     """DCP's FileSystemReader confined to one iteration folder: its `.metadata` read as a bounded
     file through the allow-list and checked (check_metadata) once, then kept; files opened only
@@ -110,16 +165,12 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         self.path = Path(self.root.given)
         self.fs = _ConfinedFileSystem(self.root)
         self._metadata: Optional[Metadata] = None
+        self.byte_items: Dict[str, _StorageInfo] = {}
         self._checked_slices = set()
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         if self._metadata is None:
-            path = os.path.join(self.root.given, METADATA)
-            md = load_pickle(self.root.read_bytes(METADATA, ".metadata"), what=path)
-            check_metadata(md, self.root)
-            if getattr(md, "storage_meta", None) is None:
-                md.storage_meta = StorageMeta()
-            self._metadata = md
+            self._metadata, self.byte_items = read_checked_metadata(self.root)
         self._metadata.storage_meta.load_id = self.load_id
         return self._metadata
 
@@ -150,9 +201,123 @@ def _shape(value, rank: Optional[int] = None) -> bool:
     return isinstance(value, torch.Size) and all(_count(v) for v in value) and (rank is None or len(value) == rank)
 
 
-def check_metadata(md, root: InputRoot) -> None:
+def _size(value) -> bool:
+    """A torch.Size of non-negative sizes (torch.Size holds int64 values only)."""
+    return type(value) is torch.Size and (not value or min(value) >= 0)
+
+
+def _only(values, *classes) -> bool:
+    """Every value of exactly one of `classes` (one pass in C)."""
+    return set(map(type, values)) <= set(classes)
+
+
+def check_metadata(md, root: InputRoot) -> Dict[str, _StorageInfo]:
     """Every entry of DCP metadata well formed and every storage entry inside the folder and its file;
-    one UnsafeCheckpointError naming the first problem otherwise."""
+    one UnsafeCheckpointError naming the first problem otherwise. Returns where each byte item is
+    stored ({key: its first storage entry}), the index every later look-up uses.
+
+    A 405B run's metadata has over a million chunks: the checks run over whole columns (numpy)
+    with one Python step per entry; any problem sends the metadata through _first_problem, which
+    walks it entry by entry and names the first one."""
+    try:
+        index = _check_columns(md, root)
+    except _Problem:
+        index = None
+    if index is None:
+        _first_problem(md, root)
+        raise _bad(root, "it does not describe its tensors and files consistently")
+    return index
+
+
+class _Problem(Exception):
+    """Something in the metadata needs _first_problem to name it."""
+
+
+def _check_columns(md, root: InputRoot) -> Optional[Dict[str, _StorageInfo]]:
+    """check_metadata's checks over whole columns: None (or _Problem) where any fails. Only exact
+    classes pass (the allow-list builds no subclasses); torch.Size holds int64 values only."""
+    import itertools
+
+    import numpy as np
+
+    def column(values, count):
+        return np.fromiter(itertools.chain.from_iterable(values), dtype=np.int64, count=count)
+
+    if type(md) is not Metadata or type(md.state_dict_metadata) is not dict or type(md.storage_data) is not dict:
+        return None
+    byte_keys = set()
+    for key, entry in md.state_dict_metadata.items():
+        if type(key) is not str:
+            return None
+        if type(entry) is BytesStorageMetadata:
+            byte_keys.add(key)
+            continue
+        if type(entry) is not TensorStorageMetadata or type(entry.properties) is not TensorProperties \
+                or not isinstance(entry.properties.dtype, torch.dtype) or not _size(entry.size) \
+                or type(entry.chunks) is not list:
+            return None
+        chunks, rank = entry.chunks, len(entry.size)
+        if not chunks:
+            continue
+        if not _only(chunks, ChunkStorageMetadata):
+            return None
+        offsets, sizes = [c.offsets for c in chunks], [c.sizes for c in chunks]
+        if not _only(offsets, torch.Size) or not _only(sizes, torch.Size) \
+                or set(map(len, offsets)) != {rank} or set(map(len, sizes)) != {rank}:
+            return None
+        if rank:
+            start, extent = column(offsets, rank * len(chunks)), column(sizes, rank * len(chunks))
+            if (start < 0).any() or (extent < 0).any() \
+                    or (start.reshape(-1, rank) + extent.reshape(-1, rank) > np.array(entry.size)).any():
+                return None
+    keys, infos = list(md.storage_data), list(md.storage_data.values())
+    if not _only(keys, MetadataIndex) or not _only(infos, _StorageInfo):
+        return None
+    fqns, where = [k.fqn for k in keys], [k.offset for k in keys]
+    hints = [k.index for k in keys if k.index is not None]
+    if not _only(fqns, str) or not _only(where, type(None), torch.Size) \
+            or min(map(min, filter(None, where)), default=0) < 0 \
+            or not _only(hints, int) or min(hints, default=0) < 0 \
+            or any(i.transform_descriptors for i in infos):
+        return None
+    rels, starts, lengths = [i.relative_path for i in infos], [i.offset for i in infos], [i.length for i in infos]
+    if not _only(starts, int) or not _only(lengths, int):
+        return None
+    files = {rel: n for n, rel in enumerate(dict.fromkeys(rels))}
+    for rel in files:
+        if type(rel) is not str or not rel or rel in (".", "..") or "/" in rel or "\\" in rel or "\x00" in rel \
+                or os.path.isabs(rel):
+            return None
+    items: Dict[str, _StorageInfo] = {}
+    for fqn, info in zip(fqns, infos):
+        if fqn in byte_keys:
+            if info.length > LIMITS["byte item"]:
+                return None
+            if fqn not in items or info.relative_path < items[fqn].relative_path:
+                items[fqn] = info
+    if not infos:
+        return items
+    try:
+        start_a, length_a = np.array(starts, dtype=np.int64), np.array(lengths, dtype=np.int64)
+    except OverflowError:
+        raise _Problem from None
+    fid_a, end_a = np.fromiter(map(files.__getitem__, rels), dtype=np.int64, count=len(rels)), start_a + length_a
+    if (start_a < 0).any() or (length_a < 0).any():
+        return None
+    order = np.lexsort((start_a, fid_a))  # by file, then offset: each item ends before the next begins
+    fid_s, start_s, end_s = fid_a[order], start_a[order], end_a[order]
+    if ((fid_s[1:] == fid_s[:-1]) & (start_s[1:] < end_s[:-1])).any():
+        return None
+    need = np.zeros(len(files), dtype=np.int64)
+    np.maximum.at(need, fid_a, end_a)
+    for rel, fid in files.items():  # one stat per file, on the one process that vets
+        if not root.exists(rel) or os.path.getsize(root.check_file(rel)) < int(need[fid]):
+            return None
+    return items
+
+
+def _first_problem(md, root: InputRoot) -> None:
+    """check_metadata entry by entry: raises naming the first problem it meets."""
     if not isinstance(md, Metadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict) \
             or not isinstance(getattr(md, "storage_data", None), dict):
         raise UnsafeCheckpointError(f"{os.path.join(root.given, METADATA)} is unreadable: it holds a "
@@ -318,7 +483,8 @@ class DCPFiles:
                     raise cause from None
             keys = sorted(list(boxes) + list(byte_keys))
             shown = ", ".join(k[:120] for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-            files = sorted({info.relative_path for index, info in self.storage.items() if index.fqn in set(keys)})
+            wanted = set(keys)
+            files = sorted({info.relative_path for index, info in self.storage.items() if index.fqn in wanted})
             where = ", ".join(os.path.join(self.path, f) for f in files[:3]) or self.path
             cause = inner[0]
             detail = " ".join(str(cause).splitlines()[0].split())[:160] if str(cause).strip() else ""
@@ -333,8 +499,9 @@ class DCPFiles:
             self._load(boxes)
 
     def _item_file(self, key: str) -> str:
-        files = sorted({info.relative_path for index, info in self.storage.items() if index.fqn == key})
-        return os.path.join(self.path, files[0]) if files else self.path
+        """The .distcp file of the byte item `key` (from the index check_metadata built), else the folder."""
+        info = self._reader.byte_items.get(key)
+        return os.path.join(self.path, info.relative_path) if info is not None else self.path
 
     def read_raw(self, key: str) -> bytes:
         """The stored bytes of the byte item `key`, not unpickled (to copy it into another checkpoint)."""

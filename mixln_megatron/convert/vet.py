@@ -163,8 +163,7 @@ def _vet_dcp(root: InputRoot, entries: List[str], report: VetReport) -> None:
 
 def item_file(files, key: str) -> str:
     """The .distcp file a byte item lies in (for the refusal line), else the checkpoint directory."""
-    names = sorted({str(info.relative_path) for index, info in files.storage.items() if index.fqn == key})
-    return os.path.join(files.path, names[0]) if names else files.path
+    return files._item_file(key)
 
 
 # ------------------------------------------------------------------------------ Megatron-LM's load
