@@ -1,4 +1,4 @@
-"""Bad inputs the README's "What happens when things go wrong" lists that no other test covers:
+"""Bad inputs docs/troubleshooting.md lists that no other test covers:
 a folder of the other kind given to a converter, and empty (0-byte) weight shards. Each must be
 refused through the real command with one line and exit 2, leaving the input and output as they were."""
 
