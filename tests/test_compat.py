@@ -92,7 +92,7 @@ def test_stock_spec_object_builds_mixln_the_way_the_release_uses_it(mcore_single
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
         from megatron.core.transformer.transformer_block import LayerNormImpl
 
-        # README, "--spec on 0.17/0.18": Megatron's LayerNormImpl (torch's RMSNorm without TE and apex)
+        # docs/megatron-releases.md, "--spec on 0.17 / 0.18": Megatron's LayerNormImpl (torch's RMSNorm without TE and apex)
         expected = torch.nn.RMSNorm if LayerNormImpl is WrappedTorchNorm else LayerNormImpl
         assert not isinstance(final, MixLNNorm) and isinstance(final, expected)
     ids, labels, pos, mask = testing.batch()
