@@ -148,7 +148,8 @@ def test_the_release_module_and_errors_stay_below_the_model():
 # - applications: the command line, the CPU demo (a script of user commands) and the package's
 #   own lazy re-exports.
 LAYERS = (
-    ("foundation", ("mixln_megatron.errors", "mixln_megatron.input_root", "mixln_megatron.safe_output",
+    ("foundation", ("mixln_megatron.errors", "mixln_megatron.cli_parsing", "mixln_megatron.progress",
+                    "mixln_megatron.input_root", "mixln_megatron.safe_output",
                     "mixln_megatron.safe_unpickle", "mixln_megatron.compat", "mixln_megatron.dev.cpu",
                     "mixln_megatron.dev.forked_ranks")),
     ("model", ("mixln_megatron.model", "mixln_megatron.hf", "mixln_megatron.data", "mixln_megatron.dev.plots")),

@@ -171,6 +171,10 @@ def main(argv=None, prog: Optional[str] = None) -> int:
 if __name__ == "__main__":
     import sys
 
-    from .cli import main as analyze_main  # its refusals: one line, exit 2
+    from ..cli_parsing import refused
 
-    sys.exit(analyze_main(["train-health", *sys.argv[1:]], prog="python -m mixln_megatron.analysis"))
+    _prog = "python -m mixln_megatron.analysis.train_health"
+    try:
+        sys.exit(main(prog=_prog))
+    except (ValueError, OSError) as error:  # no telemetry there, or an unreadable file: one line, exit 2
+        sys.exit(refused(_prog, error))
