@@ -357,3 +357,12 @@ def test_block_runs_on_cpu(block, tmp_path):
     done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, f"{block[0]}: the block\n{script}\nfailed ({done.returncode}):\n{done.stderr[-2000:]}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_resolve(doc):
+    """A moved or renamed doc page fails here, not in a reader's browser."""
+    text = doc.read_text(encoding="utf-8")
+    broken = [target for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+              if not target.startswith(("http://", "https://", "mailto:")) and not (doc.parent / target).exists()]
+    assert not broken, f"{doc.relative_to(ROOT)}: links to missing files {broken}"
