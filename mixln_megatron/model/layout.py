@@ -5,7 +5,7 @@ The four kinds (F = attention, then MLP; N a norm; each layer has two residual s
     post      h = N(x + F(x))                            Post-LN (the Mix-LN paper's early layers)
     deepnorm  h = N(alpha * x + F(x))                    DeepNet's Post-LN (arXiv 2203.00555):
               alpha = (2L)^(1/4); fc1, fc2, the attention output and value projections
-              initialised at beta = (8L)^(-1/4) times megatron's init
+              initialised at beta = (8L)^(-1/4) times megatron's base init (init_method_std)
     sandwich  h = x + N_b(F(N_a(x)))                     Sandwich-LN (Ding et al. 2021; Peri-LN,
               Gemma 2): four norms per layer
 `post` and `deepnorm` are Post-LN kinds (the residual stream is normalised), `pre` and `sandwich`
