@@ -30,7 +30,9 @@ Tensors are not read (DCP loads them weights-only).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
+import json
 import os
 import time
 import types
@@ -187,9 +189,12 @@ def megatron_iteration_dir(load: Optional[str], ckpt_step=None) -> Optional[str]
 def vet_load_args(args) -> List[VetReport]:
     """Vet what Megatron-LM's load would read for parsed Megatron-LM `args`, before it reads it:
     --load (and the release check of check_load_dir), --pretrained-checkpoint, and a global
-    non-persistent checkpoint. Returns one VetReport per vetted iteration."""
+    non-persistent checkpoint. Returns one VetReport per vetted iteration.
+
+    Once per node (convert.vet_once): one local rank vets, the others take its verdict (a refusal
+    is raised on each of them with the same line)."""
     step = getattr(args, "ckpt_step", None)
-    reports, done = [], set()
+    paths, done = [], set()
     targets = [(getattr(args, "load", None), step), (getattr(args, "pretrained_checkpoint", None), None)]
     if getattr(args, "non_persistent_ckpt_type", None) == "global":
         folder = getattr(args, "non_persistent_global_ckpt_dir", None) or (
@@ -200,12 +205,33 @@ def vet_load_args(args) -> List[VetReport]:
         if path is None or os.path.realpath(path) in done:
             continue
         done.add(os.path.realpath(path))
-        reports.append(vet_iteration_dir(path))  # first: a payload is named as such on every release
-        _check_release(path)
-    # A --load folder that is itself one saved iteration (no tracker: Megatron-LM would silently start
-    # from scratch) of a newer release is refused too, as the --spec edge does.
-    check_load_dir(getattr(args, "load", None))
-    return reports
+        paths.append(path)
+
+    def vet() -> list:
+        reports = []
+        for path in paths:
+            reports.append(dataclasses.asdict(vet_iteration_dir(path)))  # first: a payload is named as such
+            _check_release(path)
+        # A --load folder that is itself one saved iteration (no tracker: Megatron-LM would silently start
+        # from scratch) of a newer release is refused too, as the --spec edge does.
+        check_load_dir(getattr(args, "load", None))
+        return reports
+
+    from .vet_once import once_per_node
+
+    return [VetReport(**r) for r in once_per_node(_identity(paths, getattr(args, "load", None)), vet) or []]
+
+
+def _identity(paths: List[str], load: Optional[str]) -> str:
+    """What the verdict is about: each iteration directory and its `.metadata` / `common.pt` as they are now."""
+    def stamp(path):
+        try:
+            st = os.stat(path)
+            return [st.st_ino, st.st_size, st.st_mtime_ns]
+        except OSError:
+            return None
+    return json.dumps([[os.path.realpath(p), stamp(p), stamp(os.path.join(p, ".metadata")),
+                        stamp(os.path.join(p, "common.pt"))] for p in paths] + [os.path.realpath(load or "")])
 
 
 # ------------------------------------------------------------------------------ the --spec edge

@@ -271,10 +271,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .. import compat  # imports megatron: after the CPU harness
     from . import runtime
     from ..convert.inspect import apply_resume_args
+    from ..convert.dcp_files import metadata_cache
     from ..convert.vet import vet_load_args
 
     saved_argv = sys.argv
     sys.argv = [saved_argv[0] if saved_argv else "mixln-megatron-pretrain", *argv]
+    cache = metadata_cache()  # the vetting's read of a .metadata serves the settings check below too
+    cache.__enter__()
     try:
         # The unsupported configurations get a clear message before Megatron validates anything.
         with one_line_usage_errors():  # Megatron-LM's parser: a bad flag is one line, not its whole usage
@@ -302,6 +305,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return refused("mixln-megatron pretrain", error)
     finally:
         sys.argv = saved_argv
+        cache.__exit__(None, None, None)
     _note_ignored_environment()
     loss_log = LossLog() if args.loss_log else None
 
