@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     to.add_argument("--iteration", default=None,
                     help="iteration to export (default: latest_checkpointed_iteration.txt); 'release' allowed")
-    add_flag(to, "--tokenizer-model", "--tokenizer", default=None,
+    add_flag(to, "--tokenizer-model", "--tokenizer", default=None, metavar="DIR",
              help="tokenizer directory to copy into the output (also gives the true vocabulary size and "
                     "the special token ids)")
     to.add_argument("--vocab-size", type=int, default=None,
