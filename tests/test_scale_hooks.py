@@ -64,7 +64,8 @@ def test_entry_point_one_query_group_at_tp2_trains_with_every_hook(tmp_path):
     assert [r["step"] for r in records] == [1, 2]
     assert records[-1]["layer_kinds"] == ["post", "sandwich", "pre", "pre"]
     assert all(v > 0 for v in records[-1]["layer_grad_norm"])
-    assert records[-1]["spike"]["committed_steps"] == 2
+    # each record is written in the finalize hook, before that step's optimizer commits the scaler
+    assert [r["spike"]["committed_steps"] for r in records] == [0, 1]
 
 
 @pytest.mark.compat
