@@ -39,14 +39,14 @@ NOT_RUN = {
     ("README.md", "pip install -e ."): "installs packages (network)",
     ("README.md", "export MIXLN_ALPHA=0.0625"): CLUSTER,
     ("README.md", "MEGATRON_LM_DIR=/opt/Megatron-LM DATA_PATH=/data/c4/c4_en_t5_text_document bash examples/pretrain_llama1b_mixln.sh"): GPU,
-    ("README.md", "mixln-megatron convert to-hf --load CKPT_DIR --save HF_DIR --tokenizer TOK_DIR"): DATA,
+    ("README.md", "mixln-megatron convert to-hf --load CKPT_DIR --save HF_DIR --tokenizer-model TOK_DIR"): DATA,
     ("README.md", "mixln-megatron convert inspect --check --load CKPT_DIR"): DATA,
     ("CONTRIBUTING.md", "make setup"): "installs the venv (network); the suite itself runs in it",
     ("CONTRIBUTING.md", ".venv/bin/python -m pytest -q -p no:cacheprovider -n 0 tests/test_placement.py -k bad"): "runs tests: the suite's own business",
     ("CONTRIBUTING.md", "PYTHONPATH=$(scripts/compat_env.sh 0.18) COMPAT_MEGATRON_RELEASE=0.18 .venv/bin/python -m pytest -q -m compat tests"): "lays out megatron-core 0.18 (network) and runs a test tier",
     ("benchmarks/README.md", ".venv/bin/python benchmarks/schemes.py --quick"): "a benchmark of minutes",
     ("benchmarks/README.md", ".venv/bin/python benchmarks/fidelity.py [--quick]"): "a benchmark of minutes",
-    ("benchmarks/README.md", "mixln-megatron analyze grad-norms --num-layers 12 --hidden-size 128 --alpha 0.25 [--embedding-std reference]"): "a benchmark of minutes",
+    ("benchmarks/README.md", "mixln-megatron analyze grad-norms --num-layers 12 --hidden-size 128 --mixln-alpha 0.25 [--embedding-std reference]"): "a benchmark of minutes",
     ("benchmarks/README.md", "benchmarks/gpu_check.sh"): GPU + " (the --cpu-dry-run lines run in tests/test_gpu_check_dryrun.py)",
     ("docs/megatron-lm.md", "export MIXLN_ALPHA=0.0625"): CLUSTER,
     ("docs/megatron-lm.md", "git apply --check /path/to/mixln_megatron/patches/core_r0.19.0/0001-mixln-cli-flags.patch"): "needs a Megatron-LM checkout (tests/test_patches.py applies the patches)",
@@ -60,9 +60,9 @@ NOT_RUN = {
     ("docs/data.md", "mixln-megatron preprocess -i corpus.jsonl -o data/corpus --append-eod --overwrite --split-sentences --workers 4"): "a minute of worker start-up on 2 cores; the block above runs",
     ("docs/spike-scaler-and-telemetry.md", "export MIXLN_SPIKE_SCALER=1"): GPU,
     ("docs/spike-scaler-and-telemetry.md", "mixln-megatron pretrain <flags> --mixln-telemetry-interval 10 --save runs/mixln"): GPU,
-    ("docs/hf-conversion.md", "mixln-megatron convert to-hf --load CKPT_DIR [--iteration N] --save HF_DIR [--dtype bfloat16] [--tokenizer TOK_DIR]"): DATA,
+    ("docs/hf-conversion.md", "mixln-megatron convert to-hf --load CKPT_DIR [--iteration N] --save HF_DIR [--dtype bfloat16] [--tokenizer-model TOK_DIR]"): DATA,
     ("docs/untrusted-input.md", "mixln-megatron convert inspect --check --load DIR [--iteration N]"): DATA,
-    ("docs/analysis.md", "mixln-megatron analyze grad-norms --num-layers 12 --alpha 0.25 [--embedding-std megatron|reference]"): DATA + " (and minutes)",
+    ("docs/analysis.md", "mixln-megatron analyze grad-norms --num-layers 12 --mixln-alpha 0.25 [--embedding-std megatron|reference]"): DATA + " (and minutes)",
 }
 RUN_TIMEOUT_S = 600  # generous: a loaded 2-core machine
 
@@ -149,7 +149,11 @@ def setup_extras() -> frozenset:
 
 
 def option_strings(help_text: str) -> set:
-    return set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", help_text))
+    """The flags a --help names, less those it calls a deprecated spelling (the docs use the new)."""
+    flat = re.sub(r"\s+", " ", help_text)
+    deprecated = {flag for names in re.findall(r"deprecated spellings?: ([-\w, ]+)", flat)
+                  for flag in re.findall(r"--?[A-Za-z][\w-]*", re.sub(r"(?<=\w-) (?=\w)", "", names))}
+    return set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", flat)) - deprecated
 
 
 @functools.lru_cache(maxsize=None)
