@@ -4,11 +4,12 @@ An exported Mix-LN folder (the project's HF model code + save_hf_folder, a token
 -> AutoBridge.from_hf_pretrained(..., trust_remote_code=True) -> the Megatron GPTModel with this
 package's block spec (local backend, CPU harness) -> logits equal HF's, the HF weights exported
 back exactly, save_hf_pretrained -> reloads equal; the model Bridge builds has the state-dict keys
-of the model this package builds itself. The TE backend builds, loads and exports exactly, and its
+of the model this package builds itself; every layout untied and tied (tie_word_embeddings). A
+parameter the load would leave unwritten (its mapping or its HF tensor gone) is refused. The TE backend builds, loads and exports exactly, and its
 checkpoint converts back to the source folder (TE's forward needs a GPU). TP2, PP2 and PP2 x VPP2 (torchrun jobs of 2 gloo processes,
 tests/workers/bridge_parallel_worker.py): the same logits through megatron's pipeline schedule and
-exact export (TP2: P = 1 and lns; PP2 / VPP: Mix-LN + LNS with P = 3, so a later stage holds a
-Post-LN layer), then
+exact export (TP2: P = 1, lns and tied lns sandwich layers; PP2 / VPP: Mix-LN + LNS with P = 3, so
+a later stage holds a Post-LN layer, and the arms' layout untied and tied), then
 mixln_megatron.bridge.save_megatron_checkpoint; those checkpoints are read by `mixln-megatron
 convert to-hf` (the source folder again, bit for bit), and the TP2 one by `mixln-megatron pretrain
 --cpu --load` (vetted, loaded at TP1, one iteration trained).
@@ -341,13 +342,14 @@ else:
         assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "release"
         assert os.path.isfile(tmp_path / "ckpt" / "release" / ".metadata")
 
-    @pytest.mark.parametrize("post_ln,scheme,kinds", [(1, "mixln", None), (0, "lns", None), (2, "mixln", ARMS)],
-                             ids=["P1-mixln", "P0-lns", "arms"])
-    def test_te_backend_builds_loads_and_exports_exactly(gloo, tmp_path, post_ln, scheme, kinds):
+    @pytest.mark.parametrize("post_ln,scheme,kinds,tied", [(1, "mixln", None, False), (0, "lns", None, False),
+                                                           (2, "mixln", ARMS, False), (2, "mixln", ARMS, True)],
+                             ids=["P1-mixln", "P0-lns", "arms", "arms-tied"])
+    def test_te_backend_builds_loads_and_exports_exactly(gloo, tmp_path, post_ln, scheme, kinds, tied):
         reason = cpu.te_unavailable_reason()
         if reason:
             pytest.fail(reason) if REQUIRED else pytest.skip(reason)
-        hf = hf_model(post_ln, scheme, kinds=kinds)
+        hf = hf_model(post_ln, scheme, kinds=kinds, tied=tied)
         for key, value in TOKENIZER_IDS.items():  # those of the tokenizer beside it, as convert to-hf writes
             setattr(hf.config, key, value)
         folder = export_folder(hf, str(tmp_path / "exported"))
@@ -362,7 +364,7 @@ else:
             if layer.is_post_ln:
                 assert type(layer.self_attention.linear_qkv).__name__ == "MixLNPostLNColumnParallelLinear"
         exported = dict(bridge.export_hf_weights(models, cpu=True, show_progress=False))
-        expected = hf_state(hf)
+        expected = hf_state(hf, stored=True)
         assert set(exported) == set(expected)
         for name, tensor in expected.items():
             assert torch.equal(exported[name], tensor), name
@@ -428,14 +430,14 @@ else:
         code = {n for n in os.listdir(expected) if n.endswith(".py")}
         assert code and code <= set(os.listdir(got)), (code, os.listdir(got))
 
-    def _parallel_job(tmp_path, layouts, tp, pp, vpp=None):
+    def _parallel_job(tmp_path, layouts, tp, pp, vpp=None, extra=()):
         """Exported folders (and reference logits) of the layouts, then one 2-process torchrun job of
         the parallel worker over them: (folders, rank 0's result by folder)."""
         folders = []
-        for post_ln, scheme, *kinds in layouts:
-            kinds = kinds[0] if kinds else None
-            root = tmp_path / (f"P{post_ln}-{scheme}" + ("-layout" if kinds else ""))
-            hf = hf_model(post_ln, scheme, kinds=kinds)
+        for post_ln, scheme, *rest in layouts:
+            kinds, tied = rest[0] if rest else None, len(rest) > 1 and rest[1]
+            root = tmp_path / (f"P{post_ln}-{scheme}" + ("-layout" if kinds else "") + ("-tied" if tied else ""))
+            hf = hf_model(post_ln, scheme, kinds=kinds, tied=tied)
             for key, value in TOKENIZER_IDS.items():
                 setattr(hf.config, key, value)
             folder = export_folder(hf, str(root / "exported"))
@@ -445,7 +447,7 @@ else:
             folders.append(folder)
         virtual = ["--vpp", str(vpp)] if vpp else []
         result = testing.last_result(testing.torchrun(
-            PARALLEL_WORKER, 2, "--tp", str(tp), "--pp", str(pp), *virtual, *folders, timeout=1200,
+            PARALLEL_WORKER, 2, "--tp", str(tp), "--pp", str(pp), *virtual, *extra, *folders, timeout=1200,
             env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}))
         return folders, result
 
@@ -458,11 +460,19 @@ else:
         """PP2 through Bridge (and PP2 with 2 virtual stages), Mix-LN + LNS with P = 3 of 4: global
         layer 3 is Post-LN on the second stage (PP2) or in the first rank's second chunk (VPP), layer
         4 Pre-LN scaled by 1/sqrt(4); and the arms' layout (deepnorm, sandwich, post, pre), whose
-        per-layer mappings name global layers. The logits through megatron's pipeline schedule equal
-        HF's, the export is exact, and the checkpoints convert back to the source folders bit for bit."""
+        per-layer mappings name global layers, untied and tied (the last stage's output layer is
+        the first stage's embedding, copied by Bridge). The logits through megatron's pipeline schedule equal
+        HF's, the export is exact, and the checkpoints convert back to the source folders bit for bit.
+        A load missing the last stage's final-norm mapping is refused on both ranks."""
         vpp, numbers = PIPELINES[pipeline]
-        folders, result = _parallel_job(tmp_path, [(3, "mixln+lns"), (2, "mixln", ARMS)], tp=1, pp=2, vpp=vpp)
-        assert sorted(result) == ["P2-mixln-layout", "P3-mixln+lns"], result
+        final_norm = "decoder.final_layernorm.weight"  # on the last stage only
+        folders, result = _parallel_job(tmp_path, [(3, "mixln+lns"), (2, "mixln", ARMS), (2, "mixln", ARMS, True)],
+                                        tp=1, pp=2, vpp=vpp, extra=("--refuse-without", final_norm))
+        # A mapping gone for a parameter of one stage: every rank refuses the load (the worker
+        # fails otherwise), in one line naming it.
+        refusal = result.pop("refusal")
+        assert f"to 1 Megatron parameter(s) ({final_norm})" in refusal and "\n" not in refusal, refusal
+        assert sorted(result) == ["P2-mixln-layout", "P2-mixln-layout-tied", "P3-mixln+lns"], result
         for name, r in result.items():
             assert r["max_logit_diff"] < 2e-5 and r["layer_numbers"] == numbers, (name, r)
         assert result["P3-mixln+lns"]["layout"] == [3, "mixln+lns"]
@@ -481,9 +491,9 @@ else:
 
         times = {}
         t = time.time()
-        folders, result = _parallel_job(tmp_path, [(1, "mixln"), (0, "lns")], tp=2, pp=1)
+        folders, result = _parallel_job(tmp_path, [(1, "mixln"), (0, "lns"), (0, "lns", LNS_SANDWICH, True)], tp=2, pp=1)
         times["tp2 job"] = round(time.time() - t, 1)
-        assert sorted(result) == ["P0-lns", "P1-mixln"], result
+        assert sorted(result) == ["P0-lns", "P0-lns-layout-tied", "P1-mixln"], result
         for name, r in result.items():
             assert r["max_logit_diff"] < 2e-5 and r["qkv_rows_per_rank"] * 2 == 64 + 2 * 32, r
 

@@ -1,6 +1,7 @@
 """torchrun worker (2 processes, gloo) of tests/test_bridge.py's parallel tests.
 
-    bridge_parallel_worker.py --tp N --pp M [--vpp V] FOLDER [FOLDER ...]   (N * M = the world size)
+    bridge_parallel_worker.py --tp N --pp M [--vpp V] [--refuse-without NAME] FOLDER [FOLDER ...]
+                                                                     (N * M = the world size)
 
 For each exported HF folder given (made by the test, with reference.pt = {ids, logits} of the HF
 model beside it): AutoBridge.from_hf_pretrained(folder, trust_remote_code=True) -> provider with
@@ -8,8 +9,10 @@ these TP / PP / virtual-pipeline sizes (local backend, CPU harness) -> the Megat
 split over the ranks -> every layer of the whole job, once, of the kind of its global number ->
 logits through megatron's own pipeline schedule (forward only; interleaved with virtual stages)
 vs HF's, gathered over TP -> export_hf_weights vs the folder's tensors (exact), then
-mixln_megatron.bridge.save_megatron_checkpoint(models, <folder>/../ckpt) (collective). Rank 0
-prints `RESULT {...}`; any mismatch raises (non-zero exit).
+mixln_megatron.bridge.save_megatron_checkpoint(models, <folder>/../ckpt) (collective). With
+--refuse-without NAME, the first folder is then loaded once more with NAME's mapping taken out of
+the registry: every rank must refuse it (ConversionError), its line is the result's "refusal".
+Rank 0 prints `RESULT {...}`; any mismatch raises (non-zero exit).
 """
 
 import argparse
@@ -70,12 +73,11 @@ def schedule_logits(models, ids, pos):
     return seen[0] if seen else None
 
 
-def run_one(folder, tp, pp, vpp):
+def build_models(folder, tp, pp, vpp):
+    """AutoBridge -> provider at these sizes (local backend, CPU) -> (bridge, provider, model chunks)."""
     import mixln_megatron.bridge as mixln_bridge
     from megatron.bridge import AutoBridge
-    from megatron.core import parallel_state as ps
 
-    t0 = time.time()
     bridge = AutoBridge.from_hf_pretrained(folder, trust_remote_code=True)
     provider = bridge.to_megatron_provider(load_weights=True)
     provider.tensor_model_parallel_size = tp
@@ -85,6 +87,39 @@ def run_one(folder, tp, pp, vpp):
     provider.finalize()
     models = provider.provide_distributed_model(
         wrap_with_ddp=False, use_cpu_initialization=True, mixed_precision_wrapper=None)
+    return bridge, provider, models
+
+
+def refusal_without(folder, tp, pp, vpp, megatron_param):
+    """The error line of a load whose registry lacks `megatron_param`'s mapping (a parameter only
+    some ranks hold): every rank must raise it, so none is left waiting for the others."""
+    import mixln_megatron.bridge as mixln_bridge
+    from mixln_megatron.errors import ConversionError, one_line
+
+    real = mixln_bridge.MixLNLlamaBridge.mapping_registry
+
+    def without_it(self):
+        registry = real(self)
+        kept = [m for m in registry.mappings if m.megatron_param != megatron_param]
+        assert len(kept) == len(registry.mappings) - 1, megatron_param
+        return type(registry)(*kept)
+
+    mixln_bridge.MixLNLlamaBridge.mapping_registry = without_it
+    try:
+        build_models(folder, tp, pp, vpp)
+    except ConversionError as error:
+        return one_line(error)
+    finally:
+        mixln_bridge.MixLNLlamaBridge.mapping_registry = real
+    raise AssertionError(f"rank {torch.distributed.get_rank()}: loaded without a mapping for {megatron_param}")
+
+
+def run_one(folder, tp, pp, vpp):
+    import mixln_megatron.bridge as mixln_bridge
+    from megatron.core import parallel_state as ps
+
+    t0 = time.time()
+    bridge, provider, models = build_models(folder, tp, pp, vpp)
     assert len(models) == (vpp or 1)
     assert ps.get_tensor_model_parallel_world_size() == tp and ps.get_pipeline_model_parallel_world_size() == pp
     assert type(bridge._model_bridge).__name__ == "MixLNLlamaBridge"
@@ -147,6 +182,8 @@ def main():
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=None)
+    parser.add_argument("--refuse-without", default=None,
+                        help="then load the first folder without this Megatron parameter's mapping: refused on every rank")
     parser.add_argument("folders", nargs="+")
     args = parser.parse_args()
     testing.init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp)
@@ -155,6 +192,8 @@ def main():
     results = {}
     for folder in args.folders:
         results[os.path.basename(os.path.dirname(os.path.abspath(folder)))] = run_one(folder, args.tp, args.pp, args.vpp)
+    if args.refuse_without:
+        results["refusal"] = refusal_without(args.folders[0], args.tp, args.pp, args.vpp, args.refuse_without)
     if torch.distributed.get_rank() == 0:
         print("RESULT " + json.dumps(results), flush=True)
     testing.shutdown()
