@@ -37,6 +37,7 @@ setup(
             "tokenizers>=0.15",
             "matplotlib>=3.7",
             "wandb==0.31.0",  # tests/test_wandb_offline.py reads its offline run files back
+            "einops",  # megatron's parallel state with several distributed-optimizer instances (test_scale_hooks)
         ],
     },
     entry_points={"console_scripts": ["mixln-megatron=mixln_megatron.cli:main"]},
