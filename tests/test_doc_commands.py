@@ -53,7 +53,7 @@ NOT_RUN = {
     ("docs/megatron-lm.md", "bash examples/cpu_tiny_mixln.sh"): "trains for a minute: tests/test_launchers.py runs the launchers",
     ("docs/megatron-lm.md", "MLM_DIR=/path/to/Megatron-LM MIXLN_ALPHA=0.5 python -m torch.distributed.run --nproc_per_node 1 scripts/run_megatron_lm_cpu.py <pretrain_gpt.py args>"): "needs a Megatron-LM checkout",
     ("docs/layer-kinds.md", "for ARM in pre_ln post_ln deepnorm deepnorm_authors sandwich lns mix_ln mix_deepnorm pre_post post_every4 pre_every4 pre_sandwich; do"): CLUSTER,
-    ("docs/layer-kinds.md", 'eval "$(python -m mixln_megatron.analysis.arms --num-layers 32 --mixln-alpha 0.0625 mix_deepnorm)"'): CLUSTER + " (SLURM)",
+    ("docs/layer-kinds.md", 'eval "$(mixln-megatron arms --num-layers 32 --mixln-alpha 0.0625 mix_deepnorm)"'): CLUSTER + " (SLURM)",
     ("docs/hybrid-model.md", "export MIXLN_ALPHA=0.0625"): CLUSTER,
     ("docs/entry-point.md", "mixln-megatron pretrain <Megatron-LM pretrain_gpt.py flags> --mixln-alpha 0.25"): GPU,
     ("docs/entry-point.md", "make demo"): "trains two models for minutes: make demo is its own check",
@@ -215,6 +215,9 @@ def flags(args) -> list:
 def check_mixln_megatron(args, where):
     from mixln_megatron.cli import COMMANDS
 
+    if args and args[0].startswith("-"):  # the command's own flags: --version, --help
+        assert args[0] in option_strings(cli_help()), f"{where}: `mixln-megatron` has no flag {args[0]}"
+        return
     assert args and args[0] in COMMANDS, f"{where}: `mixln-megatron {' '.join(args[:1])}` is no sub-command"
     path = [args[0]]
     if args[0] in ("convert", "analyze"):
