@@ -151,7 +151,7 @@ def test_whole_model_final_norm_and_post_ln_output_is_viewless():
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (dict(num_moe_experts=4, moe_router_topk=1), "MoE"),
+        (dict(experimental_attention_variant="gated_delta_net"), "experimental attention"),
         (dict(inference_fuse_tp_communication=True), "inference_fuse_tp_communication"),
     ],
 )

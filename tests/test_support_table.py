@@ -22,12 +22,12 @@ def test_rows_name_real_fields_and_known_consumers():
 
 def test_config_field_and_argument_alias_are_both_rejected():
     cfg = mu.tiny_config(num_layers=2)
-    cfg.num_moe_experts = 4
+    cfg.num_moe_experts = 4  # MoE trains; the Llama export refuses it
     with pytest.raises(support.MixLNUnsupportedError, match=r"MoE .*\[num_moe_experts=4\]"):
-        support.check_supported(cfg)
-    found = support.problems(Namespace(num_experts=8), support.PRETRAIN)
+        support.check(cfg, support.CONVERT)
+    found = support.problems(Namespace(num_experts=8), support.CONVERT)
     assert len(found) == 1 and "[num_experts=8]" in found[0]
-    assert support.problems(Namespace(num_experts=None), support.PRETRAIN) == []
+    assert support.problems(Namespace(num_experts=None), support.CONVERT) == []
 
 
 def test_te_op_fuser_is_rejected_under_its_real_field_name():
@@ -48,10 +48,10 @@ def test_backend_rows_apply_to_their_backend_only():
 
 def test_all_problems_in_one_line():
     cfg = mu.tiny_config(num_layers=2)
-    cfg.num_moe_experts, cfg.multi_latent_attention = 2, True
+    cfg.heterogeneous_block_specs, cfg.multi_latent_attention = True, True
     with pytest.raises(support.MixLNUnsupportedError) as info:
         support.check_supported(cfg)
-    assert "\n" not in str(info.value) and "MoE" in str(info.value) and "multi-latent" in str(info.value)
+    assert "\n" not in str(info.value) and "heterogeneous" in str(info.value) and "multi-latent" in str(info.value)
 
 
 def test_entry_point_converter_and_analysis_use_the_table(monkeypatch):

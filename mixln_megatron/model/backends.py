@@ -72,7 +72,7 @@ class BuilderFlag:
 # builders' signatures, so a release with a new flag fails until it is handled here; a
 # release-compatibility module extends this table for other releases.
 _COMMON_FLAGS = {
-    "num_experts": BuilderFlag("num_moe_experts", "MoE: rejected by support.TABLE"),
+    "num_experts": BuilderFlag("num_moe_experts", "MoE layers (dense ones of a mixed stack: None)"),
     "moe_grouped_gemm": BuilderFlag("moe_grouped_gemm", "only read with experts"),
     "qk_layernorm": BuilderFlag("qk_layernorm", "passed through"),
     "multi_latent_attention": BuilderFlag("multi_latent_attention", "MLA: rejected by support.TABLE"),
@@ -104,22 +104,27 @@ def builder(backend: str):
     return get_gpt_layer_with_transformer_engine_submodules if backend == "te" else get_gpt_layer_local_submodules
 
 
-def builder_kwargs(backend: str, config) -> dict:
-    """The builder's arguments, each from its TransformerConfig field (absent fields: the default)."""
-    return {flag: getattr(config, h.field) for flag, h in BUILDER_FLAGS[check_backend(backend)].items()
-            if h.field is not None and hasattr(config, h.field)}
+def builder_kwargs(backend: str, config, moe: Optional[bool] = None) -> dict:
+    """The builder's arguments, each from its TransformerConfig field (absent fields: the default).
+    moe=False: a dense layer of an MoE config (megatron's --moe-layer-freq stacks do the same)."""
+    kwargs = {flag: getattr(config, h.field) for flag, h in BUILDER_FLAGS[check_backend(backend)].items()
+              if h.field is not None and hasattr(config, h.field)}
+    if moe is False:
+        kwargs.update(num_experts=None, moe_grouped_gemm=False)
+    return kwargs
 
 
 def layer_submodules(backend: str, normalization: str = "RMSNorm", qk_layernorm: bool = False,
-                     config=None) -> TransformerLayerSubmodules:
+                     config=None, moe: Optional[bool] = None) -> TransformerLayerSubmodules:
     """The Pre-LN submodules for `backend`: megatron's stock builder called with the config's flags
     (Post-LN layers derive theirs from these). Without a config only normalization and
-    qk_layernorm are set, the rest keep megatron's defaults."""
+    qk_layernorm are set, the rest keep megatron's defaults. moe=False: a dense layer even when
+    the config has experts."""
     check_backend(backend)
     if config is not None:
         config = getattr(config, "transformer", config)
         normalization = getattr(config, "normalization", normalization)
-        kwargs = builder_kwargs(backend, config)
+        kwargs = builder_kwargs(backend, config, moe)
     else:
         kwargs = {"qk_layernorm": qk_layernorm}
     if normalization not in ("RMSNorm", "LayerNorm"):
@@ -134,6 +139,13 @@ def layer_submodules(backend: str, normalization: str = "RMSNorm", qk_layernorm:
     subs.input_layernorm = MixLNNorm
     subs.pre_mlp_layernorm = MixLNNorm
     return subs
+
+
+def _is_te_norm(module) -> bool:
+    from megatron.core.extensions.transformer_engine import TENorm
+
+    # TENorm builds TE's RMSNorm / LayerNorm (its __new__ returns those classes' instances)
+    return isinstance(module, TENorm) or type(module).__module__.startswith("transformer_engine")
 
 
 def backend_of_norm(norm_cls) -> Optional[str]:
@@ -243,6 +255,9 @@ def set_norm_output_scale(layer, scale: float) -> None:
             norm.output_scale = scale
         elif isinstance(norm, IdentityOp) and hasattr(linear, "layer_norm_weight"):
             scale_linear_output(linear, scale)
+        elif linear is None and have_te() and _is_te_norm(norm):
+            # an MoE layer with TE: a standalone norm before the router (nothing fused to scale)
+            norm.register_forward_hook(lambda _module, _inputs, out: out * scale)
         else:
             raise NotImplementedError(
                 f"LayerNorm Scaling does not know how to scale {type(norm).__name__} followed by "

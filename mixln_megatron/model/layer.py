@@ -69,7 +69,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.utils import get_pg_rank, make_viewless_tensor
 
 from .. import compat
-from . import backends, hybrid_pattern as hybrid, layout
+from . import backends, hybrid_pattern as hybrid, layout, moe_layers
 from .checkpoint_keys import MIXLN_NORM_A, MIXLN_NORM_B, MIXLN_NORM_C, MIXLN_NORM_D
 from .support import MixLNUnsupportedError, check_kind_supported, check_supported  # noqa: F401  (re-exported)
 from . import checkpoint as mixln_checkpoint
@@ -381,13 +381,17 @@ class MixLNTransformerLayer(TransformerLayer):
     @torch.no_grad()
     def _apply_deepnorm_init(self, beta: float) -> None:
         """DeepNet's init on the weights megatron's init methods just made (this TP shard's, all
-        four drawn with the base init): fc1, fc2, the attention output projection and the value
-        rows of linear_qkv times `beta`; the query and key rows, biases and norms unchanged."""
+        four drawn with the base init): fc1, fc2 (an MoE MLP: each expert's and shared expert's),
+        the attention output projection and the value rows of linear_qkv times `beta`; the query
+        and key rows, biases, norms and an MoE router unchanged."""
         attention, mlp = self.self_attention, self.mlp
         for module, name in ((mlp, "linear_fc1"), (mlp, "linear_fc2"), (attention, "linear_proj")):
             linear = getattr(module, name, None)
             if linear is not None and getattr(linear, "weight", None) is not None:
                 linear.weight.mul_(beta)
+        for linear in moe_layers.expert_linears(mlp):  # an MoE MLP: every expert's fc1 / fc2
+            for weight in moe_layers.linear_weights(linear):
+                weight.mul_(beta)
         qkv = getattr(attention, "linear_qkv", None)
         if qkv is not None and getattr(qkv, "weight", None) is not None:
             weight = qkv.weight

@@ -16,7 +16,7 @@ from typing import Optional
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from . import backends, hybrid_pattern
+from . import backends, hybrid_pattern, moe_layers
 from .layer import MixLNTransformerLayer
 from .placement import resolve_placement
 from .settings import MixLNSettings, layered
@@ -39,17 +39,21 @@ def MixLNTransformerLayerSpec(
     settings: Optional[MixLNSettings] = None,
     config=None,
     layout: Optional[str] = None,
+    moe: Optional[bool] = None,
 ) -> ModuleSpec:
     """A layer ModuleSpec; each layer picks Post-LN or Pre-LN from its global layer_number.
 
     alpha / post_ln_layers / scheme override `settings`; left unset, the default applies (alpha
     0.25, only for models of at most 24 layers). `layout` gives every layer's kind instead
-    (model.layout: pre, post, deepnorm, sandwich; e.g. 'deepnorm:1-2,pre:3-').
+    (model.layout: pre, post, deepnorm, sandwich; e.g. 'deepnorm:1-2,pre:3-'). `moe`: with a
+    config of num_moe_experts, False builds a dense layer of it (a --moe-layer-freq stack's dense
+    layers); None follows the config. The layer kind's norms sit around an MoE MLP as around a
+    dense one.
     """
     settings = _with_arguments(settings, alpha, post_ln_layers, scheme, layout)
     return ModuleSpec(
         module=MixLNTransformerLayer,
-        submodules=backends.layer_submodules(backend, normalization, qk_layernorm, config=config),
+        submodules=backends.layer_submodules(backend, normalization, qk_layernorm, config=config, moe=moe),
         params={"mixln_settings": settings, "post_ln_norm": backends.norm_class(backend)},
     )
 
@@ -68,21 +72,31 @@ def get_mixln_decoder_block_spec(
     """Submodules of the whole decoder on this pipeline stage, final norm included. Plain data:
     nothing is installed on `config` (see install_training_hooks)."""
     config = getattr(config, "transformer", config)  # Megatron-LM's GPTModelConfig wraps it
-    layer = checked_layer_spec(config, backend, _with_arguments(settings, alpha, post_ln_layers, scheme, layout))
+    settings = _with_arguments(settings, alpha, post_ln_layers, scheme, layout)
+    pattern = moe_layers.moe_layer_pattern(config)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(
-        layer_specs=[layer] * num_layers, layer_norm=backends.norm_class(backend)
-    )
+    if len(set(pattern)) == 1:  # every layer alike (dense, or all MoE): one spec
+        layer_specs = [checked_layer_spec(config, backend, settings, moe=pattern[0])] * num_layers
+    else:  # megatron's --moe-layer-freq mixed stack: each layer the MLP its global number gets
+        by_kind = {moe: checked_layer_spec(config, backend, settings, moe=moe) for moe in (False, True)}
+        layer_specs = [by_kind[pattern[i]] for i in moe_layers.stage_layer_ids(config, num_layers, vp_stage, pp_rank)]
+    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=backends.norm_class(backend))
 
 
-def checked_layer_spec(config, backend: str, settings: MixLNSettings) -> ModuleSpec:
-    """The layer spec for `config`, after the support table and the placement rule accept it."""
+def checked_layer_spec(config, backend: str, settings: MixLNSettings, moe: Optional[bool] = None) -> ModuleSpec:
+    """The layer spec for `config`, after the support table and the placement rule accept it.
+
+    moe: an MoE layer (True) or a dense one (False); None: what config asks of every layer, which
+    a mixed --moe-layer-freq stack cannot be given by one spec (refused, see moe_layers)."""
     check_supported(config, backend=backend)  # mixln_megatron.model.support.TABLE
     resolve_placement(config.num_layers, settings)  # a bad setting fails here, not inside a layer
+    if moe is None:
+        moe = moe_layers.uniform_moe(config)
     return MixLNTransformerLayerSpec(
         backend=backend, settings=settings,
         normalization=config.normalization, qk_layernorm=getattr(config, "qk_layernorm", False),
         config=config,  # every flag megatron's builder takes, from the config (backends.BUILDER_FLAGS)
+        moe=moe,
     )
 
 

@@ -52,9 +52,10 @@ def _row(names, what, why, where, **kw) -> Unsupported:
 
 _LLAMA = "the Hugging Face Llama export cannot express it"
 TABLE: tuple = (
+    # MoE layers train (every kind: model.moe_layers); the Llama export has no experts.
     _row("num_moe_experts num_experts", "MoE (--num-experts)",
-         "the MoE layer owns its pre-MLP norm and routing, a Post-LN MoE layer is not defined by "
-         "Mix-LN, and Llama has no experts; train a dense model", _BUILD),
+         "the Hugging Face Llama export has no experts; the MoE model trains and checkpoints in "
+         "Megatron format", {CONVERT, ANALYSIS}),
     _row("multi_latent_attention", "multi-latent attention (MLA, --multi-latent-attention)",
          "MLA fuses the input norm into its down-projections, so a Post-LN MLA layer needs its "
          "own design", _BUILD),
