@@ -196,12 +196,12 @@ class _KeyMap:
     """Plans every model tensor and object of the source under its key in the other model kind."""
 
     def __init__(self, reader, source: str, blocks: int, kinds):
-        from ..model.layout import POST_LN_KINDS, SANDWICH
+        from ..model.layout import POST_LN_KINDS, sandwich_rows
 
         self.reader, self.source, self.blocks, self.kinds = reader, source, blocks, tuple(kinds)
         self.post_ln_blocks = frozenset(i for i, kind in enumerate(self.kinds) if kind in POST_LN_KINDS)
-        # GPTModel stacks a sandwich layer's output norms over the sandwich layers alone (model.layer)
-        self.sandwich_blocks = tuple(i for i, kind in enumerate(self.kinds) if kind == SANDWICH)
+        # GPTModel stacks a sandwich layer's output norms over the sandwich layers alone (their rows' order)
+        self.sandwich_blocks = tuple(sandwich_rows(self.kinds))
         self.tensor_keys: List[str] = []
         self.object_keys: List[str] = []
 

@@ -6,15 +6,14 @@ memory stays bounded by one piece, whatever the model size.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict
 
 import torch
 
 from ..errors import ConversionError
+from ..model import qkv_layout
 from . import mapping as M
 from .hf_folder import HFCheckpoint
-from .layouts import merge_qkv
 from .shape import ModelShape
 
 
@@ -23,14 +22,14 @@ class HFRoleSource:
 
     def __init__(self, hf: HFCheckpoint, shape: ModelShape, kinds, stock_source: bool, dtype):
         """`kinds`: every layer's kind (model.layout), or an integer P for Mix-LN's first P post layers."""
-        from ..model.layout import POST_LN_KINDS, SANDWICH, first_p_kinds
+        from ..model.layout import POST_LN_KINDS, first_p_kinds, sandwich_rows
 
         if isinstance(kinds, int):
             kinds = first_p_kinds(shape.num_layers, kinds)
         self.hf, self.shape, self.kinds, self.stock_source, self.dtype = hf, shape, tuple(kinds), stock_source, dtype
         self.post_ln = sum(k in POST_LN_KINDS for k in self.kinds)
         # a sandwich layer's row of the norms stacked over the sandwich layers (mixln_norm_c / _d)
-        self.sandwich_rows = {layer: row for row, layer in enumerate(i for i, k in enumerate(self.kinds) if k == SANDWICH)}
+        self.sandwich_rows = sandwich_rows(self.kinds)
 
     def is_post_ln(self, layer: int) -> bool:
         from ..model.layout import POST_LN_KINDS
@@ -63,15 +62,15 @@ class HFRoleSource:
         kind = role.split(".")[1] if "." in role else None
         if role.startswith("qkv."):
             d, qpg = self.shape.kv_channels, self.shape.q_per_group
-            group = (qpg + 2) * d
+            group = qkv_layout.group_rows(qpg, d)
             if start % group or stop % group:
                 raise ValueError(f"QKV rows {start}:{stop} are not whole query groups")
             g0, g1 = start // group, stop // group
-            q = self.hf_tensor(f"{p}self_attn.q_proj.{kind}", g0 * qpg * d, g1 * qpg * d)
-            k = self.hf_tensor(f"{p}self_attn.k_proj.{kind}", g0 * d, g1 * d)
-            v = self.hf_tensor(f"{p}self_attn.v_proj.{kind}", g0 * d, g1 * d)
-            part = dataclasses.replace(self.shape, num_attention_heads=(g1 - g0) * qpg, num_query_groups=g1 - g0)
-            return merge_qkv(q, k, v, part)
+            q_rows, kv_rows = qkv_layout.separate_rows(g0, g1, qpg, d)
+            q = self.hf_tensor(f"{p}self_attn.q_proj.{kind}", q_rows.start, q_rows.stop)
+            k = self.hf_tensor(f"{p}self_attn.k_proj.{kind}", kv_rows.start, kv_rows.stop)
+            v = self.hf_tensor(f"{p}self_attn.v_proj.{kind}", kv_rows.start, kv_rows.stop)
+            return qkv_layout.merge(q, k, v, g1 - g0, qpg, d)
         if role.startswith("fc1."):
             f = self.shape.ffn_hidden_size
             if start < f < stop:

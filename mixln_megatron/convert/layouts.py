@@ -1,8 +1,7 @@
 """How Megatron lays out a layer's tensors, and the conversions to HF's layout.
 
-  * QKV rows are grouped per query group: for group g, [the q heads of g; k_g; v_g], each head
-    kv_channels rows. Tensor parallelism splits whole groups, so concatenating the TP shards of a
-    legacy checkpoint gives the same grouped layout as torch_dist.
+  * QKV rows are grouped per query group (model.qkv_layout); tensor parallelism splits whole
+    groups, so concatenating the TP shards of a legacy checkpoint gives torch_dist's layout.
   * fc1 (SwiGLU) is [gate; up]. torch_dist stores the layout-independent [gate_all; up_all]; each
     legacy TP rank holds [gate_r; up_r] of its own slice.
   * Row ranges ("chunks") let the import write a tensor in bounded pieces without a range ever
@@ -13,6 +12,7 @@ from __future__ import annotations
 
 from typing import Dict, Sequence
 
+from ..model import qkv_layout
 from .shape import ModelShape
 
 # Legacy tensor-parallel layout of each role: ("cat", dim), "glu" ([gate_r; up_r] per rank) or
@@ -40,25 +40,14 @@ def _ranges(start: int, stop: int, step: int):
 
 def split_qkv(qkv, shape: ModelShape):
     """Megatron's grouped QKV rows -> (q, k, v) in HF head order (weight [rows, h] or bias [rows])."""
-    d, ng = shape.kv_channels, shape.num_query_groups
+    ng = shape.num_query_groups
     qpg = shape.num_attention_heads // ng  # the shape's fields only: an export's writing never calls back into it
-    rest = tuple(qkv.shape[1:])
-    grouped = qkv.reshape(ng, qpg + 2, d, *rest)
-    q = grouped[:, :qpg].reshape(ng * qpg * d, *rest)
-    k = grouped[:, qpg].reshape(ng * d, *rest)
-    v = grouped[:, qpg + 1].reshape(ng * d, *rest)
-    return q, k, v
+    return qkv_layout.split(qkv, ng, qpg, shape.kv_channels)
 
 
 def merge_qkv(q, k, v, shape: ModelShape):
     """HF q, k, v -> Megatron's QKV rows grouped per query group."""
-    import torch
-
-    d, ng, qpg = shape.kv_channels, shape.num_query_groups, shape.q_per_group
-    rest = tuple(q.shape[1:])
-    return torch.cat(
-        [q.reshape(ng, qpg, d, *rest), k.reshape(ng, 1, d, *rest), v.reshape(ng, 1, d, *rest)], dim=1
-    ).reshape(ng * (qpg + 2) * d, *rest)
+    return qkv_layout.merge(q, k, v, shape.num_query_groups, shape.q_per_group, shape.kv_channels)
 
 
 def deinterleave_rope_rows(t, num_heads: int, head_dim: int):
@@ -128,7 +117,7 @@ def megatron_row_chunks(role: str, shape: ModelShape, row_bytes: int, piece_byte
     per = max(1, piece_bytes // max(1, row_bytes))
 
     if role.startswith("qkv."):
-        group = (shape.q_per_group + 2) * shape.kv_channels
+        group = qkv_layout.group_rows(shape.q_per_group, shape.kv_channels)
         return _ranges(0, shape.qkv_rows, max(1, per // group) * group)
     if role.startswith("fc1."):
         f = shape.ffn_hidden_size

@@ -159,34 +159,34 @@ class TorchDistCheckpoint(ReaderBase):
         sandwich layers: GPTModel stacks them over those layers, [S, hidden]; HybridModel keeps each
         in its block's `*` (c) or `-` (d) layer, [hidden]. Remembers each sandwich layer's row.
         Other kinds share the keys, which cannot tell them apart (the settings record does)."""
-        from ..model.layout import SANDWICH
+        from ..model.layout import sandwich_rows
 
-        rows = [i for i, kind in enumerate(kinds) if kind == SANDWICH]
-        self._sandwich_rows = {layer: row for row, layer in enumerate(rows)}
+        self._sandwich_rows = sandwich_rows(kinds)
+        layers = list(self._sandwich_rows)  # the sandwich layers, in row order
         if self.hybrid_pattern is not None:
-            self._check_hybrid_sandwich_norms(rows, len(kinds))
+            self._check_hybrid_sandwich_norms(layers, len(kinds))
             return
         hidden = self.global_shape(M.TD_EMBEDDING)[1]
         for role, name in M.SANDWICH_NORM_NAMES.items():
             key = keys.LAYERS + name
-            if not rows:
+            if not layers:
                 if key in self._tensors:
                     raise ConversionError(f"{self.path} has {key} (sandwich norms) but its Mix-LN settings have no "
                                           "sandwich layer: the checkpoint's settings do not match its tensors")
                 continue
             if key not in self._tensors:
-                raise ConversionError(f"{self.path} has no {key}, but its Mix-LN settings have {len(rows)} sandwich "
+                raise ConversionError(f"{self.path} has no {key}, but its Mix-LN settings have {len(layers)} sandwich "
                                       "layer(s): the checkpoint is incomplete or was edited")
-            if self.global_shape(key) != (len(rows), hidden):
-                raise ConversionError(f"{key} has shape {self.global_shape(key)}, the {len(rows)} sandwich layer(s) of "
-                                      f"the Mix-LN settings imply {(len(rows), hidden)}")
+            if self.global_shape(key) != (len(layers), hidden):
+                raise ConversionError(f"{key} has shape {self.global_shape(key)}, the {len(layers)} sandwich "
+                                      f"layer(s) of the Mix-LN settings imply {(len(layers), hidden)}")
 
-    def _check_hybrid_sandwich_norms(self, rows: Sequence[int], blocks: int) -> None:
+    def _check_hybrid_sandwich_norms(self, layers: Sequence[int], blocks: int) -> None:
         hidden = self.global_shape(M.TD_EMBEDDING)[1]
         for name in M.SANDWICH_NORM_NAMES.values():
             for block in range(blocks):
                 key = f"{keys.LAYERS}{keys.hybrid_layer_of(block, name, False)}.{name}"
-                if block not in rows:
+                if block not in layers:
                     if key in self._tensors:
                         raise ConversionError(f"{self.path} has {key} (a sandwich norm), but block {block + 1} is not a "
                                               "sandwich layer of its Mix-LN settings: the settings do not match the tensors")

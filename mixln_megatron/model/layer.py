@@ -69,7 +69,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.utils import get_pg_rank, make_viewless_tensor
 
 from .. import compat
-from . import backends, hybrid_pattern as hybrid, layout, moe_layers
+from . import backends, hybrid_pattern as hybrid, layout, moe_layers, qkv_layout
 from .checkpoint_keys import MIXLN_NORM_A, MIXLN_NORM_B, MIXLN_NORM_C, MIXLN_NORM_D
 from .support import MixLNUnsupportedError, check_kind_supported, check_supported  # noqa: F401  (re-exported)
 from . import checkpoint as mixln_checkpoint
@@ -201,17 +201,16 @@ class ResidualStep:
 
 
 def value_rows(weight_rows: int, attention) -> slice:
-    """The value rows of (a TP shard of) megatron's fused linear_qkv, as [groups, rows] indices:
-    per query group the rows are [q heads..., k, v], each head `hidden_size_per_attention_head`."""
+    """The value rows of (a TP shard of) megatron's fused linear_qkv, as [groups, rows] indices
+    (model.qkv_layout)."""
     groups = attention.num_query_groups_per_partition
     heads = attention.num_attention_heads_per_partition
     dim = attention.hidden_size_per_attention_head
-    per_group = (heads // groups + 2) * dim
-    if heads % groups or groups * per_group != weight_rows:
+    if heads % groups or groups * qkv_layout.group_rows(heads // groups, dim) != weight_rows:
         raise MixLNUnsupportedError(
             f"DeepNorm's init cannot find the value rows of linear_qkv ({weight_rows} rows for {groups} query "
             f"groups of {heads // max(groups, 1)} heads of {dim}): a QKV layout other than megatron's [q, k, v] per group")
-    return slice(per_group - dim, per_group)
+    return qkv_layout.value_rows(heads // groups, dim)
 
 
 @contextlib.contextmanager
@@ -282,9 +281,9 @@ class MixLNTransformerLayer(TransformerLayer):
         check_supported(config, backend=backends.backend_of_norm(post_ln_norm), post_ln=self.is_post_ln)
         check_kind_supported(config, self.kind)
         # A sandwich layer's place among the model's sandwich layers: its row of mixln_norm_c / _d.
-        kinds = self.placement.kinds
-        self.sandwich_index = kinds[: self.block_number - 1].count(layout.SANDWICH)
-        self.sandwich_count = kinds.count(layout.SANDWICH)
+        rows = layout.sandwich_rows(self.placement.kinds)
+        self.sandwich_index = rows.get(self.block_number - 1)  # None unless a sandwich layer
+        self.sandwich_count = len(rows)
         if (self.is_post_ln or self.kind == layout.SANDWICH) and post_ln_norm is None:
             raise ValueError(
                 "MixLNTransformerLayer needs `post_ln_norm` in its spec params; build the spec "

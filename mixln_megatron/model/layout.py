@@ -22,7 +22,7 @@ without `*` every layer must be named. The canonical text (`layout_text`) lists 
 from __future__ import annotations
 
 import re
-from typing import Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 from ..errors import MixLNConfigError
 
@@ -120,6 +120,14 @@ def layout_text(kinds: Sequence[str]) -> str:
 def first_p_kinds(num_layers: int, post_ln_layers: int) -> Tuple[str, ...]:
     """Mix-LN's own layout: layers 1..P Post-LN, the rest Pre-LN."""
     return (POST,) * post_ln_layers + (PRE,) * (num_layers - post_ln_layers)
+
+
+def sandwich_rows(kinds: Sequence[str]) -> Dict[int, int]:
+    """{0-based layer: its row} for the sandwich layers of `kinds`, in row order: a sandwich layer's
+    output norms are stacked over the S sandwich layers alone ([S, h] keys mixln_norm_c / _d), a
+    layer's row its 0-based rank among them. Global, like the layer number, so every pipeline split
+    (and every reader and converter) agrees."""
+    return {layer: row for row, layer in enumerate(i for i, kind in enumerate(kinds) if kind == SANDWICH)}
 
 
 def leading_post_count(kinds: Sequence[str]):
