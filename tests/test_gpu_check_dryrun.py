@@ -125,70 +125,53 @@ def _import_gpu_check():
     return gpu_check
 
 
-def test_gpu_run_starts_the_reference_in_a_fresh_interpreter(tmp_path, monkeypatch):
-    """The GPU run's reference process (the dry run forks it instead): the command, its arguments
-    as the script parses them, its environment, the failure message, and the file it reads back."""
+def _same_tensors(a, b, where=""):
+    """Whether two nested dicts of tensors (and plain values) are equal, bit for bit."""
     import torch
 
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (where, sorted(a), sorted(b) if isinstance(b, dict) else b)
+        for key in a:
+            _same_tensors(a[key], b[key], f"{where}.{key}")
+    elif torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def test_both_reference_processes_run_the_real_reference_and_agree(tmp_path, monkeypatch):
+    """The GPU run's reference (a fresh interpreter, run_cpu_reference) and the dry run's (forked
+    after the imports, ForkedReference) run the real reference code on the CPU with the same job:
+    the same weights and fp32 / bf16 results, bit for bit, though this process carries torchrun's
+    variables (the reference must not join a process group through them). The forked one's
+    folder is removed once read."""
     gpu_check = _import_gpu_check()
     from device_checks import DRY_PARITY_SHAPE
 
-    for name in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(name, "1")
-    calls = []
-
-    def fake_run(cmd, env, capture_output, text, timeout):
-        calls.append((cmd, env))
-        if len(calls) == 1:
-            return subprocess.CompletedProcess(cmd, 5, stdout="out-tail", stderr="err-tail")
-        torch.save({"state": {}, "results": {"fp32": 1}}, os.path.join(cmd[-1], "reference.pt"))
-        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
-
-    monkeypatch.setattr(gpu_check.subprocess, "run", fake_run)
-    with pytest.raises(RuntimeError, match=r"(?s)the CPU reference process failed \(exit 5\).*out-tail.*err-tail"):
-        gpu_check.run_cpu_reference(str(tmp_path), DRY_PARITY_SHAPE, 2, 7)
-    assert gpu_check.run_cpu_reference(str(tmp_path), DRY_PARITY_SHAPE, 2, 7)["results"] == {"fp32": 1}
-    cmd, env = calls[-1]
-    assert cmd[:2] == [sys.executable, os.path.join(BENCH, "gpu_check.py")]
-    assert gpu_check.parse_args(cmd[2:])._reference == str(tmp_path)
-    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["PYTHONUNBUFFERED"] == "1"
-    assert not {"MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"} & set(env)
-    with open(tmp_path / "parity.json") as f:
-        assert json.load(f) == {"shape": {**DRY_PARITY_SHAPE.__dict__}, "post_ln_layers": 2, "seed": 7}
+    fresh = gpu_check.run_cpu_reference(str(tmp_path), DRY_PARITY_SHAPE, 2, 7)
+    forked = gpu_check.ForkedReference(DRY_PARITY_SHAPE, 2, 7)
+    result = forked.result(timeout=300)
+    assert not os.path.exists(forked.workdir)
+    assert set(fresh) == {"state", "results"} and set(fresh["results"]) == {"fp32", "bf16"}
+    assert fresh["results"]["fp32"]["grads"], "the reference computed no parameter gradient"
+    _same_tensors(fresh, result)
 
 
-def test_the_dry_runs_forked_reference_reports_a_failure_and_reads_back_its_file(monkeypatch):
-    """ForkedReference (the dry run's reference process, forked): it runs main() with the reference
-    arguments in the fresh interpreter's environment; a failing child's exit status and output reach
-    the error, a successful one's file is read back, and its folder is removed either way."""
+def test_a_failing_reference_reports_its_exit_status_and_output(tmp_path):
+    """A job the real reference refuses (more Post-LN layers than the model has) fails both
+    reference processes with the child's exit status and its own words in the error."""
     gpu_check = _import_gpu_check()
     from device_checks import DRY_PARITY_SHAPE
 
-    monkeypatch.setenv("MASTER_PORT", "1")
-
-    def failing_main(argv):
-        print("out-tail", flush=True)
-        print("err-tail", file=sys.stderr, flush=True)
-        return 5
-
-    monkeypatch.setattr(gpu_check, "main", failing_main)
-    forked = gpu_check.ForkedReference(DRY_PARITY_SHAPE, 2, 7)
-    with pytest.raises(RuntimeError, match=r"(?s)the CPU reference process failed \(exit 5\).*out-tail.*err-tail"):
-        forked.result(timeout=120)
-    assert not os.path.exists(forked.workdir)
-
-    def writing_main(argv):
-        import torch
-
-        args = gpu_check.parse_args(argv)
-        seen = {"cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "port": os.environ.get("MASTER_PORT")}
-        torch.save({"state": {}, "results": {"fp32": 1}, "env": seen},
-                   os.path.join(args._reference, "reference.pt"))
-        return 0
-
-    monkeypatch.setattr(gpu_check, "main", writing_main)
-    forked = gpu_check.ForkedReference(DRY_PARITY_SHAPE, 2, 7)
-    assert forked.result(timeout=120) == {"state": {}, "results": {"fp32": 1}, "env": {"cuda": "", "port": None}}
+    too_many = DRY_PARITY_SHAPE.layers + 1
+    failed = r"(?s)the CPU reference process failed \(exit [1-9]\d*\):.*MixLNConfigError"
+    with pytest.raises(RuntimeError, match=failed):
+        gpu_check.run_cpu_reference(str(tmp_path), DRY_PARITY_SHAPE, too_many, 7)
+    forked = gpu_check.ForkedReference(DRY_PARITY_SHAPE, too_many, 7)
+    with pytest.raises(RuntimeError, match=failed):
+        forked.result(timeout=300)
     assert not os.path.exists(forked.workdir)
 
 
