@@ -13,17 +13,24 @@ from mixln_megatron.model.placement import Placement
 from mixln_megatron.model.settings import SpikeSettings
 
 
-class Optimizer:
-    """Like Megatron's optimizers: `step` on the class, returning (success, grad norm, zeros)."""
+@pytest.fixture
+def new_optimizer(mcore_single):
+    """Makes megatron's own optimizer (get_megatron_optimizer, via dev.testing.TinyTrainer) over a
+    one-layer stock GPT in DDP: `step` on its class, returning (success, grad norm, zeros)."""
+    from mixln_megatron.dev.testing import TinyTrainer, build_gpt, mixln_spec, tiny_config
 
-    grad_scaler = None
+    def make():
+        config = tiny_config(num_layers=1, hidden=16, heads=2)
+        return TinyTrainer(config, [build_gpt(config, mixln_spec(config, 0, None, stock=True))]).optimizer
 
-    def __init__(self):
-        self.steps = 0
+    return make
 
-    def step(self):
-        self.steps += 1
-        return True, 1.0, 0
+
+def _steps(optimizer) -> int:
+    """Steps the optimizer has taken (its torch optimizer's own count)."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])[0].optimizer
+    state = next(iter(inner.state.values()), {})
+    return int(state.get("step", 0))
 
 
 def _scaler(driven: list, name: str):
@@ -34,10 +41,10 @@ def _scaler(driven: list, name: str):
     return scaler
 
 
-def test_install_remove_install_leaves_only_the_second_scaler_on_the_optimizer():
+def test_install_remove_install_leaves_only_the_second_scaler_on_the_optimizer(new_optimizer):
     from mixln_megatron.training.spike import install_finalize_hook, remove_spike_scaler
 
-    optimizer, config, driven = Optimizer(), SimpleNamespace(finalize_model_grads_func=None), []
+    optimizer, config, driven = new_optimizer(), SimpleNamespace(finalize_model_grads_func=None), []
     old = _scaler(driven, "old")
     install_finalize_hook(config, old)
     old.set_optimizer(optimizer)
@@ -46,7 +53,7 @@ def test_install_remove_install_leaves_only_the_second_scaler_on_the_optimizer()
 
     assert remove_spike_scaler(config) is old
     optimizer.step()
-    assert driven == ["old"] and optimizer.steps == 2
+    assert driven == ["old"] and _steps(optimizer) == 2
     assert config.finalize_model_grads_func is None
     assert "step" not in vars(optimizer) and old.optimizer is None  # the class's step again
 
@@ -55,15 +62,15 @@ def test_install_remove_install_leaves_only_the_second_scaler_on_the_optimizer()
     new.set_optimizer(optimizer)
     optimizer.step()
     assert driven == ["old", "new"]  # was ['old', 'old', 'new']: the first scaler still driven
-    assert vars(optimizer)["step"].scaler is new and vars(optimizer)["step"].original.__func__ is Optimizer.step
+    assert vars(optimizer)["step"].scaler is new and vars(optimizer)["step"].original.__func__ is type(optimizer).step
     assert remove_spike_scaler(config) is new and "step" not in vars(optimizer)
     assert remove_spike_scaler(config) is None  # nothing left to remove
 
 
-def test_unwrapping_keeps_what_was_there_and_what_came_after():
+def test_unwrapping_keeps_what_was_there_and_what_came_after(new_optimizer):
     from mixln_megatron.training.spike import install_finalize_hook, remove_spike_scaler
 
-    optimizer, config, driven = Optimizer(), SimpleNamespace(finalize_model_grads_func=None), []
+    optimizer, config, driven = new_optimizer(), SimpleNamespace(finalize_model_grads_func=None), []
     own = optimizer.step  # an instance attribute set by someone else before the scaler
     optimizer.step = own
     first = _scaler(driven, "first")
@@ -79,12 +86,12 @@ def test_unwrapping_keeps_what_was_there_and_what_came_after():
     optimizer.step = lambda: ours()  # someone wraps the step again after the scaler
     remove_spike_scaler(config)
     optimizer.step()
-    assert driven == [] and optimizer.steps == 1  # their wrapper stays; ours passes the step through
+    assert driven == [] and _steps(optimizer) == 1  # their wrapper stays; ours passes the step through
 
     third = _scaler(driven, "third")
     install_finalize_hook(config, third)
     third.set_optimizer(optimizer)
-    third.set_optimizer(Optimizer())  # moving to another optimizer lets go of the first
+    third.set_optimizer(new_optimizer())  # moving to another optimizer lets go of the first
     optimizer.step()
     assert driven == []
 
@@ -115,7 +122,7 @@ def test_finalize_wrappers_come_out_of_the_chain_in_any_order():
     assert config.finalize_model_grads_func is None and remove_telemetry(config) is None
 
 
-def test_layer_callbacks_and_holders_are_taken_back(mcore_single):
+def test_layer_callbacks_and_holders_are_taken_back(new_optimizer):
     from mixln_megatron.dev.testing import build_gpt, tiny_config
     from mixln_megatron.model.layer import _ON_LAYER_BUILT
     from mixln_megatron.model.settings import MixLNSettings
@@ -131,7 +138,7 @@ def test_layer_callbacks_and_holders_are_taken_back(mcore_single):
     assert _ON_LAYER_BUILT in vars(config)
     layers = build_gpt(config, spec).decoder.layers
     assert [HOLDER_NAME in layer._modules for layer in layers] == [False, True, True, False]
-    optimizer = Optimizer()
+    optimizer = new_optimizer()
     scaler.set_optimizer(optimizer)
     assert remove_spike_scaler(config) is scaler
     assert "step" not in vars(optimizer)
