@@ -451,15 +451,24 @@ class MixLNTransformerLayer(TransformerLayer):
             return POST_LN_NORM_NAMES
         return SANDWICH_NORM_NAMES if self.kind == layout.SANDWICH else ()
 
+    @property
+    def norms_without_extra_state(self) -> tuple:
+        """The norms whose `_extra_state` stays out of sharded checkpoints: the extra norms, and in
+        a Mix-LN-keyed model an MoE layer's standalone TE pre-MLP norm (mixln_norm_b, whose other
+        layers, Post-LN ones or dense TE ones with the norm fused, have no such state)."""
+        standalone = not self.placement.is_stock and not isinstance(self.pre_mlp_layernorm, IdentityOp) \
+            and type(self.pre_mlp_layernorm).get_extra_state is not torch.nn.Module.get_extra_state
+        return self.extra_norm_names + (("pre_mlp_layernorm",) if standalone else ())
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         if self.kind == layout.SANDWICH:
             self._stack_over_sandwich_layers(sharded, prefix, sharded_offsets, metadata)
-        if self.extra_norm_names:
+        if self.norms_without_extra_state:
             # TE norms carry an (empty, fp8-less) `_extra_state`; Pre-LN layers have no such key,
             # and torch_dist stacks every per-layer key over all layers, so it must not appear.
             for key in [k for k in sharded if k.endswith("_extra_state")]:
-                if any(key.startswith(f"{prefix}{name}.") for name in self.extra_norm_names):
+                if any(key.startswith(f"{prefix}{name}.") for name in self.norms_without_extra_state):
                     _check_extra_state_empty(key, sharded[key])
                     del sharded[key]
         mixln_checkpoint.add_settings_record(self, sharded, prefix, metadata)
@@ -495,7 +504,7 @@ class MixLNTransformerLayer(TransformerLayer):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         mixln_checkpoint.check_settings_record(self, state_dict, prefix, error_msgs)
         # The dropped `_extra_state` entries (see sharded_state_dict): keep the module's own.
-        for name in self.extra_norm_names:
+        for name in self.norms_without_extra_state:
             module = getattr(self, name)
             key = f"{prefix}{name}._extra_state"
             if (
