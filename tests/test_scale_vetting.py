@@ -200,6 +200,7 @@ def test_one_rank_vets_and_no_process_reads_the_metadata_twice(checkpoint):
 
 
 @pytest.mark.mp
+@pytest.mark.slow  # two pretrain processes: ~1-3 min on 2 shared cores
 def test_a_payload_in_metadata_ends_every_rank_with_one_line(checkpoint, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(checkpoint, ckpt)
