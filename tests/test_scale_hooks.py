@@ -69,6 +69,19 @@ def test_entry_point_one_query_group_at_tp2_trains_with_every_hook(tmp_path):
 
 
 @pytest.mark.compat
+def test_stock_spec_deepnorm_with_one_query_group_at_tp2_is_one_line(tmp_path):
+    """The stock --spec path: refused at the spec edge (before megatron builds a layer), one line,
+    a Refusal (exit 2) on every rank, no traceback."""
+    proc = torchrun(WORKER, 2, "--phase", "stock_spec_deepnorm", "--workdir", tmp_path,
+                    env={"MIXLN_LAYOUT": "deepnorm:1,pre:2-"})
+    assert _result(tmp_path, "stock_spec_deepnorm") == {"exit": 2, "refusal": "Refusal"}
+    out = proc.stdout + proc.stderr
+    lines = [line for line in out.splitlines() if ERROR_LINE in line]
+    assert len(lines) == 1 and "query groups" in lines[0], out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+
+
+@pytest.mark.compat
 def test_entry_point_deepnorm_with_one_query_group_at_tp2_is_one_line(tmp_path):
     """DeepNorm's init needs whole query groups per TP shard: refused where the layer is built,
     which the entry point's provider turns into one line and exit 2 (no traceback)."""

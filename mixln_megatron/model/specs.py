@@ -20,7 +20,7 @@ from . import backends, hybrid_pattern, moe_layers
 from .layer import MixLNTransformerLayer
 from .placement import resolve_placement
 from .settings import MixLNSettings, layered
-from .support import check_supported
+from .support import check_kind_supported, check_supported
 
 
 def _with_arguments(settings: Optional[MixLNSettings], alpha, post_ln_layers, scheme, layout=None) -> MixLNSettings:
@@ -89,7 +89,12 @@ def checked_layer_spec(config, backend: str, settings: MixLNSettings, moe: Optio
     moe: an MoE layer (True) or a dense one (False); None: what config asks of every layer, which
     a mixed --moe-layer-freq stack cannot be given by one spec (refused, see moe_layers)."""
     check_supported(config, backend=backend)  # mixln_megatron.model.support.TABLE
-    resolve_placement(config.num_layers, settings)  # a bad setting fails here, not inside a layer
+    placement = resolve_placement(config.num_layers, settings)  # a bad setting fails here, not inside a layer
+    for kind in sorted(set(placement.kinds)):
+        # Each layer checks its kind again when built; checked here, a refusal (e.g. deepnorm with
+        # fewer query groups than TP ranks) leaves through the --spec edge's one line, not from
+        # inside megatron's block construction.
+        check_kind_supported(config, kind)
     if moe is None:
         moe = moe_layers.uniform_moe(config)
     return MixLNTransformerLayerSpec(

@@ -5,6 +5,7 @@ Phases (rank 0 writes DIR/scale_hooks_<phase>.json):
               model built from the --spec object the way this release's pretrain_gpt.py builds
               it, every hook on from MIXLN_* (set by the test): 2 training steps; whether the
               attention's copy of the config drives the same scaler and telemetry.
+  stock_spec_deepnorm  the same shape with a deepnorm layer: the --spec object refuses (exit 2).
   instances   DP2, distributed optimizer with 1 and then 2 optimizer instances, the same
               batches: the telemetry's records and the spike scaler's statistics and state.
 """
@@ -60,6 +61,22 @@ def phase_stock_spec(workdir):
     }
 
 
+def phase_stock_spec_deepnorm(workdir):
+    """DeepNorm with one query group at TP2 through the --spec object: refused before any layer is
+    built, as the edge's Refusal (exit 2, the one line printed by the first rank that meets it)."""
+    from megatron.training import global_vars
+
+    mu.cpu.enable_training()
+    mu.init_distributed(tp=2)
+    global_vars._GLOBAL_ARGS = argparse.Namespace()
+    config = mu.tiny_config(tp=2, query_groups=1)
+    try:
+        _stock_model(config)
+    except SystemExit as refusal:
+        return {"exit": refusal.code, "refusal": type(refusal).__name__}
+    return {"exit": None}
+
+
 def _instances_run(k, workdir):
     from mixln_megatron.training.spike import install_spike_scaler
     from mixln_megatron.training.telemetry import install_telemetry
@@ -86,4 +103,5 @@ if __name__ == "__main__":
     from fork_queue import fork_started_write_results_queue
 
     fork_started_write_results_queue()  # before any gloo thread: see fork_queue.py
-    run_phase({"stock_spec": phase_stock_spec, "instances": phase_instances}, "scale_hooks_")
+    run_phase({"stock_spec": phase_stock_spec, "stock_spec_deepnorm": phase_stock_spec_deepnorm,
+               "instances": phase_instances}, "scale_hooks_")
