@@ -42,6 +42,19 @@ def _patch(obj, name, value) -> None:
     setattr(obj, name, value)
 
 
+class _NullEvent:
+    """Stands in for torch.cuda.Event: on the CPU every operation has already completed."""
+
+    def synchronize(self):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def query(self):
+        return True
+
+
 class _NullStream:
     """Stands in for torch.cuda.Stream: every method is a no-op."""
 
@@ -58,7 +71,7 @@ class _NullStream:
         pass
 
     def record_event(self, *args, **kwargs):
-        return None
+        return _NullEvent()  # MoE's alltoall dispatcher waits on it
 
     def query(self):
         return True
