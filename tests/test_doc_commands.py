@@ -46,6 +46,7 @@ NOT_RUN = {
     ("CONTRIBUTING.md", "PYTHONPATH=$(scripts/compat_env.sh 0.18) COMPAT_MEGATRON_RELEASE=0.18 .venv/bin/python -m pytest -q -m compat tests"): "lays out megatron-core 0.18 (network) and runs a test tier",
     ("benchmarks/README.md", ".venv/bin/python benchmarks/schemes.py --quick"): "a benchmark of minutes",
     ("benchmarks/README.md", ".venv/bin/python benchmarks/fidelity.py [--quick]"): "a benchmark of minutes",
+    ("benchmarks/README.md", ".venv/bin/python benchmarks/vetting.py --quick"): "a benchmark in fresh processes (tests/test_scale_vetting.py covers the vetting)",
     ("benchmarks/README.md", "mixln-megatron analyze grad-norms --num-layers 12 --hidden-size 128 --mixln-alpha 0.25 [--embedding-std reference]"): "a benchmark of minutes",
     ("benchmarks/README.md", "benchmarks/gpu_check.sh"): GPU + " (the --cpu-dry-run lines run in tests/test_gpu_check_dryrun.py)",
     ("docs/megatron-lm.md", "export MIXLN_ALPHA=0.0625"): CLUSTER,
