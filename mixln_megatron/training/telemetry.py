@@ -39,6 +39,7 @@ import torch
 
 from . import runtime
 from .config_shared import SharedByConfigCopies
+from .hooks_finalize import FinalizeWrapper, unwrap_finalize
 from .ddp_shards import owned_range, shard_group
 from ..model.layer import MixLNTransformerLayer
 
@@ -171,29 +172,24 @@ class GradTelemetry(SharedByConfigCopies):
         return record
 
 
-class TelemetryHook(SharedByConfigCopies):
-    """The finalize_model_grads_func wrapper; keeps the call signature of what it wraps."""
+class TelemetryHook(FinalizeWrapper):
+    """The finalize_model_grads_func wrapper: the original finalize, then the telemetry."""
 
     def __init__(self, telemetry: GradTelemetry, original=None):
+        super().__init__(original)
         self.telemetry = telemetry
-        self.original = original  # None: megatron's finalize_model_grads, as Megatron-LM would set
 
     @property
     def mixln_spike_scaler(self):  # so that spike.get_spike_scaler(config) still finds it
         return getattr(self.original, "mixln_spike_scaler", None)
 
-    def __call__(self, model, *args, **kwargs):
-        original = self.original
-        if original is None:
-            from megatron.core.distributed import finalize_model_grads as original
-        result = original(model, *args, **kwargs)
+    def after_finalize(self, model, args: tuple, kwargs: dict) -> None:
         record = self.telemetry.after_finalize(model)
         if record is not None:
             scaler = self.mixln_spike_scaler
             if scaler is not None and hasattr(scaler, "totals"):
                 record["spike"] = scaler.totals(reduce=True)  # collective: every rank is here
             write_record(record, self.telemetry.path)
-        return result
 
 
 def _iteration_or(fallback: int) -> int:
@@ -257,7 +253,5 @@ def install_telemetry(config, interval: int, path: Optional[str] = None) -> Opti
 def remove_telemetry(config) -> Optional[GradTelemetry]:
     """Take the telemetry out of config.finalize_model_grads_func, leaving what it wrapped and what
     was wrapped around it since. Returns the removed telemetry, or None."""
-    from .spike.hook import unwrap_finalize
-
     hook = unwrap_finalize(config, TelemetryHook)
     return None if hook is None else hook.telemetry

@@ -26,7 +26,7 @@ from ...model.placement import Placement
 from ...model.settings import SpikeSettings
 from ... import compat
 from .. import runtime
-from ..config_shared import SharedByConfigCopies
+from ..hooks_finalize import FinalizeWrapper, unwrap_finalize
 from .scaler import SpikeScaler
 from .targets import mixln_layers, placement_text, target_layers
 
@@ -38,23 +38,18 @@ def resolve_spike_settings(settings=None) -> SpikeSettings:
     return settings.resolved()
 
 
-class SpikeGradsHook(SharedByConfigCopies):
+class SpikeGradsHook(FinalizeWrapper):
     """What `config.finalize_model_grads_func` becomes: the original finalize, then the scaler."""
 
     def __init__(self, scaler: SpikeScaler, original: Optional[Callable] = None):
+        super().__init__(original)
         self.mixln_spike_scaler = scaler
-        self.original = original
 
-    def __call__(self, model, *args, **kwargs):
-        original = self.original
-        if original is None:
-            from megatron.core.distributed import finalize_model_grads as original
-        result = original(model, *args, **kwargs)
+    def after_finalize(self, model, args: tuple, kwargs: dict) -> None:
         pg_collection = kwargs.get("pg_collection", args[1] if len(args) > 1 else None)
         force_all_reduce = kwargs.get("force_all_reduce", args[2] if len(args) > 2 else False)
         chunks = model if isinstance(model, (list, tuple)) else [model]
         self.mixln_spike_scaler.after_finalize(chunks, bool(force_all_reduce), pg_collection)
-        return result
 
     def __repr__(self) -> str:
         return f"SpikeGradsHook(original={self.original!r})"
@@ -76,22 +71,6 @@ def install_finalize_hook(config, scaler: SpikeScaler) -> SpikeGradsHook:
     config = _transformer_config(config)
     hook = SpikeGradsHook(scaler, getattr(config, "finalize_model_grads_func", None))
     config.finalize_model_grads_func = hook
-    return hook
-
-
-def unwrap_finalize(config, kind) -> Optional[object]:
-    """Take the first wrapper of type `kind` out of the chain of `.original` links that starts at
-    `config.finalize_model_grads_func`, leaving the rest as it was; the wrapper, or None."""
-    config = _transformer_config(config)
-    above, hook = None, compat.finalize_chain_head(config)  # 0.17/0.18: under train()'s dispatcher
-    while hook is not None and not isinstance(hook, kind):
-        above, hook = hook, getattr(hook, "original", None)
-    if hook is None:
-        return None
-    if above is None:
-        compat.set_finalize_chain_head(config, hook.original)
-    else:
-        above.original = hook.original
     return hook
 
 
