@@ -1,4 +1,4 @@
-"""Every layer kind under TP2+SP, PP2, PP2xVPP3 and uneven PP2 (2 ranks, CPU/gloo): the same figures as DP2,
+"""Every layer kind under TP2+SP, PP2, PP2xVPP3, uneven PP2 and uneven PP2xVPP2 (2 ranks, CPU/gloo): the same figures as DP2,
 torch_dist checkpoints saved at one layout and loaded at another (sandwich norms stacked over the
 sandwich layers, reassembled from two pipeline stages), DeepNorm's init through TP2."""
 
@@ -31,9 +31,11 @@ def result(tmp_path_factory):
 
 def test_every_kind_saves_and_reshards_across_tp_and_pp(result):
     assert result["kinds"] == result["pp2_kinds"] == result["pp2_uneven_kinds"] == result["pp2_vpp3_kinds"] == KINDS
+    assert result["pp2_uneven_vpp2_kinds"] == KINDS
+    assert result["pp2_uneven_vpp2_stage_layers"] == [[[1], [5]], [[2, 3, 4], [6]]]  # rank -> chunk -> layers
     ref = result["dp2"]
     # saved at DP2 -> TP2+SP; saved again at TP2 -> PP2, PP2xVPP3 and uneven PP2 (stages of 2 and 4 layers)
-    for layout in ("tp2_sp", "pp2", "pp2_uneven", "pp2_vpp3"):
+    for layout in ("tp2_sp", "pp2", "pp2_uneven", "pp2_vpp3", "pp2_uneven_vpp2"):
         assert_close(result[layout], ref, layout)
     assert result["tp2_sp_norms_identical"] is True
     shapes = result["shapes"]

@@ -133,6 +133,17 @@ def main(workdir):
     out["pp2_uneven_kinds"] = Run(pp=2, **uneven).kinds()
     out["pp2_vpp3"] = figures(Run(pp=2, vpp=3, load=tp2_dir))  # one layer per virtual stage
     out["pp2_vpp3_kinds"] = Run(pp=2, vpp=3).kinds()
+    # uneven PP2 with VPP2 (a shape small runs never have; megatron's first/last-stage counts need
+    # a middle stage with VPP, its pipeline layout does not): virtual stages of 1, 3, 1 and 1
+    # layers, so stage 0 holds layers 1 and 5, stage 1 layers 2-4 and 6
+    uneven_vpp = dict(pipeline_model_parallel_layout="Et|ttt|t|tL")
+    out["pp2_uneven_vpp2"] = figures(Run(pp=2, vpp=2, load=tp2_dir, **uneven_vpp))
+    uneven_run = Run(pp=2, vpp=2, **uneven_vpp)
+    out["pp2_uneven_vpp2_kinds"] = uneven_run.kinds()
+    stages = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(
+        stages, [[layer.layer_number for layer in m.decoder.layers] for m in uneven_run.models])
+    out["pp2_uneven_vpp2_stage_layers"] = stages
 
     # DeepNorm's init: TP2 shards of CPU init equal the TP1 weights (value rows found per shard)
     tp1 = Run(seed=5).gathered_qkv()
