@@ -19,6 +19,7 @@ with a deprecation line.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from .cli_parsing import CommandParser, add_flag, refused
@@ -108,6 +109,11 @@ def main(argv=None) -> int:
         return _run(command, rest)
     except MixLNError as error:  # the commands print their own; this is the backstop
         return refused(f"mixln-megatron {command}", error)
+    except BrokenPipeError:
+        # the reader went away (`... | head`): stop quietly, and keep Python's exit-time flush of
+        # stdout from raising again (the recipe of Python's signal module docs)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _run(command: str, rest: list) -> int:

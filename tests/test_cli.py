@@ -261,3 +261,14 @@ def test_a_large_checkpoint_read_is_announced_before_it_starts(checkpoint, monke
 def test_conversion_progress_in_a_log_is_plain_lines(checkpoint, tmp_path, capsys):
     rc, _, err = run_cli(capsys, ["convert", "to-hf", "--load", str(checkpoint), "--save", str(tmp_path / "hf")])
     assert rc == 0 and "\r" not in err and err.splitlines()[-1].startswith("to-hf hf: ") and err.endswith(" done\n")
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`mixln-megatron arms | head -0`: the pipe is closed before the command writes (its imports
+    take far longer than closing a file), so the write meets a broken pipe: no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "mixln_megatron.cli", "arms", "--num-layers", "24"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) in (0, 1), err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -48,7 +48,8 @@ FIELDS = (
      "The Mix-LN authors' arm: 2.8284271247461903."),
     ("deepnorm_beta", "--mixln-deepnorm-beta", "MIXLN_DEEPNORM_BETA", str,
      "Init factor of deepnorm layers' fc1, fc2, attention output and value projections (times "
-     "megatron's init); default DeepNet's (8L)^(-1/4). The Mix-LN authors' arm: (8L)^(1/4)."),
+     "megatron's base init, --init-method-std, also for the two output projections); default "
+     "DeepNet's (8L)^(-1/4). The Mix-LN authors' arm: (8L)^(1/4)."),
     ("scheme", "--mixln-scheme", "MIXLN_SCHEME", str,
      "mixln (default), lns (LayerNorm Scaling: Pre-LN, norm outputs of layer l scaled by "
      "1/sqrt(l)), or mixln+lns (LNS on the Pre-LN layers of a Mix-LN model)."),
