@@ -21,7 +21,7 @@ comes from wait4, so each case is measured alone). The contract, per case and co
   - the source checkpoint is byte-for-byte unchanged (tree_hash before and after);
   - peak RSS at most PEAK_BOUND_MIB above the same command on the untouched checkpoint.
 
-The measured peaks are printed by test_report_peaks (pytest -s) for the README.
+benchmarks/untrusted_peaks.py prints every case's peak and what it adds to its baseline.
 """
 
 from __future__ import annotations
@@ -428,13 +428,3 @@ def test_peak_memory_bounded(runs, key):
     added = (r["peak_kib"] - base["peak_kib"]) / 1024
     assert added <= PEAK_BOUND_MIB, (f"{key}: peak RSS {r['peak_kib'] / 1024:.0f} MiB, {added:.0f} MiB above the "
                                      f"untouched checkpoint's {base['peak_kib'] / 1024:.0f} MiB")
-
-
-def test_report_peaks(runs, capsys):
-    """Prints each case's peak RSS and what it adds to its baseline (pytest -s shows them)."""
-    with capsys.disabled():
-        print()
-        for key, r in sorted(runs.items()):
-            base = runs[_baseline_of(r["base"], r["cmd"])]
-            print(f"  {key:48s} exit {r['rc']}  peak {r['peak_kib'] / 1024:7.1f} MiB  "
-                  f"({(r['peak_kib'] - base['peak_kib']) / 1024:+6.1f})")
