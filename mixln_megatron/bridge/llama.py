@@ -29,25 +29,29 @@ from megatron.bridge.models.llama.llama_bridge import LlamaBridge
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from ..hf.export_code import MIXLN_ARCHITECTURES, export_config_fields
+from ..model.layout import KINDS, POST, POST_LN_KINDS, SANDWICH
+from ..model.hf_norm_names import NORM_A, NORM_B, NORM_C, NORM_D, hf_norm_module
 from .conversion_tasks import build_tasks
 from .provider import MixLNModelProvider
 
 MIXLN_ARCHITECTURE = MIXLN_ARCHITECTURES[0]  # "MixLNLlamaForCausalLM", the auto_map class name
 MIXLN_MODEL_TYPE = "mixln_llama"
 
-# Megatron name (inside decoder.layers.<i>.) -> HF name (inside model.layers.<i>.) of the Post-LN norms.
+# Megatron name (inside decoder.layers.<i>.) -> HF name (inside model.layers.<i>.) of the Post-LN
+# norms; the HF names are model.hf_norm_names' (a deepnorm layer's are the same).
 POST_LN_NORMS = {
-    "post_attention_layernorm": "post_attention_layernorm",  # N1, after the attention residual add
-    "post_mlp_layernorm": "post_feedforward_layernorm",  # N2, after the MLP residual add
+    "post_attention_layernorm": hf_norm_module(POST, NORM_B),  # N1, after the attention residual add
+    "post_mlp_layernorm": hf_norm_module(POST, NORM_A),  # N2, after the MLP residual add
 }
 
 # A sandwich layer's output norms: Megatron name -> HF name (model.layout; Gemma 2's names).
 SANDWICH_OUTPUT_NORMS = {
-    "attn_output_layernorm": "post_attention_layernorm",  # N_b, on the attention output
-    "mlp_output_layernorm": "post_feedforward_layernorm",  # N_d, on the MLP output
+    "attn_output_layernorm": hf_norm_module(SANDWICH, NORM_C),  # N_b, on the attention output
+    "mlp_output_layernorm": hf_norm_module(SANDWICH, NORM_D),  # N_d, on the MLP output
 }
-# The MLP pre-norm of a Pre-LN-kind layer (TE: fused into fc1; local): HF's post_attention_layernorm
-# in a pre layer, pre_feedforward_layernorm in a sandwich layer.
+# The MLP pre-norm of a Pre-LN-kind layer (TE: fused into fc1; local) and its HF name by kind:
+# post_attention_layernorm in a pre layer, pre_feedforward_layernorm in a sandwich layer.
+MLP_PRE_NORM_HF = {kind: hf_norm_module(kind, NORM_B) for kind in KINDS if kind not in POST_LN_KINDS}
 MLP_PRE_NORMS = ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")
 
 # The parallel type of this package's own module classes, for AutoMapping: the Post-LN qkv / fc1
@@ -104,9 +108,9 @@ def layout_mappings(kinds) -> tuple:
     if "sandwich" not in kinds:
         return (), []
     dropped = tuple(f"decoder.layers.*.{name}" for name in MLP_PRE_NORMS)
-    hf_name = {"pre": "post_attention_layernorm", "sandwich": "pre_feedforward_layernorm"}
-    per_layer = [AutoMapping(megatron_param=f"decoder.layers.{i}.{name}", hf_param=f"model.layers.{i}.{hf_name[kind]}.weight")
-                 for i, kind in enumerate(kinds) if kind in hf_name for name in MLP_PRE_NORMS]
+    per_layer = [AutoMapping(megatron_param=f"decoder.layers.{i}.{name}",
+                             hf_param=f"model.layers.{i}.{MLP_PRE_NORM_HF[kind]}.weight")
+                 for i, kind in enumerate(kinds) if kind in MLP_PRE_NORM_HF for name in MLP_PRE_NORMS]
     outputs = [AutoMapping(megatron_param=f"decoder.layers.*.{meg}.weight", hf_param=f"model.layers.*.{hf}.weight")
                for meg, hf in SANDWICH_OUTPUT_NORMS.items()]
     return dropped, per_layer + outputs

@@ -41,7 +41,7 @@ import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 from ..model import checkpoint_keys as keys
-from ..model import layout
+from ..model import hf_norm_names, layout
 
 # ---------------------------------------------------------------------------------------- keys
 # The GPTModel torch_dist keys, as the conversion names them (the values are model.checkpoint_keys').
@@ -156,14 +156,10 @@ def hf_layer_prefix(index: int) -> str:
     return f"model.layers.{index}."
 
 
-# HF names (within a layer) of each kind's norm roles (mixln_megatron.hf's decoder layers; sandwich as
-# Gemma 2 names its four norms).
+# HF names (within a layer) of each kind's norm roles: the weights of model.hf_norm_names' modules.
 HF_NORM_NAMES: Dict[str, Dict[str, str]] = {
-    layout.PRE: {"norm_a": "input_layernorm.weight", "norm_b": "post_attention_layernorm.weight"},
-    layout.POST: {"norm_a": "post_feedforward_layernorm.weight", "norm_b": "post_attention_layernorm.weight"},
-    layout.DEEPNORM: {"norm_a": "post_feedforward_layernorm.weight", "norm_b": "post_attention_layernorm.weight"},
-    layout.SANDWICH: {"norm_a": "input_layernorm.weight", "norm_b": "pre_feedforward_layernorm.weight",
-                      "norm_c": "post_attention_layernorm.weight", "norm_d": "post_feedforward_layernorm.weight"},
+    kind: {role: f"{module}.weight" for role, module in modules.items()}
+    for kind, modules in hf_norm_names.HF_NORM_MODULES.items()
 }
 
 
