@@ -43,6 +43,15 @@ def test_every_kind_on_moe_layers_reshards_across_ep_tp_and_pp(result):
     assert "decoder.layers.1.mlp.shared_experts.linear_fc1.weight" in result["ep2_keys"]
 
 
+def test_telemetry_counts_every_expert_once_across_ep_ranks(result):
+    ref = result["telemetry_ep1"]  # EP1: every rank holds all 4 experts
+    assert len(ref) == 4 and all(row[0] > 0 for row in ref)
+    for name in ("telemetry_ep2", "telemetry_ep2_distopt"):
+        for got, want in zip(result[name], ref):
+            for a, b in zip(got, want):
+                assert abs(a - b) <= 1e-5 * abs(b), (name, result[name], ref)
+
+
 def test_another_layout_is_refused_naming_both(result):
     refusal = result["refusal"]
     assert refusal and "post:1,deepnorm:2,sandwich:3,pre:4" in refusal and "P=2 of L=4" in refusal

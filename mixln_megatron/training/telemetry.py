@@ -17,8 +17,11 @@ summed over TP, stages are summed over PP (each holds its own layers), and under
 distributed optimizer each rank adds only the shard of main_grad it owns (the rest is not
 reduced) and the shards are summed over the ranks of its optimizer instance (with
 --num-distributed-optimizer-instances k, every instance holds each element once: summing over
-the whole data-parallel group would make the norms sqrt(k) too large). At most two all-reduces of
-an [L, 5] vector per logged step.
+the whole data-parallel group would make the norms sqrt(k) too large). MoE experts count once
+across expert parallelism: their squares are summed over the expert-TP x EP x PP group (each EP
+rank holds other experts), expert-TP duplicates once, their owned shards over their own
+(expert data-parallel) optimizer instance. At most two all-reduces of an [L, 5] vector per
+logged step, four with experts.
 
 Where it goes: Megatron's TensorBoard / W&B writers when they exist (one scalar per layer and
 the group aggregates), and always a JSONL file (`mixln_telemetry.jsonl` next to the checkpoints,
@@ -58,6 +61,12 @@ def norm_columns(layer) -> dict:
     return {id(p): int(role[len("norm")]) for role, p in layer.norm_parameters()}
 
 
+def is_expert_parameter(param) -> bool:
+    """An MoE expert's parameter: megatron marks them allreduce=False (reduced over the expert
+    data-parallel group; each EP rank holds other experts)."""
+    return not getattr(param, "allreduce", True)
+
+
 class GradTelemetry(SharedByConfigCopies):
     """Computes and logs per-layer gradient norms every `interval` finalize calls."""
 
@@ -76,7 +85,8 @@ class GradTelemetry(SharedByConfigCopies):
         from megatron.core import parallel_state as ps
 
         tp_rank = ps.get_tensor_model_parallel_rank()
-        items, num_layers, placement, groups = [], None, None, set()
+        etp_rank = ps.get_expert_tensor_parallel_rank()
+        items, num_layers, placement, groups = [], None, None, {False: set(), True: set()}
         for chunk in model_chunks:
             for layer in chunk.modules():
                 if not isinstance(layer, MixLNTransformerLayer) or getattr(layer, "is_mtp_layer", False):
@@ -87,27 +97,37 @@ class GradTelemetry(SharedByConfigCopies):
                 for param in layer.parameters():
                     if not param.requires_grad:
                         continue
-                    duplicate = not getattr(param, "tensor_model_parallel", False) and tp_rank != 0
+                    expert = is_expert_parameter(param)
+                    rank = etp_rank if expert else tp_rank
+                    duplicate = not getattr(param, "tensor_model_parallel", False) and rank != 0
                     lo, hi = owned_range(chunk, param)
-                    groups.add(shard_group(chunk, param))
+                    groups[expert].add(shard_group(chunk, param))
                     # One row per block: a hybrid block's `*` and `-` layers add to the same row.
-                    items.append((layer.block_number - 1, norms.get(id(param)), param, lo, hi, duplicate))
+                    items.append((layer.block_number - 1, norms.get(id(param)), param, lo, hi, duplicate, expert))
         if placement is None:
             raise ValueError("mixln telemetry: the model has no Mix-LN layers")
-        if len(groups) > 1:
+        if any(len(g) > 1 for g in groups.values()):
             raise NotImplementedError("mixln telemetry: Mix-LN parameters in different data-parallel shard groups")
-        shards = groups.pop() if groups else None  # the ranks the owned shards are split over
         kept = [it for it in items if not it[5] and it[4] > it[3]]  # skip TP duplicates, empty shards
         device = kept[0][2].main_grad.device if kept else (items[0][2].device if items else torch.device("cpu"))
-        rows = torch.tensor([row * COLUMNS for row, *_ in kept], dtype=torch.long, device=device)
-        with_norm = [i for i, it in enumerate(kept) if it[1] is not None]
+        # Dense parameters and MoE experts (expert parallelism) are reduced over different groups.
         self._plan = dict(
-            slices=[(param, lo, hi) for _, _, param, lo, hi, _ in kept],
-            rows=rows,
+            parts=[self._part([it for it in kept if it[6] == expert], expert, groups[expert], device)
+                   for expert in (False, True) if any(it[6] == expert for it in items)],
+            num_layers=num_layers, placement=placement, device=device,
+        )
+
+    @staticmethod
+    def _part(kept: list, expert: bool, groups: set, device) -> dict:
+        """The index tensors of one reduction group's parameters (dense, or MoE experts)."""
+        with_norm = [i for i, it in enumerate(kept) if it[1] is not None]
+        return dict(
+            slices=[(param, lo, hi) for _, _, param, lo, hi, _, _ in kept],
+            rows=torch.tensor([row * COLUMNS for row, *_ in kept], dtype=torch.long, device=device),
             norm_select=torch.tensor(with_norm, dtype=torch.long, device=device),
             norm_rows=torch.tensor([kept[i][0] * COLUMNS + kept[i][1] for i in with_norm], dtype=torch.long,
                                    device=device),
-            num_layers=num_layers, placement=placement, shards=shards, device=device,
+            expert=expert, shards=next(iter(groups)) if groups else None,  # the ranks the owned shards split over
         )
 
     # -- per call --------------------------------------------------------------------------
@@ -120,27 +140,31 @@ class GradTelemetry(SharedByConfigCopies):
         if self._plan is None:
             self._build_plan(model_chunks)
         plan = self._plan
-        device = plan["device"]
-        sq = torch.zeros(plan["num_layers"] * COLUMNS, dtype=torch.float64, device=device)
-        if plan["slices"]:
-            # Two kernels for the whole model (foreach norm, then one scatter-add), not 3 per tensor.
-            grads = [param.main_grad.view(-1)[lo:hi] for param, lo, hi in plan["slices"]]
-            squares = torch.stack(torch._foreach_norm(grads)).double().pow(2)
-            sq.index_add_(0, plan["rows"], squares)
-            sq.index_add_(0, plan["norm_rows"], squares[plan["norm_select"]])
-        sq = sq.view(plan["num_layers"], COLUMNS)
-        self._reduce(sq, plan["shards"])
-        record = self._record(sq.sqrt().tolist())
+        total = torch.zeros(plan["num_layers"], COLUMNS, dtype=torch.float64, device=plan["device"])
+        for part in plan["parts"]:
+            sq = torch.zeros(plan["num_layers"] * COLUMNS, dtype=torch.float64, device=plan["device"])
+            if part["slices"]:
+                # Two kernels per group (foreach norm, then one scatter-add), not 3 per tensor.
+                grads = [param.main_grad.view(-1)[lo:hi] for param, lo, hi in part["slices"]]
+                squares = torch.stack(torch._foreach_norm(grads)).double().pow(2)
+                sq.index_add_(0, part["rows"], squares)
+                sq.index_add_(0, part["norm_rows"], squares[part["norm_select"]])
+            sq = sq.view(plan["num_layers"], COLUMNS)
+            self._reduce(sq, part["shards"], part["expert"])
+            total += sq
+        record = self._record(total.sqrt().tolist())
         self.seconds += time.perf_counter() - started
         return record
 
     @staticmethod
-    def _reduce(sq: torch.Tensor, shards) -> None:
+    def _reduce(sq: torch.Tensor, shards, expert: bool = False) -> None:
         from megatron.core import parallel_state as ps
 
         if not torch.distributed.is_initialized():
             return
-        torch.distributed.all_reduce(sq, group=ps.get_model_parallel_group())  # TP shards, PP stages
+        # TP shards and PP stages; MoE experts: expert-TP shards, the EP ranks' experts, PP stages
+        group = ps.get_expert_tensor_model_pipeline_parallel_group() if expert else ps.get_model_parallel_group()
+        torch.distributed.all_reduce(sq, group=group)
         if shards is not None and torch.distributed.get_world_size(shards) > 1:
             torch.distributed.all_reduce(sq, group=shards)  # the owned shards of one optimizer instance
 

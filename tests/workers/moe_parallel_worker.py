@@ -28,7 +28,7 @@ class Run(testing.TinyTrainer):
     """The tiny MoE GPT of `layout` at one parallel layout (local backend), in megatron's DDP."""
 
     def __init__(self, tp=1, pp=1, ep=1, sp=False, seed=1234, load=None, layout=LAYOUT,
-                 dispatcher="allgather", **cfg_overrides):
+                 dispatcher="allgather", distributed_optimizer=False, **cfg_overrides):
         from mixln_megatron.model.settings import MixLNSettings
         from mixln_megatron.model.specs import get_mixln_decoder_block_spec
 
@@ -41,7 +41,7 @@ class Run(testing.TinyTrainer):
         self.models = [testing.build_gpt(cfg, spec)]
         if load:
             testing.load_chunks(self.models, load)
-        super().__init__(cfg, self.models)
+        super().__init__(cfg, self.models, distributed_optimizer=distributed_optimizer)
 
     def save(self, path):
         testing.save_chunks(self.models, path)
@@ -63,6 +63,16 @@ class Run(testing.TinyTrainer):
 def local_experts(layer):
     experts = getattr(layer.mlp, "experts", None)
     return None if experts is None else len(experts.local_experts)
+
+
+def telemetry_norms(run, workdir, name):
+    """The telemetry's per-layer gradient norms (all parameters, norm1, norm2) of one step."""
+    from mixln_megatron.training.telemetry import install_telemetry
+
+    telemetry = install_telemetry(run.cfg, interval=1, path=os.path.join(workdir, f"{name}.jsonl"))
+    run.train(steps=1, seed=500)
+    record = telemetry.records[-1]
+    return [list(r) for r in zip(record["layer_grad_norm"], record["norm1_grad_norm"], record["norm2_grad_norm"])]
 
 
 def figures(run):
@@ -107,6 +117,11 @@ def main(workdir):
     uneven = dict(num_layers_in_first_pipeline_stage=1, num_layers_in_last_pipeline_stage=3)
     out["pp2_uneven"] = attempt("pp2", lambda: figures(Run(pp=2, load=ep2_dir, **uneven)))
     out["pp2_uneven_mlps"] = Run(pp=2, **uneven).gathered(lambda l: type(l.mlp).__name__)
+
+    # telemetry: every expert counted once across EP ranks (the same batch on every rank), with and
+    # without the distributed optimizer (experts then shard over their own data-parallel group)
+    for name, kw in (("ep1", {}), ("ep2", dict(ep=2)), ("ep2_distopt", dict(ep=2, distributed_optimizer=True))):
+        out[f"telemetry_{name}"] = telemetry_norms(Run(load=base, **kw), workdir, name)
 
     # the settings record: a checkpoint of another layout is refused, naming both
     try:
