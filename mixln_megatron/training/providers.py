@@ -11,8 +11,9 @@ short and shows the Mix-LN changes only:
     step, loss and datasets are the same for both models (pretrain_hybrid.py's, for a `*-`
     decoder without packed sequences or MTP);
   - loss_func hands each micro-batch's (loss sum, tokens) to the run's LossLog, when it has one;
-  - what Mix-LN rejects before the build (MoE, packed sequences / SFT, FIM, ModelOpt,
-    distillation) is left out instead of carried as dead branches.
+  - what Mix-LN rejects before the build (packed sequences / SFT, FIM, ModelOpt, distillation)
+    is left out instead of carried as dead branches. MoE models build through the same decoder
+    block spec (model.moe_layers: megatron's --moe-layer-freq stacks included).
 Importing this module imports megatron.training: the entry point imports it only after the
 CPU harness (if any) is in place.
 """
@@ -165,7 +166,8 @@ def forward_step(data_iterator, model: GPTModel, return_schedule_plan: bool = Fa
     timers = get_timers()
 
     if return_schedule_plan:
-        # Schedule plans serve MoE communication overlap; MoE is rejected before the build.
+        # Schedule plans serve MoE communication overlap (--overlap-moe-expert-parallel-comm), which
+        # the Mix-LN layer does not split into schedule nodes.
         raise NotImplementedError("combined 1F1B schedule plans are not supported by mixln-megatron pretrain")
 
     timers("batch-generator", log_level=2).start()
