@@ -474,7 +474,7 @@ def test_analyze_hf_refuses_a_bin_payload_with_our_line(base, tmp_path, capsys, 
     rc, output, err = run_main(capsys, case.analyze_argv())
     assert not marker.exists(), "the payload ran"
     line = assert_refused(case, rc, output, err, [case.hf / "pytorch_model.bin", global_name], ["allow"])
-    assert line.startswith("mixln-megatron analyze: error:")
+    assert line.startswith("mixln-megatron analyze angular-distance: error:")
 
 
 def test_from_hf_refuses_a_bin_payload(base, tmp_path, capsys):
