@@ -494,7 +494,7 @@ def test_pytorch_bin_folders_and_extra_tensors(tmp_path, capsys):
 
 
 def test_moe_keys_and_foreign_hf_models(tmp_path):
-    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
 
     ckpt = tmp_path / "moe"
@@ -503,7 +503,9 @@ def test_moe_keys_and_foreign_hf_models(tmp_path):
     common = [{"args": argparse.Namespace(num_layers=1), "iteration": 1}]  # what megatron-core stores
     state = {"embedding.word_embeddings.weight": torch.zeros(8, 4),
              "decoder.layers.mlp.experts.linear_fc1.weight": torch.zeros(1, 8, 4), "common_state/shard_0_1": common}
-    dcp_save(state, storage_writer=FileSystemWriter(str(ckpt / "iter_0000001")), no_dist=True)
+    # the common state as one object, as megatron-core writes it (the reader reads it before any refusal)
+    dcp_save(state, storage_writer=FileSystemWriter(str(ckpt / "iter_0000001")), no_dist=True,
+             planner=DefaultSavePlanner(flatten_state_dict=False))
     (ckpt / "iter_0000001" / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
     with pytest.raises(UnsupportedModelError, match="MoE"):
         to_hf(str(ckpt), str(tmp_path / "out"), progress=False)

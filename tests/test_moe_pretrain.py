@@ -1,12 +1,14 @@
 """`mixln-megatron pretrain` on an MoE model: a Post-LN MoE layout (a dense first layer, then MoE
 layers of 4 experts, top-2) trains under expert parallelism 2 through Megatron-LM's loop, saves
-torch_dist, resumes at EP2, loads its weights at EP1 (one process), and refuses a resume under
-another layout in one line, exit 2."""
+torch_dist, resumes at EP2 with --use-checkpoint-args (its settings read through the project's
+checkpoint reader), loads its weights at EP1 (one process), and refuses a resume under another
+layout in one line, exit 2; `convert to-hf` of it is refused in one line (Llama has no experts)."""
 
 import os
 
 import pytest
 
+from mixln_megatron.convert import cli as convert_cli
 from test_pretrain import TINY, finish, start, train
 
 pytestmark = [pytest.mark.mp, pytest.mark.scale, pytest.mark.slow]
@@ -21,7 +23,7 @@ def run_args(tmp_path, *extra, save="ckpt"):
             "--save-interval", "3", "--ckpt-format", "torch_dist", *extra]
 
 
-def test_a_post_ln_moe_layout_trains_under_ep2_saves_resumes_and_reshards(tmp_path):
+def test_a_post_ln_moe_layout_trains_under_ep2_saves_resumes_and_reshards(tmp_path, capsys):
     ep2 = ["--expert-model-parallel-size", "2", "--mixln-layout", LAYOUT]
     out = train(run_args(tmp_path, *ep2, "--exit-interval", "3"), nproc=2)
     assert "layout=post:1-2,pre:3-4" in out or "Post-LN layers: 1, 2" in out, out[-3000:]
@@ -32,9 +34,20 @@ def test_a_post_ln_moe_layout_trains_under_ep2_saves_resumes_and_reshards(tmp_pa
     lines = {line for line in refused.splitlines() if "[mixln_megatron] ERROR:" in line}
     assert len(lines) == 1 and "the checkpoint has scheme=mixln P=2 of L=4" in next(iter(lines)), refused[-3000:]
     assert "Traceback" not in refused and " iteration        4/" not in refused
-    # resume at EP2 to the end
-    resumed = train(run_args(tmp_path, *ep2), nproc=2)
+    # resume at EP2 to the end, the settings from the checkpoint: pretrain reads its record through
+    # the checkpoint reader that conversions use, which must not refuse the experts here
+    resumed = train(run_args(tmp_path, "--expert-model-parallel-size", "2", "--use-checkpoint-args"), nproc=2)
+    assert "P=2" in resumed and "(from the checkpoint)" in resumed, resumed[-3000:]
     assert " iteration        6/       6 |" in resumed and os.path.isdir(tmp_path / "ckpt" / "iter_0000006")
+    # ... but an HF export still is refused, one line
+    capsys.readouterr()
+    out = tmp_path / "hf"
+    assert convert_cli.main(["to-hf", "--load", str(tmp_path / "ckpt"), "--save", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]  # (torch may warn on importing megatron)
+    assert len(errors) == 1 and "MoE layers" in errors[0] and "Llama has no experts" in errors[0], err
+    assert "Traceback" not in err
+    assert not out.exists()
     # the EP2 weights at EP1 in one process (megatron's optimizer state does not reshard across EP
     # sizes: its parameter groups differ, so the optimizer starts afresh)
     ep1 = train(run_args(tmp_path, "--mixln-layout", LAYOUT, "--no-load-optim", "--no-load-rng", "--finetune",

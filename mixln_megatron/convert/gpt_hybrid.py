@@ -89,6 +89,7 @@ def convert_model_kind(load: str, save: str, target: str, *, iteration=None, ove
             f"{path} is {'a legacy (torch)' if fmt else 'not a'} Megatron-LM checkpoint: GPT <-> hybrid conversion "
             "reads torch_dist checkpoints (--ckpt-format torch_dist)")
     reader = TorchDistCheckpoint(path)
+    reader.refuse_unconvertible()
     source = _model_kind(reader)
     if source == target:
         raise ConversionError(f"{path} already is a {KIND_NAME[target]} checkpoint: nothing to convert")

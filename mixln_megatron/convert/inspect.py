@@ -141,6 +141,7 @@ def inspect_reader(reader, vocab_size: Optional[int] = None) -> CheckpointInfo:
     """What an open checkpoint reader says about its model: the model kind, the shape (read once,
     convert.shape.read_checkpoint_shape: with `vocab_size`, the true vocabulary of an export, also
     the Llama ModelShape), then the Mix-LN record."""
+    reader.refuse_unconvertible()
     reader._require_args()
     kind = _model_kind(reader)
     if kind == hybrid_keys.HYBRID:  # before anything counts its layers as blocks

@@ -45,17 +45,24 @@ class TorchDistCheckpoint(ReaderBase):
         self.files = DCPFiles(path)  # checks the metadata and every file it names (missing, truncated, outside)
         self._tensors = self.files.tensors
         self._check_keys()
+        # What Llama cannot express stops a conversion (refuse_unconvertible), not a read of the
+        # settings: `pretrain --use-checkpoint-args` reads an MoE checkpoint's record through here.
+        self.unconvertible = self._unconvertible()
         self.common = self._read_common()
         self.args = self.common.get("args")
         self.iteration = self.common.get("iteration")
         self.content_metadata = self.common.get("content_metadata")
         # A HybridModel checkpoint keeps per-layer keys (convert.hybrid_keys); its `*-` pairs are
-        # read as the GPT blocks they are.
-        self.model_kind = hybrid_keys.model_kind(self._tensors)
+        # read as the GPT blocks they are. So does a GPTModel with MoE layers (megatron saves
+        # non-homogeneous layers one key each), which only the settings are read of.
+        per_layer = any(keys.HYBRID_LAYER.match(k) for k in self._tensors)
+        if self.unconvertible and any(k.startswith(keys.GPT_FINAL_NORM) for k in self._tensors):
+            self.model_kind = hybrid_keys.GPT
+        else:
+            self.model_kind = hybrid_keys.model_kind(self._tensors)
         self.hybrid_pattern = hybrid_keys.pattern_of_keys(self._tensors) if self.model_kind == hybrid_keys.HYBRID \
             else None
-        record_key = f"{keys.HYBRID_RECORD_KEY if self.hybrid_pattern is not None else keys.GPT_RECORD_KEY}" \
-            "/shard_0_1"
+        record_key = f"{keys.HYBRID_RECORD_KEY if per_layer else keys.GPT_RECORD_KEY}/shard_0_1"
         if record_key in self.files.objects:
             from .saved_values import check_record
 
@@ -77,18 +84,26 @@ class TorchDistCheckpoint(ReaderBase):
 
     # ---------------------------------------------------------------- validation
     def _check_keys(self) -> None:
+        if M.TD_EMBEDDING not in self._tensors:
+            raise ConversionError(f"{self.path} has no {M.TD_EMBEDDING}: not a GPT model checkpoint")
+
+    def _unconvertible(self) -> Optional[str]:
+        """Why the layers cannot be converted (MoE, MLA, MTP): one line, or None."""
         tensors = set(self._tensors)
         def has(what):
             return any("." + name in k for name in keys.foreign_names(what) for k in tensors)
 
         if has(keys.MOE):
-            raise UnsupportedModelError("this checkpoint has MoE layers (mlp.experts / mlp.router keys): Llama has no experts")
+            return "this checkpoint has MoE layers (mlp.experts / mlp.router keys): Llama has no experts"
         if has(keys.MLA):
-            raise UnsupportedModelError("this checkpoint uses multi-latent attention (MLA): Llama cannot express it")
+            return "this checkpoint uses multi-latent attention (MLA): Llama cannot express it"
         if any(k.startswith("mtp.") for k in tensors):
-            raise UnsupportedModelError("this checkpoint has multi-token-prediction (mtp.*) layers")
-        if M.TD_EMBEDDING not in tensors:
-            raise ConversionError(f"{self.path} has no {M.TD_EMBEDDING}: not a GPT model checkpoint")
+            return "this checkpoint has multi-token-prediction (mtp.*) layers"
+        return None
+
+    def refuse_unconvertible(self) -> None:
+        if self.unconvertible:
+            raise UnsupportedModelError(self.unconvertible)
 
     def _read_common(self) -> dict:
         from .saved_values import check_common_state
