@@ -76,14 +76,15 @@ def pattern_of_keys(tensor_keys: Iterable[str]) -> str:
 
 
 def pattern_problem(args_pattern: Optional[str], keys_pattern: str) -> Optional[str]:
-    """Why a hybrid checkpoint is not a Mix-LN `*-` model (from its args' pattern, else its keys)."""
+    """Why a hybrid checkpoint is not a Mix-LN `*-` model a conversion carries (from its args'
+    pattern, else its keys): `E` (MoE) layers are refused here though the model builds them."""
     if args_pattern:
-        problem = hybrid_pattern.pattern_problem(args_pattern)
+        problem = hybrid_pattern.pattern_problem(args_pattern, moe=False)
         if problem:
             return problem
         if args_pattern.replace(hybrid_pattern.PIPE, "") != keys_pattern:
             return (f"the args' hybrid layer pattern {args_pattern!r} does not match the layers the "
                     f"checkpoint holds ({keys_pattern!r}): the checkpoint is incomplete or was edited")
         return None
-    problem = hybrid_pattern.pattern_problem(keys_pattern)
+    problem = hybrid_pattern.pattern_problem(keys_pattern, moe=False)
     return f"{problem} (read from the checkpoint's layers)" if problem else None

@@ -281,8 +281,8 @@ def check_megatron_args_supported(args) -> None:
     pattern = args_hybrid_pattern(args)
     if pattern is not None and not isinstance(pattern, str):
         raise ConversionError(f"{ARGS}: hybrid_layer_pattern must be a string, got {_shown(pattern)}")
-    if pattern and hybrid_pattern.pattern_problem(pattern):  # HybridModel: only Mix-LN's `*-` pairs
-        problems.append(hybrid_pattern.pattern_problem(pattern) + " [hybrid_layer_pattern]")
+    if pattern and hybrid_pattern.pattern_problem(pattern, moe=False):  # HybridModel: only `*-` pairs, no `E`
+        problems.append(hybrid_pattern.pattern_problem(pattern, moe=False) + " [hybrid_layer_pattern]")
     normalization = _str_arg(args, "normalization", "LayerNorm")
     if normalization != "RMSNorm":
         problems.append(f"normalization {normalization!r}: Llama uses RMSNorm [--normalization RMSNorm]")

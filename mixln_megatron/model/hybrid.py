@@ -1,8 +1,8 @@
 """Mix-LN on megatron's HybridModel: the stack and the two layer kinds of a `*-*-...` pattern.
 
 A `*` layer is a MixLNTransformerLayer with attention only, a `-` layer one with the MLP only
-(hybrid_part, hybrid_pattern.py); the layer class, its norms, checkpoint keys and settings record
-are the GPT model's. With the same weights the network is the GPTModel Mix-LN network exactly,
+(hybrid_part, hybrid_pattern.py), an `E` layer a `-` layer whose MLP is megatron's MoE layer; the
+layer class, its norms, checkpoint keys and settings record are the GPT model's. With the same weights the network is the GPTModel Mix-LN network exactly,
 every layer kind of a layout (model.layout) split at the block's two residual steps:
 
     block k Pre-LN:    layer 2k-1  h = x + Attn(N1(x))         layer 2k  y = h + MLP(N2(h))
@@ -40,7 +40,7 @@ def hybrid_layer_submodules(layer: TransformerLayerSubmodules, part: str) -> Tra
     raise ValueError(f"part must be {hybrid_pattern.ATTENTION!r} or {hybrid_pattern.MLP!r}, got {part!r}")
 
 
-def _check_stage(config, layer_type_list, pp_layer_offset: int, post_process: bool) -> None:
+def _check_stage(config, layer_type_list, pp_layer_offset: int, post_process: bool, moe_layer=IdentityOp) -> None:
     """This pipeline stage's part of the pattern, and that the stages add up to the model."""
     if getattr(config, "mtp_num_layers", None):
         raise MixLNUnsupportedError(
@@ -50,6 +50,11 @@ def _check_stage(config, layer_type_list, pp_layer_offset: int, post_process: bo
     if layer_type_list is None:
         return
     hybrid_pattern.check_segment(layer_type_list, pp_layer_offset)
+    if hybrid_pattern.MOE_MLP in layer_type_list and moe_layer is IdentityOp:
+        # megatron would build an identity for each `E`: a model without its MoE MLPs
+        raise MixLNUnsupportedError(
+            "the hybrid pattern has 'E' (MoE) layers, but the Mix-LN stack spec has no MoE layer: build it "
+            "with get_mixln_hybrid_stack_spec(config, ...) of a config with num_moe_experts")
     end = pp_layer_offset + len(layer_type_list)
     if end > config.num_layers:
         raise MixLNUnsupportedError(
@@ -82,7 +87,8 @@ class MixLNHybridStack(HybridStack):
         **kwargs,
     ):
         try:
-            _check_stage(config, layer_type_list, pp_layer_offset, post_process)
+            _check_stage(config, layer_type_list, pp_layer_offset, post_process,
+                         getattr(submodules, "moe_layer", IdentityOp))
         except MixLNUnsupportedError as error:
             # One line, before megatron's build_module re-raises it with a suffix; the error itself
             # leaves (a megatron-core user gets the exception); under Megatron-LM the --spec stack

@@ -6,9 +6,11 @@ is the GPT decoder of L transformer blocks split in two, so Mix-LN's rule carrie
 once it counts blocks: hybrid layer n (global, 1-based) belongs to block ceil(n / 2), P =
 floor(alpha * L) blocks are Post-LN, and block k's N1 sits in layer 2k - 1, its N2 in layer 2k.
 
-Only that shape is supported for now: other symbols (Mamba M, GDN G, DSA D, MLA +, MoE E), MTP
-(`/...`) and patterns that do not strictly alternate `*-` are refused with the reason. `|`
-(pipeline stage splits) may sit anywhere, also inside a block.
+An `E` layer (megatron's MoE MLP) may stand where a `-` belongs: it is its block's MLP half and
+takes the block's kind like a `-` layer. HF conversion cannot carry experts, so its pattern rule
+(moe=False) refuses `E`. Other symbols (Mamba M, GDN G, DSA D, MLA +), MTP (`/...`) and patterns
+that do not strictly alternate attention and MLP are refused with the reason. `|` (pipeline stage
+splits) may sit anywhere, also inside a block.
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ from .support import MixLNUnsupportedError
 
 ATTENTION, MLP = "attention", "mlp"  # MixLNTransformerLayer(hybrid_part=...)
 SYMBOL = {ATTENTION: "*", MLP: "-"}
+MOE_MLP = "E"  # an MLP half whose MLP is megatron's MoE layer
 PIPE, MTP_SEPARATOR = "|", "/"
 
 _OTHER_SYMBOLS = {
     "M": "Mamba", "G": "gated delta net", "D": "DeepSeek sparse attention",
-    "+": "multi-latent attention", "E": "MoE",
+    "+": "multi-latent attention",
 }
 _WHY = ("Mix-LN is defined on transformer blocks (attention then MLP), so a HybridModel pattern "
-        "must be L strictly alternating '*-' pairs ('*-*-...*-', '|' splits allowed)")
+        "must be L strictly alternating '*-' pairs ('*-*-...*-', '|' splits allowed, 'E' for a '-')")
 
 
 def part_of_layer(layer_number: int) -> str:
@@ -68,10 +71,15 @@ def layer_numbers_of_block(block: int) -> tuple:
     return 2 * block - 1, 2 * block
 
 
-def _symbol_problem(symbol: str, position: int) -> Optional[str]:
+def _symbol_problem(symbol: str, position: int, moe: bool = True) -> Optional[str]:
     expected = SYMBOL[part_of_layer(position)]
     if symbol == expected:
         return None
+    if symbol == MOE_MLP and expected == SYMBOL[MLP]:
+        return None if moe else (f"layer {position} is 'E' (MoE), which conversion cannot carry "
+                                 "(a Llama has no experts)")
+    if symbol == MOE_MLP:
+        return f"layer {position} is 'E' (MoE) where '{expected}' belongs: {_WHY}"
     if symbol in _OTHER_SYMBOLS:
         return (f"layer {position} is '{symbol}' ({_OTHER_SYMBOLS[symbol]}), which Mix-LN does not "
                 f"support yet: {_WHY}")
@@ -80,8 +88,9 @@ def _symbol_problem(symbol: str, position: int) -> Optional[str]:
     return f"layer {position} is {symbol!r}, not a HybridModel symbol: {_WHY}"
 
 
-def pattern_problem(pattern: Optional[str]) -> Optional[str]:
-    """None when `pattern` (the whole --hybrid-layer-pattern) is a Mix-LN pattern, else why not."""
+def pattern_problem(pattern: Optional[str], moe: bool = True) -> Optional[str]:
+    """None when `pattern` (the whole --hybrid-layer-pattern) is a Mix-LN pattern, else why not.
+    moe=False: `E` layers refused too (what HF conversion can carry)."""
     if not pattern:
         return f"no hybrid layer pattern was given: {_WHY}"
     main, sep, _mtp = pattern.partition(MTP_SEPARATOR)
@@ -90,7 +99,7 @@ def pattern_problem(pattern: Optional[str]) -> Optional[str]:
                 "does not support (the decoder only); drop the '/...' part")
     layers = main.replace(PIPE, "")
     for position, symbol in enumerate(layers, 1):
-        problem = _symbol_problem(symbol, position)
+        problem = _symbol_problem(symbol, position, moe)
         if problem:
             return f"the hybrid pattern {pattern!r}: {problem}"
     if not layers or len(layers) % 2:

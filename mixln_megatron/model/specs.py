@@ -116,7 +116,8 @@ def get_mixln_hybrid_stack_spec(
     layout: Optional[str] = None,
 ) -> ModuleSpec:
     """The stack spec for megatron's HybridModel (its `hybrid_stack_spec`) with a `*-*-...` pattern
-    of L transformer blocks: P = floor(alpha * L) blocks Post-LN, final norm the backend's. Plain
+    of L transformer blocks (`E` for a `-`: an MoE MLP, when `config` has num_moe_experts): P =
+    floor(alpha * L) blocks Post-LN, final norm the backend's. Plain
     data, like get_mixln_decoder_block_spec. With `config` (num_layers = the pattern's length)
     the builder flags come from it and the settings are checked here; with the pattern, so is the
     pattern (HybridModel hands each stage only its own part, which the stack checks again)."""
@@ -135,18 +136,22 @@ def get_mixln_hybrid_stack_spec(
         check_supported(config, backend=backend)
         # a bad setting fails here, not inside a layer; the placement counts blocks (`*-` pairs)
         resolve_placement(hybrid_pattern.num_blocks(config.num_layers, hybrid_pattern.ATTENTION), settings)
-        layer = backends.layer_submodules(backend, config=config)
+        # `-` layers dense whatever the config says; `E` layers (hybrid_pattern.MOE_MLP) megatron's MoE
+        layer = backends.layer_submodules(backend, config=config, moe=False)
+        moe_layer = backends.layer_submodules(backend, config=config, moe=True) \
+            if getattr(config, "num_moe_experts", None) else None
     else:
-        layer = backends.layer_submodules(backend)
+        layer, moe_layer = backends.layer_submodules(backend), None
     params = {"mixln_settings": settings, "post_ln_norm": backends.norm_class(backend)}
 
-    def part(name):
-        return ModuleSpec(module=MixLNTransformerLayer, submodules=hybrid_layer_submodules(layer, name),
+    def part(name, submodules=layer):
+        return ModuleSpec(module=MixLNTransformerLayer, submodules=hybrid_layer_submodules(submodules, name),
                           params={**params, "hybrid_part": name})
 
+    extra = {} if moe_layer is None else {"moe_layer": part(hybrid_pattern.MLP, moe_layer)}
     return ModuleSpec(
         module=MixLNHybridStack,
         submodules=HybridStackSubmodules(
-            attention_layer=part(hybrid_pattern.ATTENTION), mlp_layer=part(hybrid_pattern.MLP)),
+            attention_layer=part(hybrid_pattern.ATTENTION), mlp_layer=part(hybrid_pattern.MLP), **extra),
         params={"final_norm": backends.norm_class(backend)},
     )
