@@ -258,6 +258,23 @@ def test_a_large_checkpoint_read_is_announced_before_it_starts(checkpoint, monke
     assert rc == 0 and err.startswith(f"vetting every pickle in {iteration}: {count} files (") and "clean" in out
 
 
+def test_pretrain_load_vetting_is_announced_before_it_starts(checkpoint, monkeypatch, capsys):
+    """`pretrain --load` vets the checkpoint before Megatron-LM reads it: on a large one, the
+    rank that vets says so first."""
+    import argparse
+
+    from mixln_megatron.convert.vet import vet_load_args
+
+    iteration = checkpoint / "release"
+    args = argparse.Namespace(load=str(checkpoint), ckpt_step=None, pretrained_checkpoint=None)
+    vet_load_args(args)
+    assert capsys.readouterr().err == ""  # a small checkpoint: nothing to announce
+    monkeypatch.setattr(progress, "ANNOUNCE_BYTES", 1)
+    vet_load_args(args)
+    size = os.path.getsize(iteration / ".metadata") / 1e6
+    assert capsys.readouterr().err == f"reading and vetting {iteration}/.metadata ({size:.0f} MB) ...\n"
+
+
 def test_conversion_progress_in_a_log_is_plain_lines(checkpoint, tmp_path, capsys):
     rc, _, err = run_cli(capsys, ["convert", "to-hf", "--load", str(checkpoint), "--save", str(tmp_path / "hf")])
     assert rc == 0 and "\r" not in err and err.splitlines()[-1].startswith("to-hf hf: ") and err.endswith(" done\n")

@@ -41,6 +41,7 @@ from typing import List, Optional
 
 from ..errors import ConversionError, MixLNError, UnsafeCheckpointError
 from ..input_root import InputRoot
+from ..progress import announce
 from ..safe_unpickle import load_pickle, load_torch
 from .locate import LEGACY_DIR, TRACKER, resolve_checkpoint_dir
 
@@ -210,6 +211,7 @@ def vet_load_args(args) -> List[VetReport]:
     def vet() -> list:
         reports = []
         for path in paths:
+            _announce_metadata(path)  # a large .metadata takes a while: say so first (this rank only)
             reports.append(dataclasses.asdict(vet_iteration_dir(path)))  # first: a payload is named as such
             _check_release(path)
         # A --load folder that is itself one saved iteration (no tracker: Megatron-LM would silently start
@@ -220,6 +222,15 @@ def vet_load_args(args) -> List[VetReport]:
     from .vet_once import once_per_node
 
     return [VetReport(**r) for r in once_per_node(_identity(paths, getattr(args, "load", None)), vet) or []]
+
+
+def _announce_metadata(path: str) -> None:
+    """`reading and vetting <path>/.metadata (N MB) ...` on stderr when the file is large."""
+    try:
+        size = os.lstat(os.path.join(path, ".metadata")).st_size
+    except OSError:
+        return  # no torch_dist metadata (legacy, or missing): the vetting itself says what is wrong
+    announce(f"reading and vetting {os.path.join(path, '.metadata')}", size)
 
 
 def _identity(paths: List[str], load: Optional[str]) -> str:
