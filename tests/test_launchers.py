@@ -51,6 +51,13 @@ LAUNCHERS = {
         world_size=16, target="pretrain_gpt.py", post_ln_layers=2, num_layers=32,
         parallel=dict(tp=2, pp=4, vpp=2, dp=2, sequence_parallel=True),
     ),
+    "pretrain_moe16b_a2b_mixln.sh": dict(
+        env={"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "node001"},
+        world_size=16, target="pretrain_gpt.py", post_ln_layers=1, num_layers=28,
+        parallel=dict(tp=1, pp=1, vpp=None, dp=16, ep=8, sequence_parallel=False),
+        moe=dict(num_experts=64, layer_freq=[0] + [1] * 27, topk=6, dispatcher="alltoall",
+                 grouped_gemm=True),
+    ),
     "pretrain_llama1b_mixln.sh": dict(
         env={}, world_size=8, target="pretrain_gpt.py", post_ln_layers=6, num_layers=24,
         parallel=dict(tp=1, pp=1, vpp=None, dp=8, sequence_parallel=False),
@@ -66,12 +73,28 @@ LAUNCHERS = {
         num_layers=24, parallel=dict(tp=1, pp=1, vpp=None, dp=8, sequence_parallel=False),
         exports={"MIXLN_LAYOUT": "deepnorm:1-6,pre:*", "MIXLN_SCHEME": "mixln"},
     ),
+    # the same arm through the MoE launcher: its alpha*L groups are 1 layer (alpha 0.0625 at 28)
+    "compare_schemes.sh[moe16b]": dict(
+        script="compare_schemes.sh",
+        env={"ARM": "mix_deepnorm", "MODEL": "moe16b"}, world_size=8, target="pretrain_gpt.py",
+        post_ln_layers=1, num_layers=28,
+        parallel=dict(tp=1, pp=1, vpp=None, dp=8, ep=8, sequence_parallel=False),
+        exports={"MIXLN_LAYOUT": "deepnorm:1-1,pre:*", "MIXLN_SCHEME": "mixln"},
+        save="/checkpoints/moe16b-mix_deepnorm",
+    ),
     "cpu_tiny_mixln.sh": dict(
         env={}, world_size=1, target="-m mixln_megatron.training.pretrain", post_ln_layers=2, num_layers=8,
         backend="local",
         parallel=dict(tp=1, pp=1, vpp=None, dp=1, sequence_parallel=False),
     ),
 }
+
+
+
+def _script(name: str) -> str:
+    """The file a LAUNCHERS entry runs (an entry may run a script with other settings)."""
+    return LAUNCHERS[name].get("script", name)
+
 
 TE_SPEC = "mixln_megatron.spec.mixln_layer_spec"
 PREFLIGHT = "import mixln_megatron.spec"  # what the GPU launchers run before torchrun
@@ -152,12 +175,23 @@ if entry_point:
     ep.check_supported_args(args)
 if provider is not None:
     apply_mixln_args(args)
-margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})  # pretrain_gpt.py's defaults
+if args.moe_grouped_gemm and not torch.cuda.is_available():
+    # validate_args asks the GPU's compute capability for grouped GEMM (>= 8 needed): answer with
+    # a Hopper GPU's, the launchers' target, for that call only
+    real_capability = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+    try:
+        margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})  # pretrain_gpt.py's defaults
+    finally:
+        torch.cuda.get_device_capability = real_capability
+else:
+    margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
 
 out = dict(
     world_size=args.world_size, tp=args.tensor_model_parallel_size,
     pp=args.pipeline_model_parallel_size, vpp=args.virtual_pipeline_model_parallel_size,
-    dp=args.data_parallel_size, sequence_parallel=bool(args.sequence_parallel),
+    dp=args.data_parallel_size, ep=args.expert_model_parallel_size,
+    sequence_parallel=bool(args.sequence_parallel),
     num_microbatches=args.global_batch_size // (args.micro_batch_size * args.data_parallel_size),
     num_layers=args.num_layers, transformer_impl=args.transformer_impl,
 )
@@ -180,6 +214,11 @@ else:  # pretrain_gpt.py: the --spec object goes into the model config
     transformer_config = model_config.transformer
     out["config_spec_is_mixln"] = model_config.transformer_layer_spec is spec and spec is not None
 check_supported(transformer_config)
+out["moe"] = None if not transformer_config.num_moe_experts else dict(
+    num_experts=transformer_config.num_moe_experts, layer_freq=transformer_config.moe_layer_freq,
+    topk=transformer_config.moe_router_topk, dispatcher=transformer_config.moe_token_dispatcher_type,
+    grouped_gemm=bool(transformer_config.moe_grouped_gemm),
+)
 # the settings as each path builds them: the entry point from its flags, the --spec function from
 # a patched parser's flags and then the exported MIXLN_* variables
 settings = ep.run_settings(args) if entry_point else settings_for_spec(environ=os.environ, args=args)
@@ -245,7 +284,7 @@ def _sbatch_nodes(path: Path) -> str:
 
 
 def _run_launcher(name: str, tmp: Path, stub_bin: Path, python=None, extra_env=None):
-    path = EXAMPLES / name
+    path = EXAMPLES / _script(name)
     capture = tmp / "capture"
     capture.mkdir()
     megatron_lm = tmp / "Megatron-LM"
@@ -298,12 +337,12 @@ def _split_torchrun(argv: list):
 
 
 def test_every_launcher_is_checked():
-    assert _launchers_on_disk() == sorted(LAUNCHERS), (
+    assert _launchers_on_disk() == sorted({_script(n) for n in LAUNCHERS}), (
         "add the new launcher to LAUNCHERS in tests/test_launchers.py so its arguments are parsed"
     )
 
 
-@pytest.mark.parametrize("name", sorted(LAUNCHERS))
+@pytest.mark.parametrize("name", sorted({_script(n) for n in LAUNCHERS}))
 def test_bash_syntax(name):
     proc = subprocess.run(["bash", "-n", str(EXAMPLES / name)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -312,7 +351,7 @@ def test_bash_syntax(name):
 @pytest.mark.skipif(shutil.which("shellcheck") is None,
                     reason="shellcheck is not installed (apt-get install shellcheck)")
 def test_shellcheck_clean():
-    files = [str(EXAMPLES / n) for n in sorted(LAUNCHERS)]
+    files = [str(EXAMPLES / n) for n in sorted({_script(n) for n in LAUNCHERS})]
     proc = subprocess.run(["shellcheck", "-s", "bash", *files], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -347,6 +386,8 @@ def test_launcher_arguments_parse_and_validate(name, tmp_path, stub_bin, run_wor
         )
     for key, value in want.get("exports", {}).items():
         assert passed_env.get(key) == value, (key, passed_env)
+    if "save" in want:
+        assert megatron_argv[megatron_argv.index("--save") + 1] == want["save"]
 
     job = tmp_path / "job.json"
     result = tmp_path / "result.json"
@@ -361,6 +402,8 @@ def test_launcher_arguments_parse_and_validate(name, tmp_path, stub_bin, run_wor
     for key, value in want["parallel"].items():
         assert out[key] == value, (key, out)
     assert out["num_layers"] == want["num_layers"]
+    if "moe" in want:
+        assert out["moe"] == want["moe"], out["moe"]
     assert out["post_ln_layers"] == want["post_ln_layers"], out["placement"]
     if want["target"] == "pretrain_gpt.py":
         # the model pretrain_gpt.py builds is Mix-LN: --spec resolved to the plugin's spec
