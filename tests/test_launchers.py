@@ -20,11 +20,15 @@ Differences from a real run, all on CPU (megatron-core 0.19.2, no TransformerEng
     them and the tokenizer is not built (HuggingFace tokenizers would need the hub), so when no
     --vocab-size is given, a placeholder padded vocabulary size is set before the model config is
     built. No --mock-data substitution is needed.
+  * validate_args asks the GPU's compute capability for --moe-grouped-gemm; the worker answers
+    with a Hopper GPU's (9, 0) for that call only.
   * Without TransformerEngine, TransformerConfig rejects apply_rope_fusion (a TE kernel); the
     config check sets it False. Everything else is the launcher's own value.
-Not checkable on CPU (covered by benchmarks/gpu_check.sh and te_check.sh on a GPU node): building
+Not checkable on CPU (for the dense models covered by benchmarks/gpu_check.sh and te_check.sh on a
+GPU node; the MoE launcher's model has not run on a GPU): building
 the TE layers of mixln_layer_spec, TE-only config checks, NCCL rendezvous, the launchers' tokenizer
-and data paths, and memory at TP2xPP4xVPP2 (7B) / DP8 (1B) scale.
+and data paths, the alltoall dispatcher, and memory at TP2xPP4xVPP2 (7B) / DP8 (1B) / EP8 (MoE)
+scale.
 """
 
 from __future__ import annotations
