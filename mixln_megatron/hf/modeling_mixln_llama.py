@@ -200,6 +200,9 @@ def mixln_decoder_layer(config: MixLNLlamaConfig, layer_idx: int) -> nn.Module:
 class MixLNLlamaModel(MixLNLlamaPreTrainedModel, LlamaModel):
     """LlamaModel with Mix-LN decoder layers; `forward` (masks, cache, rotary, final norm) is LlamaModel's."""
 
+    # The class of each layer kind: the MoE model (modeling_mixln_moe) puts its own here.
+    decoder_layer_classes = DECODER_LAYER_CLASSES
+
     def __init__(self, config: MixLNLlamaConfig):
         if not callable(getattr(config, "validate_mixln", None)):
             raise TypeError(f"MixLNLlamaModel needs a MixLNLlamaConfig, got {type(config).__name__}")
@@ -210,7 +213,8 @@ class MixLNLlamaModel(MixLNLlamaPreTrainedModel, LlamaModel):
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList([mixln_decoder_layer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([self.decoder_layer_classes[config.layer_kind(i)](config, i)
+                                     for i in range(config.num_hidden_layers)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
@@ -220,10 +224,12 @@ class MixLNLlamaModel(MixLNLlamaPreTrainedModel, LlamaModel):
 class MixLNLlamaForCausalLM(MixLNLlamaPreTrainedModel, LlamaForCausalLM):
     """LlamaForCausalLM around a MixLNLlamaModel; forward, loss, generate() and weight tying are LLaMA's."""
 
+    base_model_class = MixLNLlamaModel  # the MoE model's causal LM puts its own base model here
+
     def __init__(self, config: MixLNLlamaConfig):
         # As above: skip LlamaForCausalLM.__init__, which would build a stock LlamaModel first.
         super(LlamaForCausalLM, self).__init__(config)
-        self.model = MixLNLlamaModel(config)
+        self.model = self.base_model_class(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()

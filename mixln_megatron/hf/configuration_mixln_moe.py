@@ -1,0 +1,133 @@
+"""Configuration of a Mix-LN / LayerNorm-Scaling mixture-of-experts LLaMA for Hugging Face transformers.
+
+This file is copied next to config.json in exported checkpoints (remote code), together with
+configuration_mixln_llama.py, which it imports relatively; it imports nothing else but `transformers`.
+
+Every Mix-LN field and layer kind is `MixLNLlamaConfig`'s (the norms sit around an MoE block exactly as
+around a dense MLP). Extra fields:
+  num_experts                      E, the routed experts of each MoE layer (>= 1)
+  num_experts_per_tok              k, the experts each token is sent to (1 <= k <= E)
+  moe_intermediate_size            the FFN size of one routed expert
+  norm_topk_prob                   True: softmax over all experts, top-k, the k probabilities renormalised to sum
+                                   to 1 (Megatron's default routing: softmax over the k selected logits);
+                                   False: the top-k softmax probabilities as they are (--moe-router-pre-softmax)
+  shared_expert_intermediate_size  None (no shared expert) or the FFN size of the shared expert every token also takes
+  shared_expert_gate               the shared expert's output multiplied by sigmoid(h @ gate^T) (needs a shared expert)
+  mlp_only_layers                  0-based indices of the DENSE layers (LLaMA's MLP of size `intermediate_size`);
+                                   every other layer is an MoE layer
+Experts and shared expert are SwiGLU (`hidden_act`) without biases; `mlp_bias` applies to the dense layers only.
+
+Written for transformers >= 5 (its fused Qwen2-MoE experts); tested with 5.25.
+"""
+
+from .configuration_mixln_llama import MixLNConfigValueError, MixLNLlamaConfig
+
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "shared_expert_intermediate_size", "shared_expert_gate", "mlp_only_layers")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(name, value, what):
+    if not _is_int(value) or value < 1:
+        raise MixLNConfigValueError(f"{name} must be an integer >= 1 ({what}), got {value!r:.60}")
+    return value
+
+
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise MixLNConfigValueError(f"{name} must be true or false, got {value!r:.60}")
+    return value
+
+
+def _check_mlp_only_layers(mlp_only_layers, num_hidden_layers):
+    """The dense layers' indices as a sorted list (validated)."""
+    if mlp_only_layers is None:
+        return []
+    if isinstance(mlp_only_layers, (str, bytes)) or not isinstance(mlp_only_layers, (list, tuple)):
+        raise MixLNConfigValueError(
+            f"mlp_only_layers must be a list of 0-based layer indices (the dense layers), got {mlp_only_layers!r:.80}"
+        )
+    bad = [i for i in mlp_only_layers if not _is_int(i) or i < 0
+           or (num_hidden_layers is not None and i >= num_hidden_layers)]
+    if bad:
+        raise MixLNConfigValueError(
+            f"mlp_only_layers has {bad[0]!r:.40}, not a layer index in 0..{'' if num_hidden_layers is None else num_hidden_layers - 1}"
+        )
+    if len(set(mlp_only_layers)) != len(mlp_only_layers):
+        raise MixLNConfigValueError(f"mlp_only_layers lists a layer twice: {list(mlp_only_layers)!r:.80}")
+    return sorted(mlp_only_layers)
+
+
+def check_moe_fields(num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob=True,
+                     shared_expert_intermediate_size=None, shared_expert_gate=False, mlp_only_layers=None,
+                     num_hidden_layers=None) -> list:
+    """Raise MixLNConfigValueError (one line) on an invalid MoE field; return mlp_only_layers as a sorted list."""
+    _positive_int("num_experts", num_experts, "the routed experts per MoE layer")
+    _positive_int("num_experts_per_tok", num_experts_per_tok, "the experts each token is routed to")
+    if num_experts_per_tok > num_experts:
+        raise MixLNConfigValueError(
+            f"num_experts_per_tok = {num_experts_per_tok} exceeds num_experts = {num_experts}"
+        )
+    _positive_int("moe_intermediate_size", moe_intermediate_size, "the FFN size of one expert")
+    _check_bool("norm_topk_prob", norm_topk_prob)
+    if shared_expert_intermediate_size is not None:
+        _positive_int("shared_expert_intermediate_size", shared_expert_intermediate_size,
+                      "the FFN size of the shared expert; None for no shared expert")
+    _check_bool("shared_expert_gate", shared_expert_gate)
+    if shared_expert_gate and shared_expert_intermediate_size is None:
+        raise MixLNConfigValueError("shared_expert_gate is true but there is no shared expert "
+                                    "(shared_expert_intermediate_size is None)")
+    return _check_mlp_only_layers(mlp_only_layers, num_hidden_layers)
+
+
+class MixLNMoeConfig(MixLNLlamaConfig):
+    r"""Mix-LN LLaMA configuration whose MLPs are mixtures of experts (except the layers in `mlp_only_layers`).
+
+    Args:
+        num_experts (`int`, defaults to 8): routed experts per MoE layer.
+        num_experts_per_tok (`int`, defaults to 2): experts per token (top-k).
+        moe_intermediate_size (`int`, defaults to 1408): FFN size of one routed expert.
+        norm_topk_prob (`bool`, defaults to True): renormalise the top-k probabilities (Megatron's default routing).
+        shared_expert_intermediate_size (`int`, *optional*): FFN size of the shared expert; None for none.
+        shared_expert_gate (`bool`, defaults to False): sigmoid gate on the shared expert's output.
+        mlp_only_layers (`list[int]`, defaults to []): 0-based indices of the dense layers.
+        kwargs: every `MixLNLlamaConfig` argument (post_ln_layers, mixln_scheme, layer_kinds, ... and LLaMA's).
+
+    A model whose layers are all "pre" with scheme "mixln" is exported as a stock Mixtral or Qwen2-MoE where one
+    of them is the same network; it has model_type "mixln_moe" (every layer "pre") only where none is: a shared
+    expert without gate, or dense layers without a gated shared expert.
+    """
+
+    model_type = "mixln_moe"
+
+    def __init__(self, num_experts: int = 8, num_experts_per_tok: int = 2, moe_intermediate_size: int = 1408,
+                 norm_topk_prob: bool = True, shared_expert_intermediate_size=None, shared_expert_gate: bool = False,
+                 mlp_only_layers=None, **kwargs):
+        # Set before the parent init, like the Mix-LN fields, and checked in full (with the layer count) after it.
+        self.num_experts = num_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.moe_intermediate_size = moe_intermediate_size
+        self.norm_topk_prob = norm_topk_prob
+        self.shared_expert_intermediate_size = shared_expert_intermediate_size
+        self.shared_expert_gate = shared_expert_gate
+        self.mlp_only_layers = mlp_only_layers  # a sorted list once validated
+        super().__init__(**kwargs)
+
+    def validate_mixln(self) -> None:
+        """The Mix-LN fields (MixLNLlamaConfig's rules) and the MoE fields; MixLNConfigValueError if invalid."""
+        super().validate_mixln()
+        self.mlp_only_layers = check_moe_fields(
+            self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size, self.norm_topk_prob,
+            self.shared_expert_intermediate_size, self.shared_expert_gate, self.mlp_only_layers,
+            getattr(self, "num_hidden_layers", None))
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether the layer with 0-based index `layer_idx` has an MoE block (else LLaMA's dense MLP)."""
+        self.layer_kind(layer_idx)  # IndexError outside the model
+        return layer_idx not in self.mlp_only_layers
+
+
+__all__ = ["MOE_FIELDS", "MixLNMoeConfig", "check_moe_fields"]
