@@ -6,10 +6,17 @@ files copied next to config.json, and loads with
 A model whose layers are all "pre" (P = 0, no layer_kinds or all of them "pre") with scheme "mixln" is exactly
 LLaMA and is exported as a stock `LlamaForCausalLM` (model_type "llama", no auto_map, no code files).
 
-Per-layer kinds (issue 29): a placement is written as `layer_kinds` (+ `deepnorm_alpha` / `deepnorm_beta`) only
+Per-layer kinds: a placement is written as `layer_kinds` (+ `deepnorm_alpha` / `deepnorm_beta`) only
 when it is not Mix-LN's own "first P layers post, the rest pre" layout, so those configs stay as they were.
 `placement_export_fields(placement)` turns mixln_megatron's Placement into the keyword arguments of
 `is_stock_llama`, `export_config_fields` and `config_for_export`.
+
+Mixture-of-experts models (the contract in docs: per MoE layer a router, E SwiGLU experts, optionally a shared
+expert with or without a sigmoid gate; `mlp_only_layers` the dense layers) take the same Mix-LN fields plus the
+MoE ones. An all-"pre" "mixln" MoE model is exported as a stock class where one is the same network
+(`stock_moe_model_type`: Mixtral, or Qwen2-MoE), else with model_type "mixln_moe" and the four code files
+(the MoE files import the LLaMA ones). `moe_export_config_fields` and `moe_config_for_export` are the MoE
+counterparts of `export_config_fields` and `config_for_export`.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import shutil
 from typing import Any, Dict, List, Optional
 
 CODE_FILES = ("configuration_mixln_llama.py", "modeling_mixln_llama.py")
+MOE_CODE_FILES = CODE_FILES + ("configuration_mixln_moe.py", "modeling_mixln_moe.py")
 
 # AutoModel (the base model) is what the Transformers backend of vLLM and SGLang
 # (`--model-impl transformers`) instantiates; the causal-LM head is theirs there.
@@ -29,6 +37,21 @@ AUTO_MAP = {
 }
 MIXLN_ARCHITECTURES = ["MixLNLlamaForCausalLM"]
 LLAMA_ARCHITECTURES = ["LlamaForCausalLM"]
+MOE_AUTO_MAP = {
+    "AutoConfig": "configuration_mixln_moe.MixLNMoeConfig",
+    "AutoModel": "modeling_mixln_moe.MixLNMoeModel",
+    "AutoModelForCausalLM": "modeling_mixln_moe.MixLNMoeForCausalLM",
+}
+MOE_ARCHITECTURES = ["MixLNMoeForCausalLM"]
+# The stock MoE classes an all-"pre" model may be exported as, and their architectures.
+STOCK_MOE_ARCHITECTURES = {"mixtral": ["MixtralForCausalLM"], "qwen2_moe": ["Qwen2MoeForCausalLM"]}
+# What remote code each model_type needs: its auto_map, architectures and code files.
+_REMOTE_CODE = {
+    "mixln_llama": (AUTO_MAP, MIXLN_ARCHITECTURES, CODE_FILES),
+    "mixln_moe": (MOE_AUTO_MAP, MOE_ARCHITECTURES, MOE_CODE_FILES),
+}
+# LlamaConfig arguments that the stock MoE configs do not have (their value is checked, then dropped).
+_LLAMA_ONLY_KEYS = ("attention_bias", "mlp_bias", "pretraining_tp")
 
 # Keys of a config dict that describe the class rather than the network; never forwarded as kwargs.
 _CLASS_KEYS = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
@@ -130,24 +153,155 @@ def config_for_export(post_ln_layers: int, mixln_scheme: str, mixln_alpha: Optio
     return config
 
 
+def stock_moe_model_type(post_ln_layers: int, mixln_scheme: str, layer_kinds=None, *,
+                         shared_expert_intermediate_size: Optional[int] = None, shared_expert_gate: bool = False,
+                         mlp_only_layers=None, norm_topk_prob: bool = True, attention_bias: bool = False,
+                         qkv_bias: bool = False, mlp_bias: bool = False, **_other_fields) -> Optional[str]:
+    """"mixtral" or "qwen2_moe" when that stock class is exactly the MoE network, else None ("mixln_moe").
+
+    Only an all-"pre" "mixln" model (`is_stock_llama`) qualifies, without LLaMA's attention / MLP biases:
+      Mixtral    no shared expert, no dense layer, renormalised top-k (norm_topk_prob), no qkv bias;
+      Qwen2-MoE  a shared expert WITH its gate (Qwen2-MoE always gates it); dense layers, either routing and
+                 a qkv-only bias (Megatron's --add-qkv-bias: Qwen2-MoE's qkv_bias) are fine.
+    Every other field of `moe_export_config_fields` may be passed too (ignored), so one dict serves both.
+    """
+    if not is_stock_llama(post_ln_layers, mixln_scheme, layer_kinds) or attention_bias or mlp_bias:
+        return None
+    shared = shared_expert_intermediate_size is not None
+    if not shared and not mlp_only_layers and norm_topk_prob and not qkv_bias:
+        return "mixtral"
+    if shared and shared_expert_gate:
+        return "qwen2_moe"
+    return None
+
+
+def moe_export_config_fields(post_ln_layers: int, mixln_scheme: str, mixln_alpha: Optional[str] = None,
+                             layer_kinds=None, deepnorm_alpha: Optional[float] = None,
+                             deepnorm_beta: Optional[float] = None, *, num_experts: int, num_experts_per_tok: int,
+                             moe_intermediate_size: int, norm_topk_prob: bool = True,
+                             shared_expert_intermediate_size: Optional[int] = None, shared_expert_gate: bool = False,
+                             mlp_only_layers=None, attention_bias: bool = False, qkv_bias: bool = False,
+                             mlp_bias: bool = False, num_hidden_layers: Optional[int] = None) -> Dict[str, Any]:
+    """The config.json keys of an MoE export: class keys, Mix-LN fields and MoE fields, spelled for the class
+    `stock_moe_model_type` picks. attention_bias / mlp_bias are LLaMA's (they only decide the class; they are
+    LlamaConfig arguments of `moe_config_for_export`); qkv_bias is a bias on q, k, v only.
+
+    Mixtral:   {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": E,
+                "num_experts_per_tok": k, "intermediate_size": I (the expert's), "router_jitter_noise": 0.0}
+    Qwen2-MoE: {"model_type": "qwen2_moe", "architectures": [...], "num_experts", "num_experts_per_tok",
+                "moe_intermediate_size", "shared_expert_intermediate_size", "mlp_only_layers", "decoder_sparse_step": 1,
+                "norm_topk_prob", "qkv_bias", "use_sliding_window": False}
+    Mix-LN:    export_config_fields' Mix-LN keys with model_type "mixln_moe", MOE_AUTO_MAP, ["MixLNMoeForCausalLM"],
+               plus the MoE fields as MixLNMoeConfig names them (configuration_mixln_moe.MOE_FIELDS).
+    Validated as MixLNMoeConfig does (MixLNConfigValueError, a ValueError, one line); mlp_only_layers are checked
+    against num_hidden_layers (or the length of layer_kinds) when known.
+    """
+    from .configuration_mixln_llama import MixLNConfigValueError
+    from .configuration_mixln_moe import check_moe_fields
+
+    if layer_kinds is not None and not isinstance(layer_kinds, str) and num_hidden_layers is None:
+        num_hidden_layers = len(layer_kinds)
+    dense_fields = export_config_fields(post_ln_layers, mixln_scheme, mixln_alpha, layer_kinds, deepnorm_alpha,
+                                        deepnorm_beta)
+    mlp_only_layers = check_moe_fields(num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
+                                       shared_expert_intermediate_size, shared_expert_gate, mlp_only_layers,
+                                       num_hidden_layers)
+    stock = stock_moe_model_type(post_ln_layers, mixln_scheme, layer_kinds,
+                                 shared_expert_intermediate_size=shared_expert_intermediate_size,
+                                 shared_expert_gate=shared_expert_gate, mlp_only_layers=mlp_only_layers,
+                                 norm_topk_prob=norm_topk_prob, attention_bias=attention_bias, qkv_bias=qkv_bias,
+                                 mlp_bias=mlp_bias)
+    if stock == "mixtral":
+        return {"model_type": "mixtral", "architectures": list(STOCK_MOE_ARCHITECTURES["mixtral"]),
+                "num_local_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
+                "intermediate_size": moe_intermediate_size, "router_jitter_noise": 0.0}
+    if stock == "qwen2_moe":
+        return {"model_type": "qwen2_moe", "architectures": list(STOCK_MOE_ARCHITECTURES["qwen2_moe"]),
+                "num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
+                "moe_intermediate_size": moe_intermediate_size,
+                "shared_expert_intermediate_size": shared_expert_intermediate_size,
+                "mlp_only_layers": mlp_only_layers, "decoder_sparse_step": 1, "norm_topk_prob": norm_topk_prob,
+                "qkv_bias": bool(qkv_bias), "use_sliding_window": False}
+    if qkv_bias:
+        raise MixLNConfigValueError(
+            "a bias on q, k, v only (--add-qkv-bias) exports only as Qwen2-MoE (every layer pre, scheme mixln, a "
+            "gated shared expert); the Mix-LN MoE model has LLaMA's attention_bias (q, k, v and o)"
+        )
+    fields = {k: v for k, v in dense_fields.items() if k not in _CLASS_KEYS}
+    return {
+        "model_type": "mixln_moe",
+        "architectures": list(MOE_ARCHITECTURES),
+        "auto_map": dict(MOE_AUTO_MAP),
+        **fields,
+        "num_experts": num_experts,
+        "num_experts_per_tok": num_experts_per_tok,
+        "moe_intermediate_size": moe_intermediate_size,
+        "norm_topk_prob": norm_topk_prob,
+        "shared_expert_intermediate_size": shared_expert_intermediate_size,
+        "shared_expert_gate": shared_expert_gate,
+        "mlp_only_layers": mlp_only_layers,
+    }
+
+
+def moe_config_for_export(post_ln_layers: int, mixln_scheme: str, mixln_alpha: Optional[str] = None,
+                          layer_kinds=None, deepnorm_alpha: Optional[float] = None,
+                          deepnorm_beta: Optional[float] = None, *, num_experts: int, num_experts_per_tok: int,
+                          moe_intermediate_size: int, norm_topk_prob: bool = True,
+                          shared_expert_intermediate_size: Optional[int] = None, shared_expert_gate: bool = False,
+                          mlp_only_layers=None, qkv_bias: bool = False, **llama_kwargs):
+    """The MoE config to save: a `MixtralConfig`, `Qwen2MoeConfig` or `MixLNMoeConfig` (with auto_map), as
+    `moe_export_config_fields` chooses. `llama_kwargs` are LlamaConfig arguments as for `config_for_export`
+    (the dense layers' intermediate_size among them); LLaMA-only ones (attention_bias, mlp_bias, pretraining_tp)
+    are not passed to a stock class, which can only be chosen when they are off.
+    """
+    kwargs = {k: v for k, v in llama_kwargs.items() if k not in _CLASS_KEYS}
+    fields = moe_export_config_fields(
+        post_ln_layers, mixln_scheme, mixln_alpha, layer_kinds, deepnorm_alpha, deepnorm_beta,
+        num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size,
+        norm_topk_prob=norm_topk_prob, shared_expert_intermediate_size=shared_expert_intermediate_size,
+        shared_expert_gate=shared_expert_gate, mlp_only_layers=mlp_only_layers,
+        attention_bias=bool(kwargs.get("attention_bias", False)), qkv_bias=qkv_bias,
+        mlp_bias=bool(kwargs.get("mlp_bias", False)), num_hidden_layers=kwargs.get("num_hidden_layers"))
+    model_type = fields["model_type"]
+    if model_type == "mixln_moe":
+        from .configuration_mixln_moe import MixLNMoeConfig as cls
+    else:
+        from transformers import CONFIG_MAPPING
+
+        cls = CONFIG_MAPPING[model_type]
+        kwargs = {k: v for k, v in kwargs.items() if k not in _LLAMA_ONLY_KEYS}
+    kwargs.update({k: v for k, v in fields.items() if k not in _CLASS_KEYS})
+    config = cls(**kwargs)
+    for key in ("architectures", "auto_map"):
+        if key in fields:
+            setattr(config, key, fields[key])
+    return config
+
+
 def mark_for_remote_code(config) -> None:
-    """Set `auto_map` and `architectures` on an existing MixLNLlamaConfig (in place)."""
-    if getattr(config, "model_type", None) != "mixln_llama":
-        raise ValueError(f"expected a MixLNLlamaConfig (model_type 'mixln_llama'), got model_type {config.model_type!r}")
-    config.auto_map = dict(AUTO_MAP)
-    config.architectures = list(MIXLN_ARCHITECTURES)
+    """Set `auto_map` and `architectures` on an existing MixLNLlamaConfig or MixLNMoeConfig (in place)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _REMOTE_CODE:
+        raise ValueError(f"expected a MixLNLlamaConfig or MixLNMoeConfig (model_type 'mixln_llama' or 'mixln_moe'), "
+                         f"got model_type {model_type!r}")
+    auto_map, architectures, _ = _REMOTE_CODE[model_type]
+    config.auto_map = dict(auto_map)
+    config.architectures = list(architectures)
 
 
-def write_model_code(out_dir: str | os.PathLike) -> List[str]:
-    """Copy the configuration and modeling files into the HF folder `out_dir`; return the written paths.
+def write_model_code(out_dir: str | os.PathLike, model_type: str = "mixln_llama") -> List[str]:
+    """Copy the configuration and modeling files of `model_type` ("mixln_llama": two files, "mixln_moe": those
+    and the two MoE files) into the HF folder `out_dir`; return the written paths.
 
     The files import only `torch`/`transformers` (and each other, relatively), so the folder loads with
     trust_remote_code=True where mixln_megatron is not installed.
     """
+    if model_type not in _REMOTE_CODE:
+        raise ValueError(f"no model code for model_type {model_type!r}; one of {', '.join(_REMOTE_CODE)}")
     os.makedirs(out_dir, exist_ok=True)
     here = os.path.dirname(os.path.abspath(__file__))
     written = []
-    for name in CODE_FILES:
+    for name in _REMOTE_CODE[model_type][2]:
         dst = os.path.join(os.fspath(out_dir), name)
         shutil.copyfile(os.path.join(here, name), dst)
         written.append(dst)
@@ -157,13 +311,15 @@ def write_model_code(out_dir: str | os.PathLike) -> List[str]:
 def save_hf_folder(model, out_dir: str | os.PathLike, **save_kwargs) -> None:
     """`model.save_pretrained(out_dir)` plus, for a Mix-LN model, auto_map and the code files.
 
-    Works for a `LlamaForCausalLM` (stock export: nothing extra) and a `MixLNLlamaForCausalLM`.
+    Works for the stock exports (`LlamaForCausalLM`, `MixtralForCausalLM`, `Qwen2MoeForCausalLM`: nothing extra),
+    a `MixLNLlamaForCausalLM` (two code files) and a `MixLNMoeForCausalLM` (four).
     """
     config = model.config
-    if getattr(config, "model_type", None) == "mixln_llama":
+    model_type = getattr(config, "model_type", None)
+    if model_type in _REMOTE_CODE:
         mark_for_remote_code(config)
         model.save_pretrained(out_dir, **save_kwargs)
-        write_model_code(out_dir)
+        write_model_code(out_dir, model_type)
     else:
         model.save_pretrained(out_dir, **save_kwargs)
 
@@ -171,11 +327,16 @@ def save_hf_folder(model, out_dir: str | os.PathLike, **save_kwargs) -> None:
 __all__ = [
     "AUTO_MAP",
     "CODE_FILES",
+    "MOE_AUTO_MAP",
+    "MOE_CODE_FILES",
     "config_for_export",
     "export_config_fields",
     "is_stock_llama",
     "mark_for_remote_code",
+    "moe_config_for_export",
+    "moe_export_config_fields",
     "placement_export_fields",
+    "stock_moe_model_type",
     "save_hf_folder",
     "write_model_code",
 ]
