@@ -58,10 +58,10 @@ def read_checkpoint_facts(load: str, iteration=None, *, vocab_size: Optional[int
     from .megatron_reader import open_checkpoint
 
     reader = open_checkpoint(load, iteration)
-    reader.refuse_unconvertible()  # before the vocabulary: an MoE checkpoint is refused as MoE
+    reader.refuse_unconvertible(moe=True)  # before the vocabulary: MLA / MTP are refused as such
     reader._require_args()
     true_vocab, vocab_source = resolve_true_vocab(reader, vocab_size, tokenizer)
-    info = inspect_reader(reader, true_vocab)
+    info = inspect_reader(reader, true_vocab, moe=True)
     shape, record = info.model_shape, info.record
     if true_vocab > reader.padded_vocab_size:
         raise ConversionError(

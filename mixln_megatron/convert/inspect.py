@@ -130,18 +130,19 @@ class CheckpointInfo:
         return self.record["scheme"]
 
 
-def inspect_checkpoint(load: str, iteration=None) -> CheckpointInfo:
-    """Open the checkpoint in `load` (a --save directory or one iteration in it) and read its model."""
+def inspect_checkpoint(load: str, iteration=None, moe: bool = False) -> CheckpointInfo:
+    """Open the checkpoint in `load` (a --save directory or one iteration in it) and read its model
+    (`moe`: MoE layers are read, not refused)."""
     from .megatron_reader import open_checkpoint
 
-    return inspect_reader(open_checkpoint(load, iteration))
+    return inspect_reader(open_checkpoint(load, iteration), moe=moe)
 
 
-def inspect_reader(reader, vocab_size: Optional[int] = None) -> CheckpointInfo:
+def inspect_reader(reader, vocab_size: Optional[int] = None, moe: bool = False) -> CheckpointInfo:
     """What an open checkpoint reader says about its model: the model kind, the shape (read once,
     convert.shape.read_checkpoint_shape: with `vocab_size`, the true vocabulary of an export, also
-    the Llama ModelShape), then the Mix-LN record."""
-    reader.refuse_unconvertible()
+    the Llama ModelShape), then the Mix-LN record. MoE layers are refused unless `moe`."""
+    reader.refuse_unconvertible(moe=moe)
     reader._require_args()
     kind = _model_kind(reader)
     if kind == hybrid_keys.HYBRID:  # before anything counts its layers as blocks
@@ -160,7 +161,7 @@ def inspect_reader(reader, vocab_size: Optional[int] = None) -> CheckpointInfo:
 
 def describe_checkpoint(load: str, iteration=None) -> dict:
     """What `mixln-megatron convert inspect` prints: format, model kind, blocks, Mix-LN settings, shape."""
-    info = inspect_checkpoint(load, iteration)
+    info = inspect_checkpoint(load, iteration, moe=True)
     s = info.shape
     hybrid = info.model_kind == hybrid_keys.HYBRID
     out = {
@@ -186,6 +187,31 @@ def describe_checkpoint(load: str, iteration=None) -> dict:
         "padded_vocab_size": info.reader.padded_vocab_size, "dtype": str(info.reader.dtype).replace("torch.", ""),
         "norm_epsilon": s.norm_epsilon, "normalization": s.normalization,
     })
+    out.update(_describe_moe(info))
+    return out
+
+
+def _describe_moe(info) -> dict:
+    """The MoE part of `inspect`: experts, top-k, expert / shared widths, which layers are dense,
+    and whether to-hf carries the routing (else the one-line reason)."""
+    from .moe_shape import moe_shape_of_args
+
+    if not getattr(info.reader, "moe", False):
+        return {}
+    try:
+        moe = moe_shape_of_args(info.args, info.shape.num_layers, False, "the checkpoint's Megatron args")
+        problem = None
+    except (UnsupportedModelError, ConversionError) as e:
+        moe, problem = None, str(e)
+    if moe is None:
+        return {"moe": True, "moe_convertible": problem or "no num_experts in the args"}
+    out = {"num_experts": moe.num_experts, "moe_router_topk": moe.topk, "moe_ffn_hidden_size": moe.expert_ffn,
+           "moe_layers": [i + 1 for i, m in enumerate(moe.moe_layers) if m],
+           "dense_layers": [i + 1 for i in moe.dense_layers],
+           "shared_expert_intermediate_size": moe.shared_ffn, "shared_expert_gate": moe.shared_gate,
+           "norm_topk_prob": moe.norm_topk_prob}
+    if info.shape.add_bias_linear:
+        out["moe_convertible"] = "biases on the MoE layers' linears: not carried by to-hf"
     return out
 
 

@@ -19,6 +19,19 @@ Per-layer tensors are handled under a "role" that is the same for every Megatron
     norm_c       mixln_norm_c.weight (sandwich N_b, stacked [S, ...])      Sandwich: post_attention_layernorm
     norm_d       mixln_norm_d.weight (sandwich N_d, stacked [S, ...])      Sandwich: post_feedforward_layernorm
 
+MoE layers (convert.moe_shape) replace fc1 / fc2 by these roles (torch_dist: the layer's own key,
+`decoder.layers.<i>.`, when dense and MoE layers mix; stacked [L, ...] when every layer is MoE):
+
+    role                 torch_dist (layer-local)                   HF (model.layers.<i>.): mixln_moe / qwen2_moe | mixtral
+    router.weight        mlp.router.weight [E, H]                   mlp.gate.weight | block_sparse_moe.gate.weight
+    experts.<e>.fc1.weight  mlp.experts.experts.linear_fc1.weight[e]   mlp.experts.<e>.{gate,up}_proj.weight | ...w1 / w3
+    experts.<e>.fc2.weight  mlp.experts.experts.linear_fc2.weight[e]   mlp.experts.<e>.down_proj.weight | ...w2
+    shared.fc1.weight    mlp.shared_experts.linear_fc1.weight       mlp.shared_expert.{gate,up}_proj.weight
+    shared.fc2.weight    mlp.shared_experts.linear_fc2.weight       mlp.shared_expert.down_proj.weight
+    shared.gate.weight   mlp.shared_experts.gate_weight [1, H]      mlp.shared_expert_gate.weight
+
+One role per expert, so a conversion holds one expert's tensors at a time, not a layer's.
+
 Per-layer kinds (model.layout: pre, post, deepnorm, sandwich): deepnorm layers have the norms and
 keys of post layers, sandwich layers those of pre layers (norm_a = N_a, norm_b = N_c) plus norm_c /
 norm_d, which only sandwich layers have: their torch_dist keys are stacked over the S sandwich layers
@@ -42,6 +55,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..model import checkpoint_keys as keys
 from ..model import hf_norm_names, layout
+from . import moe_shape
 
 # ---------------------------------------------------------------------------------------- keys
 # The GPTModel torch_dist keys, as the conversion names them (the values are model.checkpoint_keys').
@@ -63,6 +77,23 @@ LAYER_ROLE_NAMES: Dict[str, str] = {
     "norm_a": "self_attention.linear_qkv.layer_norm_weight",
     "norm_b": "mlp.linear_fc1.layer_norm_weight",
 }
+# MoE layers' roles (convert.moe_shape); an expert's role is experts.<e>.fc1.weight / experts.<e>.fc2.weight,
+# read as row e of the layer's experts tensor [E, ...].
+MOE_ROLE_NAMES: Dict[str, str] = {
+    "router.weight": "mlp.router.weight",
+    "experts.fc1.weight": "mlp.experts.experts.linear_fc1.weight",
+    "experts.fc2.weight": "mlp.experts.experts.linear_fc2.weight",
+    "shared.fc1.weight": "mlp.shared_experts.linear_fc1.weight",
+    "shared.fc2.weight": "mlp.shared_experts.linear_fc2.weight",
+    "shared.gate.weight": "mlp.shared_experts.gate_weight",
+}
+DENSE_MLP_ROLES = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+EXPERT_ROLES = ("experts.fc1.weight", "experts.fc2.weight")
+
+
+expert_role, split_expert_role = moe_shape.expert_role, moe_shape.split_expert_role  # the one spelling
+
+
 # Mix-LN models (P > 0 or LNS) store the norms here instead (mixln_megatron.model.layer.PRE_LN_KEYS_MAP).
 MIXLN_NORM_NAMES: Dict[str, str] = {"norm_a": keys.MIXLN_NORM_A + "weight", "norm_b": keys.MIXLN_NORM_B + "weight"}
 
@@ -75,12 +106,15 @@ NORM_ROLES = ("norm_a", "norm_b") + SANDWICH_ROLES
 
 # {Mix-LN layout?: {role: layer-local torch_dist name}}: a stock (False) or Mix-LN (True) checkpoint.
 TD_LAYER_NAMES: Dict[bool, Dict[str, str]] = {
-    False: LAYER_ROLE_NAMES, True: {**LAYER_ROLE_NAMES, **MIXLN_NORM_NAMES, **SANDWICH_NORM_NAMES}}
+    False: {**LAYER_ROLE_NAMES, **MOE_ROLE_NAMES},
+    True: {**LAYER_ROLE_NAMES, **MOE_ROLE_NAMES, **MIXLN_NORM_NAMES, **SANDWICH_NORM_NAMES}}
 
 
 def td_layer_name(role: str, mixln_layout: bool) -> str:
-    """The layer-local torch_dist name of a role in a stock (False) or Mix-LN (True) checkpoint."""
-    return TD_LAYER_NAMES[bool(mixln_layout)][role]
+    """The layer-local torch_dist name of a role in a stock (False) or Mix-LN (True) checkpoint
+    (an expert's role: its layer's experts tensor)."""
+    expert = split_expert_role(role)
+    return TD_LAYER_NAMES[bool(mixln_layout)][expert[1] if expert else role]
 
 
 def uses_mixln_layout(placement_record: dict) -> bool:
@@ -182,20 +216,52 @@ LAYER_ROLES = ("qkv.weight", "qkv.bias", "proj.weight", "proj.bias", "fc1.weight
                "fc2.weight", "fc2.bias", "norm_b", "norm_a")
 
 
-def layer_roles(shape, kind=None) -> List[str]:
+# HF names (within a layer) of the MoE roles, by the naming of the exported class: mixln_moe and
+# qwen2_moe share transformers' per-expert hub names (it fuses them on load), mixtral has its own.
+MOE_STYLES = ("qwen2_moe", "mixtral")
+HF_MOE_NAMES: Dict[str, Dict[str, str]] = {
+    "qwen2_moe": {"router": "mlp.gate.weight", "gate": "mlp.experts.{e}.gate_proj.weight",
+                  "up": "mlp.experts.{e}.up_proj.weight", "down": "mlp.experts.{e}.down_proj.weight"},
+    "mixtral": {"router": "block_sparse_moe.gate.weight", "gate": "block_sparse_moe.experts.{e}.w1.weight",
+                "up": "block_sparse_moe.experts.{e}.w3.weight", "down": "block_sparse_moe.experts.{e}.w2.weight"},
+}
+HF_SHARED_NAMES = {"gate": "mlp.shared_expert.gate_proj.weight", "up": "mlp.shared_expert.up_proj.weight",
+                   "down": "mlp.shared_expert.down_proj.weight", "shared_gate": "mlp.shared_expert_gate.weight"}
+
+
+def is_moe_layer(shape, layer: Optional[int]) -> bool:
+    return layer is not None and shape.moe is not None and shape.moe.moe_layers[layer]
+
+
+def layer_roles(shape, kind=None, layer: Optional[int] = None) -> List[str]:
     """The per-layer roles of a model of this shape (convert.shape.ModelShape), in conversion order;
-    a sandwich layer (`kind`) also has norm_c / norm_d."""
+    a sandwich layer (`kind`) also has norm_c / norm_d; an MoE layer (`layer` of an MoE shape) has
+    the router, the shared expert's roles, then one fc1 / fc2 pair per expert instead of fc1 / fc2."""
     roles = [r for r in LAYER_ROLES if shape.add_bias_linear or not r.endswith(".bias")]
-    return roles + list(SANDWICH_ROLES) if kind == layout.SANDWICH else roles
+    if is_moe_layer(shape, layer):
+        moe = shape.moe
+        roles = [r for r in roles if r not in DENSE_MLP_ROLES]
+        mlp = ["router.weight"]
+        if moe.shared_ffn is not None:
+            mlp += ["shared.fc1.weight", "shared.fc2.weight"] + (["shared.gate.weight"] if moe.shared_gate else [])
+        at = roles.index("norm_b")
+        roles = roles[:at] + mlp + roles[at:]
+    norms = list(SANDWICH_ROLES) if kind == layout.SANDWICH else []
+    experts = [expert_role(e, w) for e in range(shape.moe.num_experts) for w in ("fc1", "fc2")] \
+        if is_moe_layer(shape, layer) else []
+    return roles + norms + experts
 
 
-def hf_role_tensors(shape, role: str, kind) -> List[Tuple[str, Tuple[int, ...]]]:
+def hf_role_tensors(shape, role: str, kind, moe_style: str = "qwen2_moe") -> List[Tuple[str, Tuple[int, ...]]]:
     """HF (layer-local name, shape) pairs a role of a layer of `kind` turns into, in write order
-    (`kind`: pre, post, deepnorm, sandwich; True / False: Post-LN / Pre-LN)."""
+    (`kind`: pre, post, deepnorm, sandwich; True / False: Post-LN / Pre-LN; `moe_style`: the MoE
+    names of the exported class, MOE_STYLES)."""
     h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.kv_channels
     nq, nkv = shape.num_attention_heads * d, shape.num_query_groups * d
     if role in NORM_ROLES:
         return [(hf_norm_names(kind)[role], (h,))]
+    if role in MOE_ROLE_NAMES or split_expert_role(role):
+        return _hf_moe_tensors(shape, role, moe_style)
     kind = role.split(".")[1]
     tail = (h,) if kind == "weight" else ()
     if role.startswith("qkv."):
@@ -211,6 +277,28 @@ def hf_role_tensors(shape, role: str, kind) -> List[Tuple[str, Tuple[int, ...]]]
         return [("mlp.down_proj.weight", (h, f))]
     if role == "fc2.bias":
         return [("mlp.down_proj.bias", (h,))]
+    raise KeyError(role)
+
+
+def _hf_moe_tensors(shape, role: str, style: str) -> List[Tuple[str, Tuple[int, ...]]]:
+    h, moe = shape.hidden_size, shape.moe
+    names = HF_MOE_NAMES[style]
+    if role == "router.weight":
+        return [(names["router"], (moe.num_experts, h))]
+    expert = split_expert_role(role)
+    if expert is not None:
+        e, whole = expert
+        i = moe.expert_ffn
+        if whole == "experts.fc1.weight":
+            return [(names["gate"].format(e=e), (i, h)), (names["up"].format(e=e), (i, h))]
+        return [(names["down"].format(e=e), (h, i))]
+    s = moe.shared_ffn
+    if role == "shared.fc1.weight":
+        return [(HF_SHARED_NAMES["gate"], (s, h)), (HF_SHARED_NAMES["up"], (s, h))]
+    if role == "shared.fc2.weight":
+        return [(HF_SHARED_NAMES["down"], (h, s))]
+    if role == "shared.gate.weight":
+        return [(HF_SHARED_NAMES["shared_gate"], (1, h))]
     raise KeyError(role)
 
 
@@ -231,9 +319,10 @@ class RoleMap:
     plan: Tuple[Tuple[str, Tuple[int, ...]], ...]
 
 
-def map_roles(shape, kinds) -> RoleMap:
+def map_roles(shape, kinds, moe_style: str = "qwen2_moe") -> RoleMap:
     """The RoleMap of a model of this shape whose layer i is of kind `kinds[i]` (model.layout; an
-    integer P stands for Mix-LN's layout: the first P layers post, the rest pre)."""
+    integer P stands for Mix-LN's layout: the first P layers post, the rest pre); MoE layers' HF
+    names in `moe_style` (MOE_STYLES)."""
     if isinstance(kinds, int):
         kinds = layout.first_p_kinds(shape.num_layers, kinds)
     kinds = tuple(kinds)
@@ -241,8 +330,9 @@ def map_roles(shape, kinds) -> RoleMap:
         raise ValueError(f"{len(kinds)} layer kinds for {shape.num_layers} layers")
     roles = tuple(layer_roles(shape))
     layers = tuple(
-        tuple((role, tuple((hf_layer_prefix(i) + name, shp) for name, shp in hf_role_tensors(shape, role, kind)))
-              for role in layer_roles(shape, kind))
+        tuple((role, tuple((hf_layer_prefix(i) + name, shp)
+                           for name, shp in hf_role_tensors(shape, role, kind, moe_style)))
+              for role in layer_roles(shape, kind, i))
         for i, kind in enumerate(kinds))
     vocab = (shape.vocab_size, shape.hidden_size)
     embedding, final_norm = (HF_EMBEDDING, vocab), (HF_FINAL_NORM, (shape.hidden_size,))

@@ -24,9 +24,10 @@ class ReaderBase:
     padded_vocab_size = 0
     has_output_layer = True
 
-    def refuse_unconvertible(self) -> None:
-        """UnsupportedModelError when the layers hold what a conversion cannot carry (MoE, MLA, MTP);
-        reading the settings and metadata of such a checkpoint still works."""
+    def refuse_unconvertible(self, moe: bool = False) -> None:
+        """UnsupportedModelError when the layers hold what a conversion cannot carry (MLA, MTP; MoE
+        unless `moe`: to-hf and inspect carry experts); reading the settings and metadata of such a
+        checkpoint still works."""
 
     def _require_args(self):
         if self.args is None:

