@@ -45,14 +45,14 @@ def moe_settings(freq=MIXED, shared=SHARED_FFN, gate=False, pre_softmax=False):
                 moe_router_pre_softmax=pre_softmax, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather")
 
 
-def build_moe_gpt(layout, seed=3, **moe):
+def build_moe_gpt(layout, seed=3, scheme="mixln", **moe):
     """GPTModel of `layout` (model.layout) with MoE layers, weights drawn so that routing has no near ties."""
     from mixln_megatron.model.settings import MixLNSettings
     from mixln_megatron.model.specs import get_mixln_decoder_block_spec
     from megatron.core import tensor_parallel
 
     cfg = mu.tiny_config(num_layers=LAYERS, query_groups=2, **moe_settings(**moe))
-    spec = get_mixln_decoder_block_spec(cfg, backend="local", settings=MixLNSettings(layout=layout))
+    spec = get_mixln_decoder_block_spec(cfg, backend="local", settings=MixLNSettings(layout=layout, scheme=scheme))
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed + 100)
     model = mu.build_gpt(cfg, spec, untie=True)
@@ -124,16 +124,52 @@ def assert_parity(model, cfg, tmp_path, name):
     return cls, json.load(open(tmp_path / f"{name}_hf" / "config.json")), ckpt
 
 
+KINDS = "post:1,deepnorm:2,sandwich:3,pre:4"
+
+
+@pytest.fixture(scope="module")
+def exported(mcore_single, tmp_path_factory):
+    """The every-kind MoE model, its Megatron checkpoint and HF export (built once for the module)."""
+    root = tmp_path_factory.mktemp("moe_convert")
+    model, cfg = build_moe_gpt(KINDS)
+    cls, config, ckpt = assert_parity(model, cfg, root, "kinds")
+    return {"root": root, "model": model, "cfg": cfg, "ckpt": ckpt, "hf": root / "kinds_hf", "cls": cls,
+            "config": config}
+
+
 # ------------------------------------------------------------------ every kind: Megatron logits == HF logits
-@pytest.mark.parametrize("layout", ["post:1,deepnorm:2,sandwich:3,pre:4", "pre:1-2,sandwich:3-4"],
-                         ids=["post-deepnorm-sandwich-pre", "pre-sandwich"])
-def test_every_kind_on_moe_layers_exports_the_same_logits(tmp_path, layout):
-    model, cfg = build_moe_gpt(layout)
-    cls, config, _ = assert_parity(model, cfg, tmp_path, "kinds")
+def test_every_kind_on_moe_layers_exports_the_same_logits(exported):
+    cls, config, hf = exported["cls"], exported["config"], exported["hf"]
     assert cls == "MixLNMoeForCausalLM" and config["model_type"] == "mixln_moe"
+    assert config["layer_kinds"] == ["post", "deepnorm", "sandwich", "pre"]
     assert config["mlp_only_layers"] == [0] and config["shared_expert_intermediate_size"] == SHARED_FFN
-    assert {"configuration_mixln_moe.py", "modeling_mixln_moe.py"} <= set(os.listdir(tmp_path / "kinds_hf"))
-    names = tensors(tmp_path / "kinds_hf")
+    assert config["num_experts"] == EXPERTS and config["num_experts_per_tok"] == TOPK
+    assert {"configuration_mixln_moe.py", "modeling_mixln_moe.py"} <= set(os.listdir(hf))
+    names = tensors(hf)
     assert names["model.layers.1.mlp.experts.3.down_proj.weight"].shape == (64, EXPERT_FFN)
     assert names["model.layers.1.mlp.shared_expert.up_proj.weight"].shape == (SHARED_FFN, 64)
     assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.0.mlp.gate.weight" not in names
+
+
+def test_lns_and_pre_softmax_routing_export_the_same_logits(tmp_path):
+    """LayerNorm Scaling on MoE layers, a gated shared expert in a Mix-LN model, and the k weights
+    not renormalised (--moe-router-pre-softmax -> norm_topk_prob false)."""
+    model, cfg = build_moe_gpt("pre:1-2,sandwich:3-4", scheme="mixln+lns", gate=True, pre_softmax=True)
+    cls, config, _ = assert_parity(model, cfg, tmp_path, "presoftmax")
+    assert cls == "MixLNMoeForCausalLM" and config["norm_topk_prob"] is False and config["shared_expert_gate"] is True
+    assert config["mixln_scheme"] == "mixln+lns"
+
+
+# ------------------------------------------------------------------ HF -> Megatron -> HF
+def test_round_trip_is_bit_identical_and_loads_into_the_gpt_model(exported):
+    root = exported["root"]
+    summary = from_hf(str(exported["hf"]), str(root / "back_megatron"), progress=False)
+    assert "--num-experts" in summary["launch_flags"] and "[0,1,1,1]" in summary["launch_flags"]
+    to_hf(str(root / "back_megatron"), str(root / "back_hf"), progress=False)
+    a, b = tensors(exported["hf"]), tensors(root / "back_hf")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # megatron-core loads the from-hf checkpoint into the GPTModel: the same logits, bit for bit
+    fresh, _ = build_moe_gpt(KINDS, seed=99)
+    mu.load_chunks([fresh], str(root / "back_megatron" / "release"))
+    ids, want = megatron_logits(exported["model"])
+    assert torch.equal(megatron_logits(fresh.eval())[1], want)

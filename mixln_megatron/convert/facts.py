@@ -17,7 +17,7 @@ import os
 import types
 from typing import Mapping, Optional, Tuple
 
-from ..errors import ConversionError
+from ..errors import ConversionError, UnsupportedModelError
 from .shape import ModelShape
 
 # Tokenizer files an export copies with --tokenizer-model; the first four mark a folder as a tokenizer.
@@ -63,6 +63,9 @@ def read_checkpoint_facts(load: str, iteration=None, *, vocab_size: Optional[int
     true_vocab, vocab_source = resolve_true_vocab(reader, vocab_size, tokenizer)
     info = inspect_reader(reader, true_vocab, moe=True)
     shape, record = info.model_shape, info.record
+    if shape.moe is not None and reader.format != "torch_dist":
+        raise UnsupportedModelError(f"{reader.path}: MoE models are converted from torch_dist checkpoints only, this is a "
+                                    f"legacy ({reader.format}) one; save with --ckpt-format torch_dist")
     if true_vocab > reader.padded_vocab_size:
         raise ConversionError(
             f"true vocabulary {true_vocab} ({vocab_source}) exceeds the checkpoint's embedding rows "

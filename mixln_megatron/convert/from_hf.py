@@ -63,6 +63,7 @@ from .shape import ModelShape, check_tp_divisibility, padded_vocab_size, shape_f
 from .written_args import launch_flags, megatron_args_namespace, placement_flags
 
 RELEASE = "release"
+MIXLN_MODEL_TYPES = ("mixln_llama", "mixln_moe")  # folders that carry their Mix-LN settings (else stock)
 CONTENT_METADATA_BASE = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -186,7 +187,7 @@ def resolve_settings(config: dict, num_layers: int, post_ln_layers=None, alpha=N
             post_ln_layers is not None or alpha is not None) else None
     except MixLNConfigError as e:
         raise ConversionError(str(e)) from None
-    if config.get("model_type") == "mixln_llama":
+    if config.get("model_type") in MIXLN_MODEL_TYPES:
         folder = folder_placement(config, num_layers, source)
         shown = (f"P={folder.post_ln_layers}" if folder.is_first_p else f"layout={folder.layout}")
         if explicit:
@@ -245,6 +246,11 @@ def convert_from_hf(
     shape = shape_from_hf_config(hf.config, os.path.join(hf.path, "config.json"))
     check_layers_against_files(hf, shape)  # before anything is planned: the config must match the files
     check_tp_divisibility(shape, tp)
+    if shape.moe is not None and ckpt_format != "torch_dist":
+        raise ConversionError("MoE models are written as torch_dist checkpoints only (megatron reshards their experts "
+                              "across expert-parallel sizes at load); drop --ckpt-format torch")
+    if shape.moe is not None and shape.moe.expert_ffn % tp:
+        raise ConversionError(f"--tp {tp} does not divide the experts' FFN size {shape.moe.expert_ffn}")
     if ckpt_format == "torch" and shape.num_layers % pp:
         raise ConversionError(
             f"--pp {pp} does not divide num_layers {shape.num_layers}; legacy files need equal stages "
@@ -267,7 +273,9 @@ def convert_from_hf(
         out_dtype = DTYPES[dtype]
     else:
         raise ConversionError(f"--dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
-    src = HFRoleSource(hf, shape, kinds, hf.config.get("model_type") == "llama", out_dtype)
+    model_type = hf.config.get("model_type")
+    src = HFRoleSource(hf, shape, kinds, model_type not in MIXLN_MODEL_TYPES, out_dtype,
+                       "mixtral" if model_type == "mixtral" else "qwen2_moe")
     src.check()
     padded = padded_vocab_size(shape.vocab_size, make_vocab_size_divisible_by, tp)
     if tokenizer_model is None and hf.tokenizer_files():
@@ -322,9 +330,15 @@ def _total_bytes(shape: ModelShape, padded: int, dtype, ckpt_format: str, pp: in
     n += 2 * shape.hidden_size * sum(k == "sandwich" for k in kinds)  # the sandwich layers' output norms
     if shape.tie_embeddings and ckpt_format == "torch" and pp > 1:
         n += padded * shape.hidden_size
-    for shp in shape.megatron_layer_shapes().values():
+    moe_layers = shape.moe.moe_layers if shape.moe is not None else (False,) * shape.num_layers
+    for role, shp in shape.megatron_layer_shapes().items():
         k = 1
         for s in shp:
             k *= s
-        n += k * shape.num_layers
+        if role in M.DENSE_MLP_ROLES:
+            n += k * sum(not m for m in moe_layers)
+        elif role in M.MOE_ROLE_NAMES:
+            n += k * sum(moe_layers)
+        else:
+            n += k * shape.num_layers
     return n * dtype.itemsize

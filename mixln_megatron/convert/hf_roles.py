@@ -20,13 +20,16 @@ from .shape import ModelShape
 class HFRoleSource:
     """Megatron role tensors (global layout) computed from the HF tensors, on demand."""
 
-    def __init__(self, hf: HFCheckpoint, shape: ModelShape, kinds, stock_source: bool, dtype):
-        """`kinds`: every layer's kind (model.layout), or an integer P for Mix-LN's first P post layers."""
+    def __init__(self, hf: HFCheckpoint, shape: ModelShape, kinds, stock_source: bool, dtype,
+                 moe_style: str = "qwen2_moe"):
+        """`kinds`: every layer's kind (model.layout), or an integer P for Mix-LN's first P post layers;
+        `moe_style`: the MoE layers' HF names (mapping.MOE_STYLES: mixtral or the Qwen2-MoE hub names)."""
         from ..model.layout import POST_LN_KINDS, first_p_kinds, sandwich_rows
 
         if isinstance(kinds, int):
             kinds = first_p_kinds(shape.num_layers, kinds)
         self.hf, self.shape, self.kinds, self.stock_source, self.dtype = hf, shape, tuple(kinds), stock_source, dtype
+        self.moe_style = moe_style
         self.post_ln = sum(k in POST_LN_KINDS for k in self.kinds)
         # a sandwich layer's row of the norms stacked over the sandwich layers (mixln_norm_c / _d)
         self.sandwich_rows = sandwich_rows(self.kinds)
@@ -38,7 +41,14 @@ class HFRoleSource:
 
     def layer_roles(self, layer: int):
         """The roles of layer `layer` (mapping.layer_roles of its kind)."""
-        return M.layer_roles(self.shape, self.kinds[layer])
+        return M.layer_roles(self.shape, self.kinds[layer], layer)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return M.is_moe_layer(self.shape, layer)
+
+    def moe_role_parts(self, role: str):
+        """The HF (name, shape) pairs of an MoE role (mapping.hf_role_tensors): two for an fc1 ([gate; up])."""
+        return M.hf_role_tensors(self.shape, role, None, self.moe_style)
 
     def hf_tensor(self, name, start=None, stop=None):
         """HF tensor `name` (rows start:stop if given) in the output dtype."""
@@ -46,6 +56,9 @@ class HFRoleSource:
 
     def role(self, layer: int, role: str) -> torch.Tensor:
         """The whole tensor of `role` in layer `layer` (Megatron's global layout)."""
+        if role in M.MOE_ROLE_NAMES or M.split_expert_role(role):
+            parts = self.moe_role_parts(role)
+            return torch.cat([self.hf_tensor(M.hf_layer_prefix(layer) + name) for name, _ in parts], dim=0)
         if role.startswith("fc1."):
             f = self.shape.ffn_hidden_size
             return torch.cat([self.role_rows(layer, role, 0, f), self.role_rows(layer, role, f, 2 * f)], dim=0)
@@ -59,6 +72,13 @@ class HFRoleSource:
         (layouts.megatron_row_chunks makes them so).
         """
         p = M.hf_layer_prefix(layer)
+        if role in M.MOE_ROLE_NAMES or M.split_expert_role(role):  # one HF tensor, or [gate; up] halves
+            parts = self.moe_role_parts(role)
+            half = parts[0][1][0]
+            if len(parts) == 2 and start < half < stop:
+                raise ValueError(f"{role} rows {start}:{stop} straddle gate and up")
+            name, offset = (parts[0][0], 0) if start < half or len(parts) == 1 else (parts[1][0], half)
+            return self.hf_tensor(p + name, start - offset, stop - offset)
         kind = role.split(".")[1] if "." in role else None
         if role.startswith("qkv."):
             d, qpg = self.shape.kv_channels, self.shape.q_per_group
@@ -111,7 +131,7 @@ class HFRoleSource:
                 if role in M.NORM_ROLES:
                     out[p + self.norm_source(layer)[role]] = (s.hidden_size,)
                 else:
-                    for name, shp in M.hf_role_tensors(s, role, False):
+                    for name, shp in M.hf_role_tensors(s, role, False, self.moe_style):
                         out[p + name] = shp
         return out
 

@@ -41,26 +41,43 @@ def write_torch_dist(out_dir: str, src: HFRoleSource, shape: ModelShape, padded_
     vocab(M.TD_EMBEDDING, M.HF_EMBEDDING)
     layer_shapes = shape.megatron_layer_shapes()
     sandwiches = len(src.sandwich_rows)
+    # megatron keeps one key per layer (no layer axis) when dense and MoE layers mix
+    per_layer = shape.moe is not None and not all(shape.moe.moe_layers)
+    lead = (lambda layer: ((), ())) if per_layer else (lambda layer: ((L,), (layer,)))
     for layer in range(L):
+        prefix = f"{M.TD_LAYER_PREFIX}{layer}." if per_layer else M.TD_LAYER_PREFIX
+        lead_shape, lead_offset = lead(layer)
+        ones = (1,) * len(lead_shape)
         for role in src.layer_roles(layer):
+            if role in M.SANDWICH_NORM_NAMES and per_layer:  # the layer's own [hidden]
+                tensor(prefix + M.SANDWICH_NORM_NAMES[role], (h,), (0,), (h,),
+                       lambda l=layer, r=role: src.role_rows(l, r, 0, h))
+                continue
             if role in M.SANDWICH_NORM_NAMES:  # stacked over the S sandwich layers only (model.layer)
                 tensor(M.TD_LAYER_PREFIX + M.SANDWICH_NORM_NAMES[role], (sandwiches, h), (src.sandwich_rows[layer], 0),
                        (1, h), lambda l=layer, r=role: src.role_rows(l, r, 0, h).unsqueeze(0))
+                continue
+            if src.is_moe_layer(layer) and (role in M.MOE_ROLE_NAMES or M.split_expert_role(role)):
+                _moe_role(tensor, src, shape, layer, role, prefix + M.td_layer_name(role, not stock),
+                          lead_shape, lead_offset, dtype)
                 continue
             shp = layer_shapes[role]
             row_bytes = dtype.itemsize * (shp[1] if len(shp) > 1 else 1)
             # Chunks of <= PIECE_BYTES: megatron-core reshards them at load like any other layout.
             for a, b in megatron_row_chunks(role, shape, row_bytes, PIECE_BYTES):
-                tensor(M.TD_LAYER_PREFIX + M.td_layer_name(role, not stock), (L, *shp), (layer, a) + (0,) * (len(shp) - 1),
-                       (1, b - a, *shp[1:]), lambda l=layer, r=role, a=a, b=b: src.role_rows(l, r, a, b).unsqueeze(0))
-        for module in M.EXTRA_STATE_MODULES:
-            plan.object(f"{M.TD_LAYER_PREFIX}{module}._extra_state/shard_{layer}_{L}", None)
+                tensor(prefix + M.td_layer_name(role, not stock), (*lead_shape, *shp),
+                       lead_offset + (a,) + (0,) * (len(shp) - 1), (*ones, b - a, *shp[1:]),
+                       lambda l=layer, r=role, a=a, b=b, o=ones, s=shp: src.role_rows(l, r, a, b).reshape(
+                           *o, b - a, *s[1:]))
+        for name in _extra_state_objects(src, shape, layer, L, per_layer):
+            plan.object(name, None)
     tensor(M.TD_FINAL_NORM, (h,), (0,), (h,), lambda: src.hf_tensor(M.HF_FINAL_NORM))
     plan.object("decoder.final_layernorm._extra_state/shard_0_1", None)
     if not shape.tie_embeddings:
         vocab(M.TD_OUTPUT, M.HF_OUTPUT)
-    if not stock:
-        plan.object(f"{M.TD_SETTINGS_RECORD}/shard_0_1", record)
+    if not stock:  # global layer 1's record (per-layer keys: its own)
+        plan.object(f"{M.TD_LAYER_PREFIX}0.{M.TD_SETTINGS_RECORD[len(M.TD_LAYER_PREFIX):]}/shard_0_1" if per_layer
+                    else f"{M.TD_SETTINGS_RECORD}/shard_0_1", record)
     plan.object("common_state/shard_0_1", common)
 
     def on_write(data):
@@ -71,6 +88,45 @@ def write_torch_dist(out_dir: str, src: HFRoleSource, shape: ModelShape, padded_
     # The same common state as common.pt too: megatron-core 0.19 reads the object above, 0.17 /
     # 0.18 only common.pt; with both, every supported release loads the output.
     torch.save(common, os.path.join(out_dir, "common.pt"))
+
+
+def _moe_role(tensor, src: HFRoleSource, shape: ModelShape, layer: int, role: str, key: str, lead_shape, lead_offset,
+              dtype) -> None:
+    """One MoE role's chunks: the router / shared expert as one tensor, an expert as its row e of the
+    layer's [E, rows, columns] tensor; an fc1's chunks lie inside its gate or up half."""
+    parts = src.moe_role_parts(role)
+    rows, cols = sum(p[1][0] for p in parts), parts[0][1][1]
+    expert = M.split_expert_role(role)
+    e_shape, e_offset = ((shape.moe.num_experts,), (expert[0],)) if expert else ((), ())
+    ones = (1,) * (len(lead_shape) + len(e_shape))
+    per = max(1, PIECE_BYTES // max(1, cols * dtype.itemsize))
+    start = 0
+    for _, (part_rows, _) in parts:
+        for a in range(start, start + part_rows, per):
+            b = min(start + part_rows, a + per)
+            tensor(key, (*lead_shape, *e_shape, rows, cols), lead_offset + e_offset + (a, 0), (*ones, b - a, cols),
+                   lambda a=a, b=b: src.role_rows(layer, role, a, b).reshape(*ones, b - a, cols))
+        start += part_rows
+
+
+def _extra_state_objects(src: HFRoleSource, shape: ModelShape, layer: int, L: int, per_layer: bool):
+    """The (empty) `_extra_state` objects megatron-core saves for a layer's linears: per-layer keys
+    shard_0_1 (experts: one per global expert, shard_<e>_<E>), stacked keys shard_<layer>_<L>
+    (experts shard_<layer>.<e>_<L>.<E>)."""
+    prefix = f"{M.TD_LAYER_PREFIX}{layer}." if per_layer else M.TD_LAYER_PREFIX
+    one = "shard_0_1" if per_layer else f"shard_{layer}_{L}"
+    modules = list(M.EXTRA_STATE_MODULES[:2])
+    if not src.is_moe_layer(layer):
+        return [f"{prefix}{m}._extra_state/{one}" for m in M.EXTRA_STATE_MODULES]
+    if shape.moe.shared_ffn is not None:
+        modules += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
+    names = [f"{prefix}{m}._extra_state/{one}" for m in modules]
+    e_count = shape.moe.num_experts
+    for fc in ("linear_fc1", "linear_fc2"):
+        for e in range(e_count):
+            shard = f"shard_{e}_{e_count}" if per_layer else f"shard_{layer}.{e}_{L}.{e_count}"
+            names.append(f"{prefix}mlp.experts.experts.{fc}._extra_state/{shard}")
+    return names
 
 
 def write_legacy(out_dir: str, src: HFRoleSource, shape: ModelShape, padded_vocab: int, record: dict, common: dict,

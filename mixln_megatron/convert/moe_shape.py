@@ -123,6 +123,62 @@ def moe_shape_of_args(args, num_layers: int, add_bias_linear: bool, where: str) 
                     shared_gate=gate, norm_topk_prob=not bool(getattr(args, "moe_router_pre_softmax", False)))
 
 
+def _cfg(config: dict, where: str, name: str, default=None, hi: int = 1 << 20):
+    value = config.get(name)
+    if value is None:
+        if default is None:
+            raise ConversionError(f"{where}: {name} must be a positive integer, got nothing")
+        return default
+    return _int(where, name, value, hi)
+
+
+def _cfg_bool(config: dict, where: str, name: str, default: bool) -> bool:
+    value = config.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConversionError(f"{where}: {name} must be true or false, got {_shown(value)}")
+    return value
+
+
+def moe_shape_of_hf_config(config: dict, model_type: str, num_layers: int, where: str):
+    """(MoEShape, [what Megatron cannot express]) of a mixln_moe / mixtral / qwen2_moe config.json,
+    every field checked as untrusted input (one ConversionError naming it)."""
+    problems = []
+    if model_type == "mixtral":
+        experts = _cfg(config, where, "num_local_experts", None, EXPERTS_BOUND)
+        return MoEShape(num_experts=experts, topk=_cfg(config, where, "num_experts_per_tok", None, experts),
+                        expert_ffn=_cfg(config, where, "intermediate_size"), moe_layers=(True,) * num_layers), problems
+    experts = _cfg(config, where, "num_experts", None, EXPERTS_BOUND)
+    topk = _cfg(config, where, "num_experts_per_tok", None, experts)
+    expert_ffn = _cfg(config, where, "moe_intermediate_size")
+    dense = config.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers
+                                          for i in dense) or len(set(dense)) != len(dense):
+        raise ConversionError(f"{where}: mlp_only_layers must be distinct layer indices in 0..{num_layers - 1}, got "
+                              f"{_shown(dense)}")
+    step = 1
+    if model_type == "qwen2_moe":  # always a gated shared expert; renormalisation off by default
+        step = _cfg(config, where, "decoder_sparse_step", 1, num_layers)
+        shared = _cfg(config, where, "shared_expert_intermediate_size")
+        gate, norm_topk = True, _cfg_bool(config, where, "norm_topk_prob", False)
+        if _cfg_bool(config, where, "qkv_bias", True):
+            problems.append("qkv_bias (a bias on q, k, v only): the conversion carries attention without biases; "
+                            "convert a model with qkv_bias false")
+    else:
+        shared = config.get("shared_expert_intermediate_size")
+        shared = None if shared is None else _int(where, "shared_expert_intermediate_size", shared, 1 << 20)
+        gate = _cfg_bool(config, where, "shared_expert_gate", False)
+        norm_topk = _cfg_bool(config, where, "norm_topk_prob", True)
+        if gate and shared is None:
+            raise ConversionError(f"{where}: shared_expert_gate is true without a shared expert")
+    layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    if not any(layers):
+        problems.append("no MoE layer (every layer is in mlp_only_layers or off decoder_sparse_step)")
+    return MoEShape(num_experts=experts, topk=topk, expert_ffn=expert_ffn, moe_layers=layers, shared_ffn=shared,
+                    shared_gate=gate, norm_topk_prob=norm_topk), problems
+
+
 def expert_role(expert: int, which: str) -> str:
     """The conversion role of one routed expert's fc1 / fc2 (`which`: "fc1" or "fc2"; convert.mapping)."""
     return f"experts.{expert}.{which}.weight"

@@ -380,6 +380,7 @@ def llama3_rope_scaling(factor: float) -> dict:
 
 # ----------------------------------------------------------------------------- HF config.json -> shape
 HF_MODEL_TYPES = ("llama", "mixln_llama")
+HF_MOE_MODEL_TYPES = ("mixln_moe", "mixtral", "qwen2_moe")  # convert.moe_shape.moe_shape_of_hf_config
 
 
 def _cfg_int(config: dict, where: str, name: str, hi: int, default=_MISSING, lo: int = 1) -> int:
@@ -405,10 +406,10 @@ def hf_config_shape(config: dict, source: str = "config.json", megatron: bool = 
     if not isinstance(config, dict):
         raise ConversionError(f"{where} must hold a JSON object, got {_shown(config)}")
     model_type = config.get("model_type")
-    if not isinstance(model_type, str) or model_type not in HF_MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in HF_MODEL_TYPES + HF_MOE_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"model_type {_shown(model_type)} is not supported: from-hf reads Llama ('llama') and Mix-LN Llama "
-            "('mixln_llama') folders"
+            f"model_type {_shown(model_type)} is not supported: from-hf reads Llama ('llama'), Mix-LN Llama "
+            "('mixln_llama'), Mix-LN MoE ('mixln_moe'), Mixtral ('mixtral') and Qwen2-MoE ('qwen2_moe') folders"
         )
     hidden = _cfg_int(config, where, "hidden_size", BOUNDS["hidden"])
     layers = _cfg_int(config, where, "num_hidden_layers", BOUNDS["layers"])
@@ -458,8 +459,17 @@ def hf_config_shape(config: dict, source: str = "config.json", megatron: bool = 
             f"attention_bias={attention_bias} with mlp_bias={mlp_bias}: Megatron's add_bias_linear puts "
             "biases on all linears or none"
         )
-    if config.get("sliding_window"):
+    sliding = config.get("use_sliding_window") if model_type == "qwen2_moe" else config.get("sliding_window")
+    if sliding:  # Qwen2-MoE keeps a window size it does not use unless use_sliding_window
         problems.append("sliding-window attention")
+    moe = None
+    if model_type in HF_MOE_MODEL_TYPES:
+        from .moe_shape import moe_shape_of_hf_config
+
+        moe, moe_problems = moe_shape_of_hf_config(config, model_type, layers, where)
+        problems += moe_problems
+        if model_type == "mixtral":  # Mixtral has no dense layers: its intermediate_size is the experts'
+            ffn = moe.expert_ffn
     if problems and megatron:
         raise UnsupportedModelError("this Hugging Face model cannot be converted to Megatron: " + "; ".join(problems))
     return ModelShape(
@@ -476,6 +486,7 @@ def hf_config_shape(config: dict, source: str = "config.json", megatron: bool = 
         rope_scaling=rope_scaling,
         add_bias_linear=attention_bias,
         tie_embeddings=tie,
+        moe=moe,
     )
 
 

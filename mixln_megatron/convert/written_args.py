@@ -56,8 +56,9 @@ def megatron_args_namespace(
                 "mixln_layer_spec" if transformer_impl == "transformer_engine" else "mixln_local_layer_spec"]
     scaling = shape.rope_scaling or {}
     return argparse.Namespace(
+        **moe_args(shape),
         **{name: getattr(shape, name) for name in SHAPE_ARGS},
-        **LLAMA_FIXED_ARGS,
+        **{k: v for k, v in LLAMA_FIXED_ARGS.items() if shape.moe is None or k not in ("num_experts", "moe_layer_freq")},
         **FRESH_START_ARGS,
         group_query_attention=shape.num_query_groups != shape.num_attention_heads,
         seq_length=shape.max_position_embeddings,
@@ -97,6 +98,36 @@ def megatron_args_namespace(
         mixln_scheme=placement_record.get("scheme", "mixln"),
         mixln_converted_from=source,
     )
+
+
+def moe_args(shape: ModelShape) -> dict:
+    """Megatron-LM's MoE args of an MoE shape (convert.moe_shape): routing as the HF model routes
+    (softmax scores, top-k; --moe-router-pre-softmax when the k weights are not renormalised)."""
+    moe = shape.moe
+    if moe is None:
+        return {}
+    return dict(num_experts=moe.num_experts, moe_router_topk=moe.topk, moe_ffn_hidden_size=moe.expert_ffn,
+                moe_layer_freq=[int(m) for m in moe.moe_layers],
+                moe_shared_expert_intermediate_size=moe.shared_ffn, moe_shared_expert_gate=moe.shared_gate,
+                moe_router_pre_softmax=not moe.norm_topk_prob, moe_router_score_function="softmax",
+                moe_router_topk_scaling_factor=None, moe_router_enable_expert_bias=False,
+                moe_expert_capacity_factor=None)
+
+
+def moe_flags(ns: argparse.Namespace) -> List[str]:
+    """The MoE flags of converted args (none for a dense model)."""
+    if not getattr(ns, "num_experts", None):
+        return []
+    flags = ["--num-experts", ns.num_experts, "--moe-router-topk", ns.moe_router_topk,
+             "--moe-ffn-hidden-size", ns.moe_ffn_hidden_size,
+             "--moe-layer-freq", "[" + ",".join(str(v) for v in ns.moe_layer_freq) + "]"]
+    if ns.moe_shared_expert_intermediate_size is not None:
+        flags += ["--moe-shared-expert-intermediate-size", ns.moe_shared_expert_intermediate_size]
+    if ns.moe_shared_expert_gate:
+        flags.append("--moe-shared-expert-gate")
+    if ns.moe_router_pre_softmax:
+        flags.append("--moe-router-pre-softmax")
+    return [str(f) for f in flags]
 
 
 def placement_args(placement_record: dict) -> dict:
@@ -148,7 +179,7 @@ def launch_flags(ns: argparse.Namespace) -> List[str]:
         flags += ["--use-rope-scaling", "--rope-scaling-factor", f"{ns.rope_scaling_factor:g}"]
     if ns.untie_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
-    flags += ["--make-vocab-size-divisible-by", ns.make_vocab_size_divisible_by, *placement_flags(ns)]
+    flags += ["--make-vocab-size-divisible-by", ns.make_vocab_size_divisible_by, *placement_flags(ns), *moe_flags(ns)]
     if ns.ckpt_format == "torch":
         flags += ["--ckpt-format", "torch", "--tensor-model-parallel-size", ns.tensor_model_parallel_size,
                   "--pipeline-model-parallel-size", ns.pipeline_model_parallel_size]
