@@ -70,6 +70,6 @@ def test_entry_point_converter_and_analysis_use_the_table(monkeypatch):
                                                 position_embedding_type="rope"))
     saved = Namespace(heterogeneous_layers_config_path="x.json", num_layers=2)
     monkeypatch.setattr(ckpt_inspect, "inspect_checkpoint",
-                        lambda path, iteration=None: SimpleNamespace(format="torch_dist", path=path, args=saved))
+                        lambda path, iteration=None, moe=False: SimpleNamespace(format="torch_dist", path=path, args=saved))
     with pytest.raises(models.CheckpointError, match="heterogeneous layers"):
-        models._inspect("ckpt", None)
+        models.inspect_for_analysis("ckpt", None)

@@ -284,10 +284,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
         a = build_parser(prog).parse_args(argv)
         if getattr(a, "load", None):
             from ..convert.announce import announce_checkpoint_read
-            from ..convert.inspect import inspect_checkpoint
+            from .models import inspect_for_analysis
 
             announce_checkpoint_read(a.load, a.iteration)  # a large .metadata: say so before reading it
-            inspect_checkpoint(a.load, a.iteration)  # refuse a bad checkpoint before megatron is imported
+            inspect_for_analysis(a.load, a.iteration)  # refuse a bad checkpoint before megatron is imported
         if getattr(a, "hf", None):
             from .models import check_hf_folder
 

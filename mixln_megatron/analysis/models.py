@@ -383,6 +383,7 @@ def check_hf_folder(path: str):
     from ..convert.shape import hf_config_shape
 
     hf = HFCheckpoint(path)
+    refuse_moe_hf_folder(hf.path, hf.config)
     hf.check_listing()  # transformers' tokenizer loader may read any file of the folder later
     config_path = os.path.join(hf.path, "config.json")
     shape = hf_config_shape(hf.config, config_path, megatron=False)
@@ -409,6 +410,16 @@ def check_hf_folder(path: str):
     return hf, config, model_class
 
 
+def refuse_moe_hf_folder(path: str, config: dict) -> None:
+    """The analyses read MoE models from Megatron checkpoints only: the HF loader here fills a
+    LLaMA-family model tensor by tensor and knows no experts."""
+    if config.get("num_local_experts") or config.get("num_experts") or str(config.get("model_type", "")).endswith("moe") \
+            or config.get("model_type") == "mixtral":
+        raise ConversionError(
+            f"{path} is an MoE Hugging Face model ({config.get('model_type')}): analyze reads MoE models from Megatron "
+            "torch_dist checkpoints only; pass --load DIR (convert an HF folder with `mixln-megatron convert from-hf`)")
+
+
 def load_hf_model(path: str) -> HFLM:
     """A Hugging Face folder: stock LLaMA, or our mixln_llama export (never remote code), validated
     by check_hf_folder. transformers never opens a weight file here: the model is built from the
@@ -430,12 +441,13 @@ class CheckpointError(MixLNError, ValueError):
     """A checkpoint cannot be read by the analysis tools; the message says why."""
 
 
-def _inspect(path: str, iteration: Optional[int]):
-    """The checkpoint's args, shape and Mix-LN record (convert.inspect, shared with the converter)."""
+def inspect_for_analysis(path: str, iteration: Optional[int]):
+    """The checkpoint's args, shape and Mix-LN record (convert.inspect, shared with the converter),
+    refused in one line if the analysis loader cannot build its model."""
     from ..convert.inspect import inspect_checkpoint
 
-    try:
-        info = inspect_checkpoint(path, iteration)
+    try:  # MoE layers are read (analysis.moe builds megatron's own); MLA / MTP stay refused
+        info = inspect_checkpoint(path, iteration, moe=True)
     except ConversionError as e:
         raise CheckpointError(str(e)) from None
     if info.format != "torch_dist":
@@ -445,10 +457,13 @@ def _inspect(path: str, iteration: Optional[int]):
     return info
 
 
-def _config_from_shape(a, embedding_rows: Optional[int] = None):
-    """The model to build (FreshShape) + TransformerConfig for CPU inference from convert's ArgsShape.
-    The vocabulary is the args' padded_vocab_size, else the saved embedding's rows (args saved
-    before Megatron-LM built its tokenizer have none)."""
+def _config_from_shape(a, embedding_rows: Optional[int] = None, args=None):
+    """The model to build (FreshShape) + TransformerConfig for CPU inference from convert's ArgsShape
+    (and the saved `args` for the MoE settings, analysis.moe). The vocabulary is the args'
+    padded_vocab_size, else the saved embedding's rows (args saved before Megatron-LM built its
+    tokenizer have none)."""
+    from .moe import moe_config_fields
+
     vocab = a.padded_vocab_size if a.padded_vocab_size is not None else embedding_rows
     if vocab is None:
         raise CheckpointError("the checkpoint's saved args have no padded_vocab_size")
@@ -460,6 +475,7 @@ def _config_from_shape(a, embedding_rows: Optional[int] = None):
     overrides = {"kv_channels": a.kv_channels}
     if a.qk_layernorm:
         overrides["qk_layernorm"] = True
+    overrides.update(moe_config_fields(args))  # {} for a dense model
     return shape, megatron_config(
         shape, normalization=a.normalization, layernorm_epsilon=a.norm_epsilon,
         gated_linear_unit=a.swiglu, activation_func=F.silu if a.swiglu else F.gelu,
@@ -500,18 +516,43 @@ def _state_from_reader(model, reader, num_layers: int, record: dict) -> dict:
             raise CheckpointError(f"{reader.path}: the analysis loader does not know the model tensor {key}")
     for layer in range(num_layers):
         named = by_layer.get(layer, [])
-        roles = {name: M.LEGACY_LAYER_NAMES[name] for _, name in named if name in M.LEGACY_LAYER_NAMES}
+        roles = {name: role for _, name in named if (role := _layer_role(name)) is not None}
         tensors = reader.read_layer(layer, sorted(set(roles.values())))
         for key, name in named:
             if name in roles:
                 state[key] = tensors[roles[name]]
                 continue
-            stacked = M.TD_LAYER_PREFIX + name
-            if not reader.has(stacked):
-                raise CheckpointError(f"{reader.path}: parameters missing from the checkpoint: {stacked}")
-            shape = reader.global_shape(stacked)
-            state[key] = reader.read(stacked, (layer,) + (0,) * (len(shape) - 1), (1,) + shape[1:])[0]
+            state[key] = _read_unmapped(reader, layer, name)
     return state
+
+
+def _layer_role(name: str) -> Optional[str]:
+    """convert.mapping's role of a model layer tensor (layer-local name), dense or MoE; None for
+    a tensor without one (e.g. qk-layernorm weights)."""
+    from ..convert import mapping as M
+    from .moe import local_expert
+
+    if name in M.LEGACY_LAYER_NAMES:
+        return M.LEGACY_LAYER_NAMES[name]
+    expert = local_expert(name)
+    if expert is not None:
+        return M.expert_role(*expert)
+    return {n: role for role, n in M.MOE_ROLE_NAMES.items() if role not in M.EXPERT_ROLES}.get(name)
+
+
+def _read_unmapped(reader, layer: int, name: str):
+    """A layer tensor without a role: its row of the key stacked over the layers, or the layer's
+    own key (megatron saves mixed dense / MoE stacks one key per layer)."""
+    from ..convert import mapping as M
+
+    stacked = M.TD_LAYER_PREFIX + name
+    own = f"{M.TD_LAYER_PREFIX}{layer}.{name}"
+    if reader.has(stacked):
+        shape = reader.global_shape(stacked)
+        return reader.read(stacked, (layer,) + (0,) * (len(shape) - 1), (1,) + shape[1:])[0]
+    if reader.has(own):
+        return reader.read(own, (0,) * len(reader.global_shape(own)), reader.global_shape(own))
+    raise CheckpointError(f"{reader.path}: parameters missing from the checkpoint: {stacked}")
 
 
 def load_megatron_checkpoint(
@@ -533,7 +574,7 @@ def load_megatron_checkpoint(
     from ..spec import get_mixln_decoder_block_spec
 
     ensure_megatron_cpu()
-    info = _inspect(path, iteration)
+    info = inspect_for_analysis(path, iteration)
     ckpt_dir, a = info.path, info.shape
     # The checkpoint's placement (every layer's kind, a per-layer layout included); the caller's
     # post_ln_layers / scheme override it, as a command line would.
@@ -541,7 +582,7 @@ def load_megatron_checkpoint(
     given = MixLNSettings(post_ln_layers=post_ln_layers, scheme=scheme,
                           sources={"post_ln_layers": "command line", "scheme": "command line"})
     mixln_settings = layered(given, saved)
-    shape, config = _config_from_shape(a, getattr(info.reader, "padded_vocab_size", None))
+    shape, config = _config_from_shape(a, getattr(info.reader, "padded_vocab_size", None), info.args)
     placement = dataclasses.replace(  # where the kinds came from, as inspect names it
         resolve_placement(config.num_layers, mixln_settings),
         source="command line" if post_ln_layers is not None else info.record_source)

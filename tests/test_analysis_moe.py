@@ -1,0 +1,100 @@
+"""`mixln-megatron analyze` on an MoE checkpoint: a tiny Mix-LN MoE model (a dense first layer, then
+MoE layers of 4 experts, top-2, with a gated shared expert; Post-LN, Sandwich and Pre-LN layers) is
+trained for 3 iterations by `mixln-megatron pretrain` (torch_dist, per-layer keys), then
+angular-distance and layer-drop read it with --load through the command line. What stays refused
+(an MoE Hugging Face folder, a checkpoint whose tensors the args do not describe) is one line, exit 2.
+"""
+
+import json
+import math
+import os
+
+import pytest
+
+from test_pretrain import TINY, train
+
+VOCAB = ["--vocab-size", "4096"]  # the shipped tokenizer's ids (the analyses' default text) fit
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather",
+       "--moe-ffn-hidden-size", "48", "--moe-layer-freq", "[0,1,1,1]",
+       "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate"]
+LAYOUT = "post:1,sandwich:2,pre:3-4"
+
+
+def _tiny_args():
+    args = list(TINY)
+    i = args.index("--vocab-size")
+    args[i:i + 2] = VOCAB
+    return args
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    save = tmp_path_factory.mktemp("moe") / "ckpt"
+    out = train(["--cpu", *_tiny_args(), *MOE, "--mixln-layout", LAYOUT, "--train-iters", "3",
+                 "--eval-iters", "0", "--save", str(save), "--save-interval", "3", "--ckpt-format", "torch_dist"])
+    assert os.path.isdir(save / "iter_0000003"), out[-3000:]
+    return save
+
+
+def _analyze(*argv):
+    from mixln_megatron.analysis.cli import main
+
+    return main(list(argv))
+
+
+def test_angular_distance_and_layer_drop_read_an_moe_checkpoint(moe_checkpoint, tmp_path, capsys):
+    common = ["--load", str(moe_checkpoint), "--tokens", "256", "--seq-length", "32", "--batch-size", "4"]
+    assert _analyze("angular-distance", *common, "--out-dir", str(tmp_path / "a")) == 0, capsys.readouterr().err
+    res = json.loads((tmp_path / "a" / "angular_distance.json").read_text())
+    assert res["num_layers"] == 4 and len(res["matrix"]) == 4 and len(res["adjacent"]) == 4
+    assert all(math.isfinite(x) and 0 <= x <= 1 for row in res["matrix"] for x in row if x is not None)
+    assert all(x > 0 for x in res["adjacent"])  # every layer, the MoE ones included, moves the stream
+    assert "post:1,sandwich:2,pre:3-4" in res["model"] or "Post-LN layers: 1" in res["model"], res["model"]
+
+    assert _analyze("layer-drop", *common, "--out-dir", str(tmp_path / "d")) == 0, capsys.readouterr().err
+    res = json.loads((tmp_path / "d" / "layer_drop.json").read_text())
+    base = res["baseline"]
+    assert res["num_layers"] == 4 and [r["layer"] for r in res["layers"]] == [1, 2, 3, 4]
+    assert base["tokens"] == 256 and math.isfinite(base["loss"])
+    for row in res["layers"]:  # bypassing any layer, dense or MoE, changes the loss
+        assert math.isfinite(row["loss"]) and abs(row["loss"] - base["loss"]) > 1e-6, row  # bit-identical without a real bypass
+
+
+def test_the_loaded_moe_model_is_the_trained_one(moe_checkpoint, mcore_single):
+    """Every expert, the router, the shared expert and its gate come from the checkpoint (not the
+    init): each differs from a freshly built model's and equals the checkpoint's own tensor."""
+    from mixln_megatron.analysis.models import inspect_for_analysis, load_megatron_checkpoint
+
+    lm = load_megatron_checkpoint(str(moe_checkpoint))
+    layers = lm.layers
+    assert type(layers[0].mlp).__name__ == "MLP" and all(type(l.mlp).__name__ == "MoELayer" for l in layers[1:])
+    moe = layers[2].mlp
+    assert len(moe.experts.local_experts) == 4 and moe.shared_experts is not None
+    assert lm.module.config.moe_token_dispatcher_type == "allgather" and not lm.module.config.moe_grouped_gemm
+    reader = inspect_for_analysis(str(moe_checkpoint), None).reader
+    experts = reader.read("decoder.layers.2.mlp.experts.experts.linear_fc2.weight", (0, 0, 0),
+                          reader.global_shape("decoder.layers.2.mlp.experts.experts.linear_fc2.weight"))
+    for e in range(4):
+        assert (moe.experts.local_experts[e].linear_fc2.weight.detach() == experts[e]).all()
+    gate = "decoder.layers.2.mlp.shared_experts.gate_weight"
+    assert (moe.shared_experts.gate_weight.detach() == reader.read(gate, (0, 0), reader.global_shape(gate))).all()
+
+
+def test_what_stays_refused(moe_checkpoint, tmp_path, capsys):
+    # an MoE Hugging Face folder: the analyses read MoE models from Megatron checkpoints
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    hf = tmp_path / "hf"
+    MixtralForCausalLM(MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2)).save_pretrained(hf)
+    capsys.readouterr()
+    assert _analyze("layer-drop", "--hf", str(hf), "--out-dir", str(tmp_path / "x")) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(err) == 1 and "MoE" in err[0] and "--load" in err[0], err
+    # a Mix-LN override that leaves checkpoint tensors without a place (layer 2's sandwich norms
+    # when P = 1 makes it Pre-LN) is refused rather than dropping them
+    assert _analyze("angular-distance", "--load", str(moe_checkpoint), "--mixln-post-ln-layers", "1",
+                    "--tokens", "64", "--out-dir", str(tmp_path / "y")) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(err) == 1 and "decoder.layers.1.mixln_norm_" in err[0], err
