@@ -173,3 +173,47 @@ def test_round_trip_is_bit_identical_and_loads_into_the_gpt_model(exported):
     mu.load_chunks([fresh], str(root / "back_megatron" / "release"))
     ids, want = megatron_logits(exported["model"])
     assert torch.equal(megatron_logits(fresh.eval())[1], want)
+
+
+# ------------------------------------------------------------------ all-pre models: stock classes
+def test_all_pre_without_shared_expert_exports_as_mixtral_and_back(tmp_path):
+    """Every layer MoE (megatron then stacks the layer keys), no shared expert: stock Mixtral."""
+    model, cfg = build_moe_gpt("pre:*", freq=1, shared=None)
+    cls, config, _ = assert_parity(model, cfg, tmp_path, "mixtral")
+    assert cls == "MixtralForCausalLM" and config["model_type"] == "mixtral" and "auto_map" not in config
+    assert config["num_local_experts"] == EXPERTS and config["intermediate_size"] == EXPERT_FFN
+    assert not [f for f in os.listdir(tmp_path / "mixtral_hf") if f.endswith(".py")]
+    assert "model.layers.2.block_sparse_moe.experts.1.w3.weight" in tensors(tmp_path / "mixtral_hf")
+    from_hf(str(tmp_path / "mixtral_hf"), str(tmp_path / "mixtral_back"), progress=False)
+    fresh, _ = build_moe_gpt("pre:*", seed=99, freq=1, shared=None)
+    mu.load_chunks([fresh], str(tmp_path / "mixtral_back" / "release"))
+    assert torch.equal(megatron_logits(fresh.eval())[1], megatron_logits(model)[1])
+
+
+def test_all_pre_with_gated_shared_expert_and_dense_layer_exports_as_qwen2_moe(tmp_path):
+    model, cfg = build_moe_gpt("pre:*", gate=True)
+    cls, config, _ = assert_parity(model, cfg, tmp_path, "qwen")
+    assert cls == "Qwen2MoeForCausalLM" and config["model_type"] == "qwen2_moe"
+    assert config["mlp_only_layers"] == [0] and config["norm_topk_prob"] is True and config["qkv_bias"] is False
+    from_hf(str(tmp_path / "qwen_hf"), str(tmp_path / "qwen_back"), progress=False)
+    to_hf(str(tmp_path / "qwen_back"), str(tmp_path / "qwen_again"), progress=False)
+    a, b = tensors(tmp_path / "qwen_hf"), tensors(tmp_path / "qwen_again")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_stock_qwen2_moe_folder_converts(tmp_path):
+    """A folder transformers itself saved (Qwen2-MoE: routing without renormalisation by default)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    hf = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=mu.VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1], qkv_bias=False, tie_word_embeddings=False))
+    hf.save_pretrained(str(tmp_path / "stock"))
+    summary = from_hf(str(tmp_path / "stock"), str(tmp_path / "megatron"), progress=False)
+    assert "--moe-router-pre-softmax" in summary["launch_flags"] and "[1,0,1]" in summary["launch_flags"]
+    to_hf(str(tmp_path / "megatron"), str(tmp_path / "again"), progress=False)
+    assert json.load(open(tmp_path / "again" / "config.json"))["norm_topk_prob"] is False
+    a, b = tensors(tmp_path / "stock"), tensors(tmp_path / "again")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
