@@ -69,8 +69,8 @@ def build_moe_gpt(layout, seed=3, scheme="mixln", **moe):
 
 
 def megatron_args(cfg, **extra):
-    """The args Megatron-LM saves for this model (what the converter reads)."""
-    return argparse.Namespace(
+    """The args Megatron-LM saves for this model (what the converter reads); `extra` wins."""
+    args = dict(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads, group_query_attention=True, num_query_groups=cfg.num_query_groups,
         kv_channels=cfg.kv_channels, normalization="RMSNorm", swiglu=True, add_bias_linear=False,
@@ -82,7 +82,10 @@ def megatron_args(cfg, **extra):
         moe_shared_expert_gate=cfg.moe_shared_expert_gate, moe_router_pre_softmax=cfg.moe_router_pre_softmax,
         moe_router_score_function="softmax", moe_router_topk_scaling_factor=None, moe_expert_capacity_factor=None,
         moe_router_enable_expert_bias=False, moe_router_num_groups=None, moe_router_group_topk=None,
-        moe_aux_loss_coeff=0.01, moe_input_jitter_eps=None, moe_token_dispatcher_type="allgather", **extra)
+        moe_latent_size=None, moe_aux_loss_coeff=0.01, moe_input_jitter_eps=None,  # training-only: carried as nothing
+        moe_token_dispatcher_type="allgather")
+    args.update(extra)
+    return argparse.Namespace(**args)
 
 
 def save_megatron(model, cfg, path, **extra_args):
@@ -217,3 +220,58 @@ def test_a_stock_qwen2_moe_folder_converts(tmp_path):
     assert json.load(open(tmp_path / "again" / "config.json"))["norm_topk_prob"] is False
     a, b = tensors(tmp_path / "stock"), tensors(tmp_path / "again")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------------ inspect, refusals
+def test_inspect_names_the_experts(exported, capsys):
+    from mixln_megatron.convert.cli import main
+
+    assert main(["inspect", "--load", str(exported["ckpt"])]) == 0
+    out = capsys.readouterr().out
+    for line in ("num_experts: 4", "moe_router_topk: 2", "moe_ffn_hidden_size: 48", "dense_layers: [1]",
+                 "moe_layers: [2, 3, 4]", "shared_expert_intermediate_size: 40", "layout: post:1,deepnorm:2,sandwich:3,pre:4"):
+        assert line in out, (line, out)
+    assert main(["inspect", "--check", "--load", str(exported["ckpt"])]) == 0  # every pickle through the allow-list
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("moe_router_score_function", "sigmoid"),
+    ("moe_router_enable_expert_bias", True),
+    ("moe_router_num_groups", 2),
+    ("moe_router_topk_scaling_factor", 2.5),
+    ("moe_expert_capacity_factor", 1.0),
+    ("moe_latent_size", 16),
+    ("add_bias_linear", True),
+])
+def test_routing_a_conversion_cannot_carry_is_refused_in_one_line(exported, tmp_path, capsys, flag, value):
+    from mixln_megatron.convert.cli import main
+
+    ckpt = save_megatron(exported["model"], exported["cfg"], tmp_path / "ckpt", **{flag: value})
+    assert main(["to-hf", "--load", str(ckpt), "--save", str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    name = "--disable-bias-linear" if flag == "add_bias_linear" else "--" + flag.replace("_", "-")
+    assert len(err.splitlines()) == 1 and name in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_truncated_or_forged_expert_tensor_is_refused(exported, tmp_path):
+    import shutil
+
+    # the args say experts of FFN 32, the tensors hold 48: refused before anything is written
+    forged = save_megatron(exported["model"], exported["cfg"], tmp_path / "forged", moe_ffn_hidden_size=32)
+    with pytest.raises(ConversionError, match=r"experts\.linear_fc1\.weight has shape \(4, 96, 64\), the args imply "
+                                              r"\(4, 64, 64\)"):
+        to_hf(str(forged), str(tmp_path / "out"), progress=False)
+    # a layer the args call dense holds experts
+    with pytest.raises(ConversionError, match="moe_layer_freq"):
+        to_hf(str(save_megatron(exported["model"], exported["cfg"], tmp_path / "freq", moe_layer_freq=[0, 0, 1, 1])),
+              str(tmp_path / "out"), progress=False)
+    # the file holding the experts cut short
+    cut = tmp_path / "cut"
+    shutil.copytree(exported["ckpt"], cut)
+    for f in (cut / "iter_0000001").glob("*.distcp"):
+        with open(f, "r+b") as fh:
+            fh.truncate(os.path.getsize(f) - 64)
+    with pytest.raises(ConversionError):
+        to_hf(str(cut), str(tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out").exists()

@@ -327,6 +327,12 @@ class TorchDistCheckpoint(ReaderBase):
             raise ConversionError(f"the checkpoint holds {n} layers but its args describe {L}")
         for layer in range(L):
             moe = moe_layers[layer]
+            if stacked_n is None:
+                other = M.MOE_ROLE_NAMES["router.weight"] if not moe else M.LAYER_ROLE_NAMES["fc1.weight"]
+                if f"{keys.LAYERS}{layer}.{other}" in self._tensors:
+                    raise ConversionError(
+                        f"{self.path}: layer {layer + 1} has {other}, but the args' moe_layer_freq makes it "
+                        f"{'dense' if not moe else 'an MoE layer'}: the settings do not match the tensors")
             for role, want in layer_shapes.items():
                 if (role in M.DENSE_MLP_ROLES and moe) or (role in M.MOE_ROLE_NAMES and not moe):
                     continue
@@ -338,12 +344,6 @@ class TorchDistCheckpoint(ReaderBase):
                     raise ConversionError(f"{key} has shape {tuple(got[1:] if stacked else got)}, the args imply "
                                           f"{tuple(want)}" + (" (per expert: [E, rows, columns])"
                                                               if role in M.EXPERT_ROLES else ""))
-            if stacked_n is None:
-                other = M.MOE_ROLE_NAMES["router.weight"] if not moe else M.LAYER_ROLE_NAMES["fc1.weight"]
-                if f"{keys.LAYERS}{layer}.{other}" in self._tensors:
-                    raise ConversionError(
-                        f"{self.path}: layer {layer + 1} has {other}, but the args' moe_layer_freq makes it "
-                        f"{'dense' if not moe else 'an MoE layer'}: the settings do not match the tensors")
 
     def check_shapes(self, shape, layer_shapes) -> None:
         """The stacked tensors have the shapes the args describe (`layer_shapes`:
