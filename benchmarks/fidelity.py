@@ -117,10 +117,12 @@ def train_one(shape: FreshShape, variant: str, seed: int, alpha: float, recipe: 
     return {"variant": variant, "post_ln_layers": p, "scheme": scheme, **res}
 
 
-def train_settings(shape: FreshShape, settings, seed: int, recipe: Recipe, train_batches, valid_batches) -> dict:
+def train_settings(shape: FreshShape, settings, seed: int, recipe: Recipe, train_batches, valid_batches,
+                   config_overrides: Optional[dict] = None) -> dict:
     """Train one model of `settings` (a MixLNSettings) with `recipe` on the given batches; the
-    per-layer gradient-norm profiles at step 0 and recipe.profile_step, losses and timings."""
-    lm = build_megatron_gpt(shape, seed=seed, settings=settings)
+    per-layer gradient-norm profiles at step 0 and recipe.profile_step, losses and timings.
+    `config_overrides`: TransformerConfig fields on top of the shape's (e.g. MoE layers)."""
+    lm = build_megatron_gpt(shape, seed=seed, settings=settings, config_overrides=config_overrides)
     model = lm.module
     model.train()
     params = [q for q in model.parameters() if q.requires_grad]

@@ -12,6 +12,12 @@ gradient norms of the first step) is measured for every arm, and the gradient no
 
     python benchmarks/schemes.py --quick   # 12 layers, h 32, 160 steps, seed 1: ~5 min on 2 cores
     python benchmarks/schemes.py           # 12 and 24 layers, h 64, 200 steps, seeds 1 and 2: ~40 min
+    python benchmarks/schemes.py --quick --moe   # + Pre-LN, Post-LN, DeepNorm, Mix-LN on an MoE model
+
+`--moe` adds MoE arms to the same table and plot (labels end in "(MoE)"): the same model with a
+dense first layer and megatron MoE layers after it (4 experts, top-2, each expert half the dense
+FFN width so that the active FFN width per token equals the dense model's; the allgather
+dispatcher, local experts), trained with the same recipe, seeds and batches.
 
 Outputs (--out, default benchmarks/results): schemes[_quick].json (every run), schemes[_quick].md
 (the table) and schemes[_quick].png (per-layer gradient norms at initialisation and training-loss
@@ -62,6 +68,21 @@ class Setup:
     heads: int
     recipe: fidelity.Recipe
     arms: tuple = tuple(arm.name for arm in ARMS)
+    moe_arms: tuple = ()  # arms also trained on the MoE model (--moe)
+
+
+# The MoE model of the MoE arms: a dense first layer (as DeepSeek-MoE / Qwen-MoE), then MoE layers.
+MOE_ARMS = ("pre_ln", "post_ln", "deepnorm", "mix_ln")
+MOE_EXPERTS, MOE_TOPK = 4, 2
+MOE_TAG = "moe_"  # run keys L<depth>_moe_<arm>
+
+
+def moe_overrides(shape: FreshShape) -> dict:
+    """TransformerConfig fields of the MoE model: experts of half the dense FFN width, top-2."""
+    from mixln_megatron.analysis.moe import fresh_moe_fields
+
+    return fresh_moe_fields(MOE_EXPERTS, MOE_TOPK, ffn_hidden_size=shape.ffn // MOE_TOPK,
+                            layer_freq=[0] + [1] * (shape.num_layers - 1))
 
 
 FULL = Setup("full", depths=(12, 24), seeds=(1, 2), hidden=64, heads=4,
@@ -70,24 +91,32 @@ QUICK = Setup("quick", depths=(12,), seeds=(1,), hidden=32, heads=2,
               recipe=fidelity.Recipe(steps=160, batch_size=8, seq_length=64, profile_step=20, valid_windows=128))
 
 
-def run_key(depth: int, arm: str) -> str:
-    return f"L{depth}_{arm}"
+def run_key(depth: int, arm: str, moe: bool = False) -> str:
+    return f"L{depth}_{MOE_TAG if moe else ''}{arm}"
+
+
+def parse_key(key: str):
+    """(depth, arm, moe) of a run key."""
+    depth, arm = key[1:].split("_", 1)
+    moe = arm.startswith(MOE_TAG)
+    return int(depth), arm[len(MOE_TAG):] if moe else arm, moe
 
 
 def _run_task(setup: Setup, task):
-    depth, arm, seed = task
+    depth, arm, seed, moe = task
     r = setup.recipe
     shape = FreshShape(num_layers=depth, hidden_size=setup.hidden, num_attention_heads=setup.heads,
                        vocab_size=4096, seq_length=r.seq_length)
     res = fidelity.train_settings(shape, ARM_BY_NAME[arm].settings(depth), seed, r,
-                                  fidelity._WORKER["train"], fidelity._WORKER["valid"])
+                                  fidelity._WORKER["train"], fidelity._WORKER["valid"],
+                                  config_overrides=moe_overrides(shape) if moe else None)
     return task, res
 
 
 def summarize(setup: Setup, runs: Dict[str, List[dict]]) -> dict:
     rows = {}
     for key, seed_runs in runs.items():
-        depth, arm = int(key[1:].split("_", 1)[0]), key.split("_", 1)[1]
+        depth, arm, moe = parse_key(key)
         placement = resolve_placement(depth, ARM_BY_NAME[arm].settings(depth))
         ppls = [r["valid_ppl"] for r in seed_runs]
         finite = [v for v in ppls if math.isfinite(v)]
@@ -98,7 +127,8 @@ def summarize(setup: Setup, runs: Dict[str, List[dict]]) -> dict:
             profiles[step] = {"mean": mean, "summary": grad_norms.profile_summary(mean)}
         curves = [r["train_losses"] for r in seed_runs]
         rows[key] = {
-            "depth": depth, "arm": arm, "label": ARM_BY_NAME[arm].label, "layout": placement.layout,
+            "depth": depth, "arm": arm, "moe": moe, "layout": placement.layout,
+            "label": ARM_BY_NAME[arm].label + (" (MoE)" if moe else ""),
             "scheme": placement.scheme, "boundaries": [list(b) for b in placement.boundaries],
             "deepnorm_alpha": placement.deepnorm_alpha, "deepnorm_beta": placement.deepnorm_beta,
             "ppl_mean": statistics.fmean(finite) if finite else float("inf"),
@@ -156,15 +186,20 @@ def plot(setup: Setup, summary: dict, path: str) -> str:
     colors = plt.get_cmap("tab20").colors
     for i, depth in enumerate(setup.depths):
         grads, losses = axes[i]
-        for j, arm in enumerate(setup.arms):
-            r = summary["rows"].get(run_key(depth, arm))
+        keys = [(run_key(depth, arm), j, False) for j, arm in enumerate(setup.arms)]
+        keys += [(run_key(depth, arm, True), setup.arms.index(arm) if arm in setup.arms else len(setup.arms) + j, True)
+                 for j, arm in enumerate(setup.moe_arms)]
+        for key, j, moe in keys:
+            r = summary["rows"].get(key)
             if r is None:
                 continue
+            # an MoE arm: its dense arm's colour, thicker, with square markers
             style = dict(color=colors[(2 * j) % 20 if j < 10 else (2 * j + 1) % 20],
-                         linestyle=("-", "--", ":", "-.")[j % 4], linewidth=1.4)
+                         linestyle=("-", "--", ":", "-.")[j % 4], linewidth=2.4 if moe else 1.4)
             prof = r["grad_norm_profiles"].get("0", {}).get("mean")
             if prof:
-                grads.plot(range(1, len(prof) + 1), prof, marker="o", markersize=3, label=r["label"], **style)
+                grads.plot(range(1, len(prof) + 1), prof, marker="s" if moe else "o", markersize=3,
+                           label=r["label"], **style)
             if r["mean_train_loss_curve"]:
                 losses.plot(ema(r["mean_train_loss_curve"]), label=r["label"], **style)
         grads.set_yscale("log")
@@ -193,6 +228,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--cache-dir", default=None, help="tokenized corpus cache (default: $TMPDIR)")
     ap.add_argument("--arms", default=None, help=f"comma list of arms (default all: {', '.join(ARM_BY_NAME)})")
+    ap.add_argument("--moe", nargs="?", const=",".join(MOE_ARMS), default=None, metavar="ARMS",
+                    help=f"also train these arms on the MoE model (default {','.join(MOE_ARMS)}; "
+                    f"{MOE_EXPERTS} experts, top-{MOE_TOPK}, a dense first layer)")
     ap.add_argument("--steps", type=int, default=None, help="override the number of training steps")
     ap.add_argument("--seeds", default=None, help="override the seeds, e.g. 1,2,3")
     ap.add_argument("--depths", default=None, help="override the depths, e.g. 12,24")
@@ -222,24 +260,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if unknown:
             ap.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARM_BY_NAME)}")
         setup = replace(setup, arms=tuple(a.arms.split(",")))
+    if a.moe:
+        unknown = [n for n in a.moe.split(",") if n not in ARM_BY_NAME]
+        if unknown:
+            ap.error(f"unknown MoE arm(s) {', '.join(unknown)}; choose from {', '.join(ARM_BY_NAME)}")
+        setup = replace(setup, moe_arms=tuple(a.moe.split(",")))
     for depth in setup.depths:  # every arm's layout is valid at every depth before anything trains
-        for arm in setup.arms:
+        for arm in setup.arms + setup.moe_arms:
             resolve_placement(depth, ARM_BY_NAME[arm].settings(depth))
     r = setup.recipe
     t_start = time.time()
     fidelity._worker_init(r, a.cache_dir, a.threads)  # builds the dataset cache once, before any worker
     _, _, info = fidelity.load_data(r, a.cache_dir)
-    print(f"[schemes:{setup.name}] {len(setup.arms)} arms x depths {setup.depths} x seeds {setup.seeds}; "
+    moe = f" + {len(setup.moe_arms)} MoE arms" if setup.moe_arms else ""
+    print(f"[schemes:{setup.name}] {len(setup.arms)} arms{moe} x depths {setup.depths} x seeds {setup.seeds}; "
           f"{r.steps} steps x {r.batch_size} x {r.seq_length} tokens per run; hidden {setup.hidden}, heads "
           f"{setup.heads}; lr {r.lr}; unigram PPL {info['unigram_ppl']:.1f}", flush=True)
 
-    tasks = [(depth, arm, seed) for depth in setup.depths for arm in setup.arms for seed in setup.seeds]
+    tasks = [(depth, arm, seed, False) for depth in setup.depths for arm in setup.arms for seed in setup.seeds]
+    tasks += [(depth, arm, seed, True) for depth in setup.depths for arm in setup.moe_arms for seed in setup.seeds]
     results = {}
 
     def report(task, res):
         results[task] = res
         div = f" DIVERGED at step {res['diverged_at']}" if res["diverged_at"] is not None else ""
-        print(f"  {run_key(task[0], task[1]):<24} seed {task[2]}: valid PPL {res['valid_ppl']:.2f} "
+        print(f"  {run_key(task[0], task[1], task[3]):<24} seed {task[2]}: valid PPL {res['valid_ppl']:.2f} "
               f"{res['seconds']:.0f}s{div}  [{len(results)}/{len(tasks)}, {time.time() - t_start:.0f}s]", flush=True)
 
     if a.jobs <= 1:
@@ -258,7 +303,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     runs: Dict[str, List[dict]] = {}
     for task in tasks:  # plan order, seeds in order: the record does not depend on --jobs
-        runs.setdefault(run_key(task[0], task[1]), []).append(results[task])
+        runs.setdefault(run_key(task[0], task[1], task[3]), []).append(results[task])
     summary = summarize(setup, runs)
     os.makedirs(a.out, exist_ok=True)
     stem = os.path.join(a.out, "schemes" + ("_quick" if a.quick else ""))

@@ -98,3 +98,22 @@ def test_what_stays_refused(moe_checkpoint, tmp_path, capsys):
                     "--tokens", "64", "--out-dir", str(tmp_path / "y")) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
     assert len(err) == 1 and "decoder.layers.1.mixln_norm_" in err[0], err
+
+
+def test_grad_norms_of_fresh_moe_models(mcore_single, tmp_path, capsys):
+    """`analyze grad-norms --num-experts 4`: every layer an MoE layer; each layer's norm covers its
+    router and experts, so it differs from the dense model's of the same seed."""
+    common = ["grad-norms", "--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "2",
+              "--seq-length", "16", "--batch-size", "2", "--num-batches", "1", "--seeds", "1",
+              "--variants", "pre_ln,mix_ln"]
+    assert _analyze(*common, "--num-experts", "4", "--moe-router-topk", "2", "--out-dir", str(tmp_path / "m")) == 0
+    moe = json.loads((tmp_path / "m" / "grad_norms.json").read_text())
+    assert moe["moe"] == {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48}
+    assert "MoE 4 experts top-2" in capsys.readouterr().out
+    assert _analyze(*common, "--out-dir", str(tmp_path / "d")) == 0
+    dense = json.loads((tmp_path / "d" / "grad_norms.json").read_text())
+    for name in ("pre_ln", "mix_ln"):
+        norms = moe["variants"][name]["mean"]
+        assert len(norms) == 3 and all(math.isfinite(x) and x > 0 for x in norms)
+        assert all(abs(m - d) > 1e-6 * d for m, d in zip(norms, dense["variants"][name]["mean"]))
+    assert _analyze(*common, "--num-experts", "2", "--moe-router-topk", "3", "--out-dir", str(tmp_path / "x")) == 2

@@ -47,11 +47,11 @@ def test_the_arm_cli_prints_exports_the_settings_read_back(capsys):
 
 
 def test_one_command_writes_the_table_the_plot_and_every_run(tmp_path):
-    """A tiny run of benchmarks/schemes.py: three arms, 4 layers, 3 steps, one job."""
+    """A tiny run of benchmarks/schemes.py: three arms and one MoE arm, 4 layers, 3 steps, one job."""
     out = tmp_path / "out"
     proc = run_python(
         [sys.executable, os.path.join(REPO, "benchmarks", "schemes.py"), "--quick", "--depths", "4", "--steps", "3",
-         "--arms", "mix_deepnorm,sandwich,post_every4", "--jobs", "1", "--out", str(out),
+         "--arms", "mix_deepnorm,sandwich,post_every4", "--moe", "mix_ln", "--jobs", "1", "--out", str(out),
          "--cache-dir", str(tmp_path / "cache")],
         capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -62,13 +62,34 @@ def test_one_command_writes_the_table_the_plot_and_every_run(tmp_path):
     assert (out / "schemes_quick.png").stat().st_size > 10_000
     record = json.loads((out / "schemes_quick.json").read_text())
     rows = record["summary"]["rows"]
-    assert set(rows) == {"L4_mix_deepnorm", "L4_sandwich", "L4_post_every4"}
+    assert set(rows) == {"L4_mix_deepnorm", "L4_sandwich", "L4_post_every4", "L4_moe_mix_ln"}
+    moe = rows["L4_moe_mix_ln"]  # the MoE arm: in the same table, its own row, its layout
+    assert moe["moe"] and not rows["L4_sandwich"]["moe"] and moe["layout"] == "post:1,pre:2-4"
+    assert "| 4 | Mix-LN (Post-LN first alpha*L) (MoE) | `post:1,pre:2-4` | 1\\|2 |" in table, table
+    assert record["setup"]["moe_arms"] == ["mix_ln"]
     for row in rows.values():
         assert len(row["grad_norm_profiles"]["0"]["mean"]) == 4  # one value per layer at initialisation
     # same seed policy: every arm trained on the same batches from the same seed
     assert {run["seed"] for runs in record["runs"].values() for run in runs} == {1}
-    assert proc.stdout.count("valid PPL") == 3
+    assert proc.stdout.count("valid PPL") == 4
     # a saved run's table prints again without training
     again = run_python([sys.executable, os.path.join(REPO, "benchmarks", "schemes.py"), "--report",
                             str(out / "schemes_quick.json")], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and table.strip() in again.stdout, again.stderr[-2000:]
+
+
+def test_the_moe_arms_build_megatron_moe_layers_after_a_dense_first_layer(mcore_single):
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import schemes
+
+    from mixln_megatron.analysis.models import FreshShape, build_megatron_gpt
+
+    shape = FreshShape(num_layers=4, hidden_size=32, num_attention_heads=2, vocab_size=256, seq_length=16)
+    overrides = schemes.moe_overrides(shape)
+    lm = build_megatron_gpt(shape, settings=arms.ARM_BY_NAME["mix_ln"].settings(4), config_overrides=overrides)
+    mlps = [layer.mlp for layer in lm.layers]
+    assert type(mlps[0]).__name__ == "MLP" and all(type(m).__name__ == "MoELayer" for m in mlps[1:])
+    assert len(mlps[1].experts.local_experts) == 4 and mlps[1].router.topk == 2
+    assert mlps[1].experts.local_experts[0].linear_fc2.weight.shape == (32, shape.ffn // 2)
+    assert lm.module.config.moe_token_dispatcher_type == "allgather"
+    assert lm.placement.kinds == ("post", "pre", "pre", "pre")

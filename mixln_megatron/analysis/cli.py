@@ -113,6 +113,11 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     g.add_argument("--exclude-norms", action="store_true",
                    help="norm over the weight matrices only (default: every parameter of the layer, "
                    "the norms' scale vectors included)")
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="MoE layers of this many experts (megatron's router and local experts; default dense)")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="experts per token of the MoE layers (default 2)")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="each expert's FFN width (default: the dense FFN width over top-k)")
     g.add_argument("--embedding-std", type=_embedding_std, default=None,
                    help="embedding init std: a number, 'megatron' (= init-method-std, default) or "
                    "'reference' (sqrt(2/5), the Mix-LN reference code)")
@@ -169,8 +174,17 @@ def _run_grad_norms(a) -> int:
         init_method_std=a.init_method_std, embedding_init_std=a.embedding_std,
     )
     batch_list = textdata.batches(tokens, a.seq_length, a.batch_size, a.num_batches, seed=a.data_seed)
+    moe = {}
+    if a.num_experts:
+        from .moe import fresh_moe_fields
+
+        moe = fresh_moe_fields(a.num_experts, a.moe_router_topk, a.moe_ffn_hidden_size or max(1, shape.ffn // a.moe_router_topk))
     t0 = time.time()
-    result = grad_norms.measure_at_init(shape, batch_list, a.variants, a.mixln_alpha, a.seeds, a.exclude_norms)
+    result = grad_norms.measure_at_init(shape, batch_list, a.variants, a.mixln_alpha, a.seeds, a.exclude_norms,
+                                        config_overrides=moe)
+    if moe:
+        result["moe"] = {"num_experts": a.num_experts, "moe_router_topk": a.moe_router_topk,
+                         "moe_ffn_hidden_size": moe["moe_ffn_hidden_size"]}
     result.update(
         when="at initialization", text=a.text or "shipped Austen corpus",
         tokens_per_gradient=a.batch_size * a.num_batches * a.seq_length, seconds=round(time.time() - t0, 1),
@@ -180,7 +194,8 @@ def _run_grad_norms(a) -> int:
     _write_json(base + ".json", result)
     grad_norms.plot_profiles(result, base + ".png",
                              title=f"per-layer gradient norm at initialization\n{shape.describe()}")
-    print(f"per-layer gradient norms at initialization: {shape.describe()}, {len(a.seeds)} seed(s), "
+    where = f", MoE {a.num_experts} experts top-{a.moe_router_topk}" if moe else ""
+    print(f"per-layer gradient norms at initialization: {shape.describe()}{where}, {len(a.seeds)} seed(s), "
           f"{result['tokens_per_gradient']} tokens")
     print(grad_norms.format_table(result))
     for name, ok in result["checks"].items():
@@ -294,6 +309,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
             check_hf_folder(a.hf)  # refuse a bad folder (confined, validated) before the harness or transformers
         if a.command == "grad-norms" and (a.num_layers < 1 or a.batch_size < 1 or a.num_batches < 1 or not a.seeds):
             raise ValueError("--num-layers, --batch-size, --num-batches must be positive and --seeds non-empty")
+        if a.command == "grad-norms" and a.num_experts is not None and not 1 <= a.moe_router_topk <= a.num_experts:
+            raise ValueError(f"--moe-router-topk must be between 1 and --num-experts ({a.num_experts})")
         run = {"grad-norms": _run_grad_norms, "angular-distance": _run_angular}.get(a.command, _run_layer_drop)
         with _megatron_on_this_machine():
             return run(a)

@@ -103,15 +103,19 @@ def measure_at_init(
     alpha: float = 0.25,
     seeds: Sequence[int] = (1234,),
     exclude_norms: bool = False,
+    config_overrides: Optional[dict] = None,
 ) -> dict:
-    """Per-layer gradient norms at initialization of each variant, for each seed, and their mean."""
+    """Per-layer gradient norms at initialization of each variant, for each seed, and their mean.
+    `config_overrides`: TransformerConfig fields on top of the shape's (e.g. MoE layers, whose
+    norm then covers the router and every expert)."""
     result = {"shape": shape.describe(), "alpha": alpha, "seeds": list(seeds), "variants": {},
               "parameters": "weight matrices only" if exclude_norms else "all parameters of the layer"}
     for name in variants:
         p, scheme = variant_placement(name, shape.num_layers, alpha)
         per_seed, losses = [], []
         for seed in seeds:
-            lm = build_megatron_gpt(shape, post_ln_layers=p, scheme=scheme, seed=seed)
+            lm = build_megatron_gpt(shape, post_ln_layers=p, scheme=scheme, seed=seed,
+                                    config_overrides=config_overrides)
             norms, loss = grad_norm_profile(lm, batch_list, exclude_norms)
             per_seed.append(norms)
             losses.append(loss)
