@@ -275,3 +275,25 @@ def test_a_truncated_or_forged_expert_tensor_is_refused(exported, tmp_path):
     with pytest.raises(ConversionError):
         to_hf(str(cut), str(tmp_path / "out"), progress=False)
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ expert / tensor parallel saves (2 ranks)
+@pytest.mark.mp
+def test_ep2_and_tp2_saves_export_the_ep1_tensors_and_from_hf_loads_at_ep2(exported):
+    """Saved at EP2 (each rank 2 of the 4 experts) and at TP2 + SP: DCP reads reshard them, so the
+    export is the EP1 one, tensor for tensor; the from-hf checkpoint loads at EP2 with EP1's logits."""
+    root = exported["root"]
+    back = root / "ep_back_megatron"
+    from_hf(str(exported["hf"]), str(back), progress=False)
+    out = root / "parallel"
+    out.mkdir()
+    mu.torchrun(os.path.join(HERE, "workers", "moe_convert_worker.py"), 2,
+                exported["ckpt"] / "iter_0000001", back / "release", out)
+    want = tensors(exported["hf"])
+    for name in ("ep2", "tp2"):
+        to_hf(str(out / name), str(out / f"{name}_hf"), progress=False)
+        got = tensors(out / f"{name}_hf")
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), name
+    ep2 = torch.load(out / "ep2_from_hf.pt")
+    assert ep2["local_experts"] == 2
+    assert float((ep2["logits"] - megatron_logits(exported["model"])[1]).abs().max()) <= 1e-6
