@@ -530,3 +530,23 @@ else:
               "--vocab-size", str(VOCAB), "--tokenizer-model", folders[0]])
         assert_same_hf_folder(trained + "-hf", folders[0])
         print("bridge tp2 + checkpoint timings (s):", times)
+
+    def test_moe_models_are_refused_in_one_line_naming_the_converter(tmp_path):
+        """No Mix-LN MoE bridge (mixln_megatron.bridge.moe): a mixln_moe folder through AutoBridge and
+        a provider with experts are refused in one line that names `convert from-hf`, before any
+        model is built (not Bridge's own "unsupported architecture", not a half-mapped model)."""
+        from mixln_megatron.hf import MixLNMoeConfig, MixLNMoeForCausalLM
+
+        config = MixLNMoeConfig(post_ln_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=32, mlp_only_layers=[0], **TINY)
+        folder = export_folder(MixLNMoeForCausalLM(config), str(tmp_path / "moe"))
+        bridge = AutoBridge.from_hf_pretrained(folder, trust_remote_code=True)
+        for attempt in (lambda: bridge.to_megatron_provider(load_weights=True),
+                        lambda: mixln_bridge.MixLNModelProvider(
+                            num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
+                            post_ln_layers=1).finalize()):
+            with pytest.raises(mixln_bridge.MixLNBridgeMoEError) as info:
+                attempt()
+            message = str(info.value)
+            assert "\n" not in message and "no Mix-LN MoE bridge" in message, message
+            assert "mixln-megatron convert from-hf" in message, message

@@ -74,6 +74,9 @@ class MixLNModelProvider(GPTModelProvider):
     transformer_layer_spec: object = mixln_block_spec
 
     def finalize(self) -> None:
+        from .moe import refuse_moe_provider
+
+        refuse_moe_provider(self)  # no Mix-LN MoE bridge (bridge.moe)
         check_backend(self.mixln_backend)
         if self.mixln_backend == "local":
             self.persist_layer_norm = False  # apex's kernel; the local norm is plain torch
