@@ -163,6 +163,23 @@ def test_lns_and_pre_softmax_routing_export_the_same_logits(tmp_path):
     assert config["mixln_scheme"] == "mixln+lns"
 
 
+def test_an_export_reads_one_expert_at_a_time(exported, tmp_path, monkeypatch):
+    """Memory: an MoE layer's experts are read as one expert's box each, never the layer's [E, ...] tensor."""
+    from mixln_megatron.convert.dcp_files import DCPFiles
+
+    boxes, read = [], DCPFiles.read
+
+    def recording(self, wanted):
+        boxes.extend((key, tuple(box[1].shape)) for key, box in wanted.items())
+        return read(self, wanted)
+
+    monkeypatch.setattr(DCPFiles, "read", recording)
+    to_hf(str(exported["ckpt"]), str(tmp_path / "hf"), progress=False)
+    experts = [shape for key, shape in boxes if ".experts.experts." in key]
+    assert len(experts) == 3 * EXPERTS * 2 and all(shape[0] == 1 for shape in experts), experts
+    assert {shape[1:] for shape in experts} == {(2 * EXPERT_FFN, 64), (64, EXPERT_FFN)}
+
+
 # ------------------------------------------------------------------ HF -> Megatron -> HF
 def test_round_trip_is_bit_identical_and_loads_into_the_gpt_model(exported):
     root = exported["root"]
@@ -297,3 +314,30 @@ def test_ep2_and_tp2_saves_export_the_ep1_tensors_and_from_hf_loads_at_ep2(expor
     ep2 = torch.load(out / "ep2_from_hf.pt")
     assert ep2["local_experts"] == 2
     assert float((ep2["logits"] - megatron_logits(exported["model"])[1]).abs().max()) <= 1e-6
+
+
+# ------------------------------------------------------------------ the from-hf checkpoint trains (slow)
+PRETRAIN_MOE = ["--cpu", "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128",
+                "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+                "--seq-length", "16", "--max-position-embeddings", "16", "--normalization", "RMSNorm",
+                "--norm-epsilon", "1e-5", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
+                "--untie-embeddings-and-output-weights", "--micro-batch-size", "2", "--global-batch-size", "4",
+                "--train-iters", "2", "--lr", "1e-3", "--eval-iters", "0", "--eval-interval", "1000",
+                "--log-interval", "1", "--num-workers", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                "--vocab-size", "128", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
+                "--moe-shared-expert-intermediate-size", "40", "--moe-token-dispatcher-type", "allgather",
+                "--moe-layer-freq", "[0,1,1,1]", "--mixln-layout", KINDS, "--ckpt-format", "torch_dist"]
+
+
+@pytest.mark.slow
+@pytest.mark.mp
+@pytest.mark.parametrize("ep", [1, 2])
+def test_the_from_hf_checkpoint_trains_with_pretrain(exported, tmp_path, ep):
+    from test_pretrain import train
+
+    ckpt = tmp_path / "from_hf"
+    from_hf(str(exported["hf"]), str(ckpt), transformer_impl="local", progress=False)
+    out = train(PRETRAIN_MOE + ["--load", str(ckpt), "--expert-model-parallel-size", str(ep),
+                                "--save", str(tmp_path / "cont"), "--save-interval", "2"], nproc=ep, timeout=600)
+    assert "loading release" in out and " iteration        2/       2 |" in out, out[-3000:]
+    assert open(tmp_path / "cont" / "latest_checkpointed_iteration.txt").read().strip() == "2"
