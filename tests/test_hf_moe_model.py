@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -86,9 +87,8 @@ def swiglu(x, gate, up, down):
     return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
 
 
-def ref_moe(x, W, p, cfg, norm_topk=None):
+def ref_moe(x, W, p, cfg, norm_topk):
     E, k, I = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-    norm_topk = cfg.norm_topk_prob if norm_topk is None else norm_topk
     t = x.reshape(-1, x.shape[-1])
     logits = t @ W[p + "mlp.gate.weight"].T
     if norm_topk:  # Megatron's default: softmax over the k selected logits
@@ -110,13 +110,24 @@ def ref_moe(x, W, p, cfg, norm_topk=None):
     return out.reshape(x.shape)
 
 
-def ref_ffn(x, W, p, cfg, i, norm_topk=None):
+def ref_ffn(x, W, p, cfg, i, norm_topk):
     if i in cfg.mlp_only_layers:
         return swiglu(x, W[p + "mlp.gate_proj.weight"], W[p + "mlp.up_proj.weight"], W[p + "mlp.down_proj.weight"])
     return ref_moe(x, W, p, cfg, norm_topk)
 
 
+def reference_spec(kinds, scheme="mixln", **over):
+    """What the reference reads (the case's own values, not the model's config): TINY, MOE and the case."""
+    spec = dict(TINY, **MOE, num_hidden_layers=len(kinds), layer_kinds=list(kinds), mixln_scheme=scheme,
+                norm_topk_prob=True, shared_expert_intermediate_size=None, shared_expert_gate=False,
+                mlp_only_layers=[], tie_word_embeddings=False, head_dim=TINY["hidden_size"] // TINY["num_attention_heads"])
+    spec.update(over)
+    return SimpleNamespace(**spec)
+
+
 def ref_logits(W, ids, cfg, norm_topk=None):
+    """cfg: a reference_spec; norm_topk overrides its routing normalisation."""
+    norm_topk = cfg.norm_topk_prob if norm_topk is None else norm_topk
     x = W["model.embed_tokens.weight"][ids]
     for i in range(cfg.num_hidden_layers):
         kind, p, eps = cfg.layer_kinds[i], f"model.layers.{i}.", cfg.rms_norm_eps
@@ -165,7 +176,7 @@ def test_logits_and_gradients_equal_reference(case):
     over = dict(REF_CASES[case])
     kinds, scheme = over.pop("kinds"), over.pop("scheme", "mixln")
     model = build(kinds, scheme, seed=3, **over)
-    cfg = model.config
+    cfg = reference_spec(kinds, scheme, **over)
     moe_layers = [i for i in range(4) if i not in cfg.mlp_only_layers]
     assert [isinstance(model.model.layers[i].mlp, MixLNMoeSparseMoeBlock) for i in range(4)] == \
         [i in moe_layers for i in range(4)]
@@ -299,8 +310,8 @@ REMOTE_SCRIPT = textwrap.dedent(
 
 def test_save_names_and_remote_code_roundtrip(tmp_path):
     kinds = ["post", "sandwich", "pre", "deepnorm"]
-    model = build(kinds, "mixln+lns", seed=11, mlp_only_layers=[2], shared_expert_intermediate_size=24,
-                  shared_expert_gate=True)
+    over = dict(mlp_only_layers=[2], shared_expert_intermediate_size=24, shared_expert_gate=True)
+    model = build(kinds, "mixln+lns", seed=11, **over)
     folder = tmp_path / "hf_moe"
     save_hf_folder(model, folder)
     saved = json.loads((folder / "config.json").read_text())
@@ -313,7 +324,7 @@ def test_save_names_and_remote_code_roundtrip(tmp_path):
         assert (folder / name).is_file(), name
     keys = set(load_file(str(folder / "model.safetensors")))
     mlp_keys = {k for k in keys if ".mlp." in k}
-    assert mlp_keys == contract_names(model.config)
+    assert mlp_keys == contract_names(reference_spec(kinds, **over))
     assert keys == set(contract_state_dict(model))
     # Norm names as for the dense export.
     assert "model.layers.0.post_feedforward_layernorm.weight" in keys and "model.layers.1.pre_feedforward_layernorm.weight" in keys
@@ -402,9 +413,11 @@ def folder_config(model, fields):
 STOCK_CASES = {
     # (a) routed experts only -> Mixtral
     "mixtral": (dict(), "mixtral", "MixtralForCausalLM"),
-    # (b) gated shared expert, dense first layer, pre-softmax routing -> Qwen2-MoE
-    "qwen2_moe": (dict(shared_expert_intermediate_size=24, shared_expert_gate=True, mlp_only_layers=[0],
-                       norm_topk_prob=False), "qwen2_moe", "Qwen2MoeForCausalLM"),
+    # (b) gated shared expert, dense first layer -> Qwen2-MoE, with either routing
+    "qwen2_moe": (dict(shared_expert_intermediate_size=24, shared_expert_gate=True, mlp_only_layers=[0]),
+                  "qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen2_moe-presoftmax": (dict(shared_expert_intermediate_size=24, shared_expert_gate=True, norm_topk_prob=False),
+                             "qwen2_moe", "Qwen2MoeForCausalLM"),
     # (c) an ungated shared expert: no stock class
     "ungated": (dict(shared_expert_intermediate_size=24), None, "MixLNMoeForCausalLM"),
 }
@@ -448,6 +461,14 @@ def test_all_pre_exports_as_stock_class_where_exact(case, tmp_path):
 def test_stock_choice_rules():
     pre = dict(post_ln_layers=0, mixln_scheme="mixln")
     gated = dict(shared_expert_intermediate_size=8, shared_expert_gate=True)
+    # The stock classes' own spellings.
+    assert moe_export_config_fields(**pre, **MOE) == {
+        "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": 4,
+        "num_experts_per_tok": 2, "intermediate_size": 16, "router_jitter_noise": 0.0}
+    assert moe_export_config_fields(**pre, **MOE, **gated, mlp_only_layers=[1, 0], num_hidden_layers=3) == {
+        "model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16, "shared_expert_intermediate_size": 8, "mlp_only_layers": [0, 1],
+        "decoder_sparse_step": 1, "norm_topk_prob": True, "qkv_bias": False, "use_sliding_window": False}
     assert stock_moe_model_type(**pre) == "mixtral"
     assert stock_moe_model_type(**pre, norm_topk_prob=False) is None  # Mixtral always renormalises
     assert stock_moe_model_type(**pre, mlp_only_layers=[0]) is None  # dense layers without a gated shared expert
