@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
+# The MoE model is built from transformers 5's fused Qwen2-MoE experts (absent from 4.x).
+pytest.importorskip("transformers.conversion_mapping", reason="the Mix-LN MoE model needs transformers >= 5")
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
@@ -354,8 +356,25 @@ def test_save_names_and_remote_code_roundtrip(tmp_path):
     register_auto_classes()
     back = AutoModelForCausalLM.from_pretrained(folder)
     assert type(back) is MixLNMoeForCausalLM
+    base = transformers.AutoModel.from_pretrained(folder)  # the base model serving backends load
+    assert type(base) is MixLNMoeModel
     with torch.no_grad():
         assert torch.equal(back(ids).logits, logits)
+        assert torch.equal(base(ids).last_hidden_state, model.model(ids).last_hidden_state)
+
+
+def test_clear_error_without_fused_experts(monkeypatch):
+    """With a transformers that lacks the checkpoint conversion / fused experts (4.x), importing the MoE model
+    file fails with one line saying it needs transformers >= 5."""
+    import importlib.util
+
+    import mixln_megatron.hf.modeling_mixln_moe as real
+
+    monkeypatch.setitem(sys.modules, "transformers.conversion_mapping", None)  # an import of it now fails
+    spec = importlib.util.spec_from_file_location("mixln_megatron.hf._moe_probe", real.__file__)
+    with pytest.raises(ImportError, match=r"needs transformers >= 5 \(fused Qwen2-MoE experts\); installed: 5") as err:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    assert "\n" not in str(err.value)
 
 
 def test_model_code_is_self_contained(tmp_path):
