@@ -239,6 +239,26 @@ def test_a_stock_qwen2_moe_folder_converts(tmp_path):
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_folder_the_hf_mixln_moe_model_saved_converts(tmp_path):
+    """A MixLNMoeForCausalLM saved by transformers (hf.save_hf_folder: per-expert hub names on disk)."""
+    from mixln_megatron.hf import export_code
+    from mixln_megatron.hf.configuration_mixln_moe import MixLNMoeConfig
+    from mixln_megatron.hf.modeling_mixln_moe import MixLNMoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixLNMoeConfig(vocab_size=mu.VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         layer_kinds=["sandwich", "post", "pre"], post_ln_layers=1, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=32, shared_expert_intermediate_size=24, mlp_only_layers=[2],
+                         tie_word_embeddings=False)
+    export_code.save_hf_folder(MixLNMoeForCausalLM(cfg), str(tmp_path / "saved"))
+    from_hf(str(tmp_path / "saved"), str(tmp_path / "megatron"), progress=False)
+    to_hf(str(tmp_path / "megatron"), str(tmp_path / "again"), progress=False)
+    a, b = tensors(tmp_path / "saved"), tensors(tmp_path / "again")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.load(open(tmp_path / "again" / "config.json"))["layer_kinds"] == ["sandwich", "post", "pre"]
+
+
 # ------------------------------------------------------------------ inspect, refusals
 def test_inspect_names_the_experts(exported, capsys):
     from mixln_megatron.convert.cli import main
