@@ -90,6 +90,8 @@ class _MoeMLP:
     """Mixin for the Mix-LN layer kinds: the MoE block in place of LLaMA's MLP on MoE layers."""
 
     def __init__(self, config: MixLNMoeConfig, layer_idx: int):
+        # The kind's own init runs unchanged (it builds LLaMA's dense MLP, dropped here on MoE layers; from_pretrained
+        # builds on the meta device, so that costs no memory there).
         super().__init__(config, layer_idx)
         if config.is_moe_layer(layer_idx):
             self.mlp = MixLNMoeSparseMoeBlock(config)
