@@ -122,7 +122,8 @@ def reference_spec(kinds, scheme="mixln", **over):
     """What the reference reads (the case's own values, not the model's config): TINY, MOE and the case."""
     spec = dict(TINY, **MOE, num_hidden_layers=len(kinds), layer_kinds=list(kinds), mixln_scheme=scheme,
                 norm_topk_prob=True, shared_expert_intermediate_size=None, shared_expert_gate=False,
-                mlp_only_layers=[], tie_word_embeddings=False, head_dim=TINY["hidden_size"] // TINY["num_attention_heads"])
+                mlp_only_layers=[], tie_word_embeddings=False,
+                head_dim=TINY["hidden_size"] // TINY["num_attention_heads"])
     spec.update(over)
     return SimpleNamespace(**spec)
 
@@ -329,7 +330,8 @@ def test_save_names_and_remote_code_roundtrip(tmp_path):
     assert mlp_keys == contract_names(reference_spec(kinds, **over))
     assert keys == set(contract_state_dict(model))
     # Norm names as for the dense export.
-    assert "model.layers.0.post_feedforward_layernorm.weight" in keys and "model.layers.1.pre_feedforward_layernorm.weight" in keys
+    assert {"model.layers.0.post_feedforward_layernorm.weight",
+            "model.layers.1.pre_feedforward_layernorm.weight"} <= keys
 
     ids = torch.randint(3, 61, (1, 8), generator=torch.Generator().manual_seed(12))
     with torch.no_grad():
@@ -339,8 +341,8 @@ def test_save_names_and_remote_code_roundtrip(tmp_path):
     script.write_text(REMOTE_SCRIPT)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"),
                HF_MODULES_CACHE=str(tmp_path / "hf_modules"), PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, str(script), str(folder), str(tmp_path / "ref.pt"), str(tmp_path / "resaved")],
-                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    argv = [sys.executable, str(script), str(folder), str(tmp_path / "ref.pt"), str(tmp_path / "resaved")]
+    proc = subprocess.run(argv, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(lines[-1][len("RESULT "):])
@@ -398,7 +400,8 @@ def test_model_code_is_self_contained(tmp_path):
 
 def llama_kwargs(cfg):
     """The LlamaConfig arguments of `cfg`, as a converter passes them to moe_config_for_export."""
-    d = LlamaConfig(**TINY, num_hidden_layers=cfg.num_hidden_layers, tie_word_embeddings=cfg.tie_word_embeddings).to_dict()
+    d = LlamaConfig(**TINY, num_hidden_layers=cfg.num_hidden_layers,
+                    tie_word_embeddings=cfg.tie_word_embeddings).to_dict()
     return {k: v for k, v in d.items() if k not in ("model_type", "architectures", "transformers_version")}
 
 

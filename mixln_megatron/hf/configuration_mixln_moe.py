@@ -53,9 +53,8 @@ def _check_mlp_only_layers(mlp_only_layers, num_hidden_layers):
     bad = [i for i in mlp_only_layers if not _is_int(i) or i < 0
            or (num_hidden_layers is not None and i >= num_hidden_layers)]
     if bad:
-        raise MixLNConfigValueError(
-            f"mlp_only_layers has {bad[0]!r:.40}, not a layer index in 0..{'' if num_hidden_layers is None else num_hidden_layers - 1}"
-        )
+        last = "" if num_hidden_layers is None else num_hidden_layers - 1
+        raise MixLNConfigValueError(f"mlp_only_layers has {bad[0]!r:.40}, not a layer index in 0..{last}")
     if len(set(mlp_only_layers)) != len(mlp_only_layers):
         raise MixLNConfigValueError(f"mlp_only_layers lists a layer twice: {list(mlp_only_layers)!r:.80}")
     return sorted(mlp_only_layers)
