@@ -117,3 +117,31 @@ def test_grad_norms_of_fresh_moe_models(mcore_single, tmp_path, capsys):
         assert len(norms) == 3 and all(math.isfinite(x) and x > 0 for x in norms)
         assert all(abs(m - d) > 1e-6 * d for m, d in zip(norms, dense["variants"][name]["mean"]))
     assert _analyze(*common, "--num-experts", "2", "--moe-router-topk", "3", "--out-dir", str(tmp_path / "x")) == 2
+
+
+def test_the_saved_routing_is_carried_and_the_execution_is_the_cpu_s():
+    """analysis.moe: what changes a layer's output comes from the saved args; how the experts ran
+    (grouped GEMM, alltoall, fusions) is replaced by what runs in one CPU process; latent MoE is
+    refused in one line naming its flag; a dense model gets nothing."""
+    from argparse import Namespace
+
+    from mixln_megatron.analysis import moe
+
+    saved = Namespace(num_experts=8, moe_router_topk=3, moe_ffn_hidden_size=64, moe_layer_freq=[0, 1],
+                      moe_router_pre_softmax=True, moe_router_score_function="sigmoid",
+                      moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=32,
+                      moe_shared_expert_gate=True, moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall",
+                      moe_permute_fusion=True, moe_latent_size=None)
+    fields = moe.moe_config_fields(saved)
+    assert fields["num_moe_experts"] == 8 and fields["moe_router_topk"] == 3 and fields["moe_layer_freq"] == [0, 1]
+    assert fields["moe_router_pre_softmax"] and fields["moe_router_score_function"] == "sigmoid"
+    assert fields["moe_router_enable_expert_bias"] and fields["moe_shared_expert_gate"]
+    assert fields["moe_token_dispatcher_type"] == "allgather" and not fields["moe_grouped_gemm"]
+    assert not fields["moe_permute_fusion"]
+    assert moe.moe_config_fields(Namespace(num_experts=None, moe_latent_size=16)) == {}
+    saved.moe_latent_size = 16
+    with pytest.raises(moe.MoEAnalysisError) as info:
+        moe.moe_config_fields(saved)
+    assert "\n" not in str(info.value) and "moe_latent_size=16" in str(info.value)
+    assert moe.local_expert("mlp.experts.local_experts.3.linear_fc2.weight") == (3, "fc2")
+    assert moe.local_expert("mlp.shared_experts.linear_fc1.weight") is None
