@@ -166,18 +166,26 @@ def test_lns_and_pre_softmax_routing_export_the_same_logits(tmp_path):
 def test_an_export_reads_one_expert_at_a_time(exported, tmp_path, monkeypatch):
     """Memory: an MoE layer's experts are read as one expert's box each, never the layer's [E, ...] tensor."""
     from mixln_megatron.convert.dcp_files import DCPFiles
+    from mixln_megatron.convert.torch_dist_reader import TorchDistCheckpoint
 
-    boxes, read = [], DCPFiles.read
+    boxes, calls, read, read_layer = [], [], DCPFiles.read, TorchDistCheckpoint.read_layer
 
     def recording(self, wanted):
         boxes.extend((key, tuple(box[1].shape)) for key, box in wanted.items())
         return read(self, wanted)
 
+    def layer_reads(self, layer, roles):
+        roles = list(roles)
+        calls.append({role.split(".")[1] for role in roles if role.startswith("experts.")})
+        return read_layer(self, layer, roles)
+
     monkeypatch.setattr(DCPFiles, "read", recording)
+    monkeypatch.setattr(TorchDistCheckpoint, "read_layer", layer_reads)
     to_hf(str(exported["ckpt"]), str(tmp_path / "hf"), progress=False)
     experts = [shape for key, shape in boxes if ".experts.experts." in key]
     assert len(experts) == 3 * EXPERTS * 2 and all(shape[0] == 1 for shape in experts), experts
     assert {shape[1:] for shape in experts} == {(2 * EXPERT_FFN, 64), (64, EXPERT_FFN)}
+    assert all(len(experts) <= 1 for experts in calls), calls  # never two experts' tensors in memory at once
 
 
 # ------------------------------------------------------------------ HF -> Megatron -> HF
