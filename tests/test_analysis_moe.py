@@ -14,9 +14,9 @@ import pytest
 from test_pretrain import TINY, train
 
 VOCAB = ["--vocab-size", "4096"]  # the shipped tokenizer's ids (the analyses' default text) fit
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather",
-       "--moe-ffn-hidden-size", "48", "--moe-layer-freq", "[0,1,1,1]",
-       "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate"]
+ROUTED = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather",
+          "--moe-ffn-hidden-size", "48"]
+MOE = [*ROUTED, "--moe-layer-freq", "[0,1,1,1]", "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate"]
 LAYOUT = "post:1,sandwich:2,pre:3-4"
 
 
@@ -145,3 +145,17 @@ def test_the_saved_routing_is_carried_and_the_execution_is_the_cpu_s():
     assert "\n" not in str(info.value) and "moe_latent_size=16" in str(info.value)
     assert moe.local_expert("mlp.experts.local_experts.3.linear_fc2.weight") == (3, "fc2")
     assert moe.local_expert("mlp.shared_experts.linear_fc1.weight") is None
+
+
+@pytest.mark.slow
+def test_a_uniform_moe_stack_with_stacked_keys(tmp_path):
+    """Every layer MoE (megatron stacks the keys [L, ...], experts [L, E, ...]), every kind in one
+    model (deepnorm's and sandwich's norms included): layer-drop reads it and each layer counts."""
+    save = tmp_path / "ckpt"
+    train(["--cpu", *_tiny_args(), *ROUTED, "--mixln-layout", "post:1,sandwich:2,deepnorm:3,pre:4", "--train-iters",
+           "3", "--eval-iters", "0", "--save", str(save), "--save-interval", "3", "--ckpt-format", "torch_dist"])
+    assert _analyze("layer-drop", "--load", str(save), "--tokens", "128", "--seq-length", "32",
+                    "--out-dir", str(tmp_path / "d")) == 0
+    res = json.loads((tmp_path / "d" / "layer_drop.json").read_text())
+    assert "deepnorm:3" in res["model"] and [r["layer"] for r in res["layers"]] == [1, 2, 3, 4]
+    assert all(abs(r["loss"] - res["baseline"]["loss"]) > 1e-6 for r in res["layers"])
