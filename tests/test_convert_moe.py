@@ -119,11 +119,13 @@ def hf_logits(folder, ids):
 
 def assert_parity(model, cfg, tmp_path, name):
     ckpt = save_megatron(model, cfg, tmp_path / f"{name}_megatron")
-    to_hf(str(ckpt), str(tmp_path / f"{name}_hf"), progress=False)
+    summary = to_hf(str(ckpt), str(tmp_path / f"{name}_hf"), progress=False)
     ids, want = megatron_logits(model)
     cls, got = hf_logits(tmp_path / f"{name}_hf", ids)
     diff = float((got - want).abs().max())
+    print(f"{name}: {cls} max |HF - Megatron| logit difference {diff:.3g}")
     assert diff <= 1e-5, (name, cls, diff)
+    assert summary["architecture"] == cls and summary["remote_code"] == cls.startswith("MixLN")
     return cls, json.load(open(tmp_path / f"{name}_hf" / "config.json")), ckpt
 
 

@@ -207,7 +207,7 @@ def _run(args) -> int:
             f"vocab {summary['vocab_size']} of {summary['padded_vocab_size']} rows ({summary['vocab_source']}), "
             f"{summary['dtype']}, {summary['bytes'] / 2**20:.1f} MiB in {summary['seconds']} s"
         )
-        if summary["architecture"] != "LlamaForCausalLM":
+        if summary["remote_code"]:
             print("[mixln-megatron convert] load with AutoModelForCausalLM.from_pretrained(dir, "
                   "trust_remote_code=True); serve with vLLM / SGLang through their Transformers backend "
                   "(--model-impl transformers --trust-remote-code)")

@@ -344,7 +344,7 @@ def convert_to_hf(
         "model_kind": facts.model_kind, "hybrid_pattern": facts.hybrid_pattern,
         "post_ln_layers": post_ln, "scheme": scheme, "alpha": alpha, "layout": None if facts.placement.is_first_p else facts.placement.layout,
         "deepnorm_alpha": facts.placement.deepnorm_alpha, "settings_source": facts.settings_source,
-        "architecture": "LlamaForCausalLM" if stock else "MixLNLlamaForCausalLM",
+        "architecture": config["architectures"][0], "remote_code": not stock,
         "vocab_size": facts.vocab_size, "vocab_source": facts.vocab_source,
         "padded_vocab_size": facts.padded_vocab_size,
         "dtype": dtype_name, "bytes": writer.total_bytes, "files": files, "save": os.path.abspath(save),
