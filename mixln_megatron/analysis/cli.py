@@ -178,7 +178,8 @@ def _run_grad_norms(a) -> int:
     if a.num_experts:
         from .moe import fresh_moe_fields
 
-        moe = fresh_moe_fields(a.num_experts, a.moe_router_topk, a.moe_ffn_hidden_size or max(1, shape.ffn // a.moe_router_topk))
+        expert_ffn = a.moe_ffn_hidden_size or max(1, shape.ffn // a.moe_router_topk)  # active width = dense
+        moe = fresh_moe_fields(a.num_experts, a.moe_router_topk, expert_ffn)
     t0 = time.time()
     result = grad_norms.measure_at_init(shape, batch_list, a.variants, a.mixln_alpha, a.seeds, a.exclude_norms,
                                         config_overrides=moe)

@@ -413,8 +413,9 @@ def check_hf_folder(path: str):
 def refuse_moe_hf_folder(path: str, config: dict) -> None:
     """The analyses read MoE models from Megatron checkpoints only: the HF loader here fills a
     LLaMA-family model tensor by tensor and knows no experts."""
-    if config.get("num_local_experts") or config.get("num_experts") or str(config.get("model_type", "")).endswith("moe") \
-            or config.get("model_type") == "mixtral":
+    model_type = str(config.get("model_type", ""))
+    if config.get("num_local_experts") or config.get("num_experts") or model_type.endswith("moe") \
+            or model_type == "mixtral":
         raise ConversionError(
             f"{path} is an MoE Hugging Face model ({config.get('model_type')}): analyze reads MoE models from Megatron "
             "torch_dist checkpoints only; pass --load DIR (convert an HF folder with `mixln-megatron convert from-hf`)")

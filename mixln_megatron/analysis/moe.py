@@ -1,5 +1,5 @@
 """The MoE part of an analysis model: megatron's routing settings read from a checkpoint's args, and
-where each expert tensor of the model lives in the torch_dist checkpoint.
+which expert a model tensor belongs to (for convert's per-expert roles).
 
 The analyses run megatron's own MoELayer, so every routing setting that changes the forward pass
 is carried as the run saved it (the router, top-k, pre-softmax, score function, scaling, groups,
