@@ -371,3 +371,14 @@ def test_the_from_hf_checkpoint_trains_with_pretrain(exported, tmp_path, ep):
                                 "--save", str(tmp_path / "cont"), "--save-interval", "2"], nproc=ep, timeout=600)
     assert "loading release" in out and " iteration        2/       2 |" in out, out[-3000:]
     assert open(tmp_path / "cont" / "latest_checkpointed_iteration.txt").read().strip() == "2"
+
+
+def test_what_stays_refused(exported, tmp_path):
+    """Legacy per-rank files and GPT <-> hybrid conversion do not carry experts: one line each."""
+    from mixln_megatron.convert import convert_gpt_to_hybrid
+
+    with pytest.raises(ConversionError, match="torch_dist checkpoints only"):
+        from_hf(str(exported["hf"]), str(tmp_path / "legacy"), ckpt_format="torch", progress=False)
+    with pytest.raises(UnsupportedModelError, match="MoE layers"):
+        convert_gpt_to_hybrid(str(exported["ckpt"]), str(tmp_path / "hybrid"))
+    assert not (tmp_path / "legacy").exists() and not (tmp_path / "hybrid").exists()
