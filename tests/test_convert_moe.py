@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -34,7 +32,6 @@ from test_convert import tensors  # noqa: E402
 pytestmark = pytest.mark.usefixtures("mcore_single")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
 LAYERS, EXPERTS, TOPK, EXPERT_FFN, SHARED_FFN = 4, 4, 2, 48, 40
 MIXED = [0, 1, 1, 1]  # a dense first layer, as DeepSeek and Qwen do
 

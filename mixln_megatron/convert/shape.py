@@ -25,7 +25,7 @@ from typing import Dict, Optional, Tuple
 
 from ..model import hybrid_pattern, support
 from ..errors import ConversionError, UnsupportedModelError
-from .moe_shape import MoEShape, layers_of_freq, moe_role_shapes, moe_shape_of_args
+from .moe_shape import MoEShape, moe_role_shapes, moe_shape_of_args
 
 # Upper bounds of what a checkpoint or config.json may say. Real models for comparison: Llama 3.1
 # 405B has 126 layers, hidden 16384, 128 heads (8 KV), FFN 53248, vocabulary 128256; the largest
