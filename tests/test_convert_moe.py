@@ -8,7 +8,8 @@ model (transformers, trust_remote_code, fp32) gives the same within 1e-5, also a
 Qwen2-MoE where one of them is the network. HF -> Megatron -> HF is bit-identical, and the
 from-hf checkpoint loads back into the GPTModel with the same logits. Saves at EP2 and at TP2
 (tests/workers/moe_convert_worker.py, 2 ranks) export the same tensors as the EP1 one.
-Refusals: each routing flag a conversion cannot carry, a truncated expert tensor, MLA / legacy.
+Refusals: each routing flag a conversion cannot carry, a truncated or forged expert tensor, legacy
+output and GPT <-> hybrid conversion of MoE models. The export reads one expert at a time.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ What is written (into a temporary directory renamed to --save at the end):
                              rope keys in both the transformers 5 (rope_parameters) and 4
                              (rope_theta / rope_scaling) spellings.
   configuration_mixln_llama.py, modeling_mixln_llama.py   the model code (Mix-LN / LNS only).
+  MoE checkpoints (convert.moe_shape): config.json of a stock MixtralForCausalLM or
+  Qwen2MoeForCausalLM where one is the network (every layer pre, scheme mixln:
+  hf.export_code.stock_moe_model_type), else MixLNMoeConfig with the four code files; experts under
+  the hub's per-expert names, read and written one expert at a time.
   model-0000k-of-0000N.safetensors + model.safetensors.index.json
   generation_config.json
   tokenizer files            with --tokenizer-model DIR.
