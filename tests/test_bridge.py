@@ -531,22 +531,59 @@ else:
         assert_same_hf_folder(trained + "-hf", folders[0])
         print("bridge tp2 + checkpoint timings (s):", times)
 
-    def test_moe_models_are_refused_in_one_line_naming_the_converter(tmp_path):
-        """No Mix-LN MoE bridge (mixln_megatron.bridge.moe): a mixln_moe folder through AutoBridge and
-        a provider with experts are refused in one line that names `convert from-hf`, before any
-        model is built (not Bridge's own "unsupported architecture", not a half-mapped model)."""
+    # Mix-LN MoE (bridge.moe): a dense first layer, 4 experts top-2, a gated shared expert; Mix-LN's
+    # first P Post-LN, and every kind in one model (renormalised top-k off: megatron's pre-softmax)
+    MOE_LAYOUTS = [dict(post_ln_layers=1), dict(post_ln_layers=2, layer_kinds=ARMS, deepnorm_alpha=1.5,
+                                                deepnorm_beta=0.4, norm_topk_prob=False)]
+
+    @pytest.fixture
+    def cpu_router(monkeypatch):
+        """megatron's router takes TransformerEngine's GEMM whenever TE imports (Bridge imports it),
+        which needs a GPU; on the CPU it runs megatron's own torch path, as without TE."""
+        from megatron.core.transformer.moe import moe_utils
+
+        monkeypatch.setattr(moe_utils, "te_general_gemm", None)
+
+    @pytest.mark.parametrize("fields", MOE_LAYOUTS, ids=["P1", "arms-presoftmax"])
+    def test_moe_round_trip_local_backend(gloo, cpu_router, tmp_path, fields):
+        """A mixln_moe folder -> AutoBridge -> the Megatron MoE GPTModel: HF's logits, the provider's
+        routing, the HF tensors exported back bit for bit (per-expert names), the config's MoE fields
+        back from the provider (megatron_to_hf_config)."""
         from mixln_megatron.hf import MixLNMoeConfig, MixLNMoeForCausalLM
 
-        config = MixLNMoeConfig(post_ln_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                shared_expert_intermediate_size=32, mlp_only_layers=[0], **TINY)
-        folder = export_folder(MixLNMoeForCausalLM(config), str(tmp_path / "moe"))
-        bridge = AutoBridge.from_hf_pretrained(folder, trust_remote_code=True)
-        for attempt in (lambda: bridge.to_megatron_provider(load_weights=True),
-                        lambda: mixln_bridge.MixLNModelProvider(
-                            num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
-                            post_ln_layers=1).finalize()):
-            with pytest.raises(mixln_bridge.MixLNBridgeMoEError) as info:
-                attempt()
-            message = str(info.value)
-            assert "\n" not in message and "no Mix-LN MoE bridge" in message, message
-            assert "mixln-megatron convert from-hf" in message, message
+        config = MixLNMoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=32, shared_expert_gate=True, mlp_only_layers=[0],
+                                **{**TINY, **fields})
+        torch.manual_seed(0)
+        hf = MixLNMoeForCausalLM(config)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                scale = torch.randn(p.shape, generator=g)
+                p.copy_(1.0 + 0.5 * scale if "norm" in name else 0.08 * scale)
+        hf.eval()
+        for key, value in TOKENIZER_IDS.items():  # those of the tokenizer beside it, as convert to-hf writes
+            setattr(hf.config, key, value)
+        folder = export_folder(hf, str(tmp_path / "moe"))
+        bridge, provider, models = bridge_models(folder)
+        assert provider.num_moe_experts == 4 and provider.moe_router_topk == 2 and provider.moe_layer_freq == [0, 1, 1, 1]
+        assert provider.moe_router_pre_softmax == (not config.norm_topk_prob) and provider.moe_shared_expert_gate
+        model = models[0].eval()
+        assert type(model.decoder.layers[0].mlp).__name__ == "MLP"
+        assert all(type(layer.mlp).__name__ == "MoELayer" for layer in model.decoder.layers[1:])
+        ids = tokens()
+        with torch.no_grad():
+            diff = (megatron_logits(model, ids) - hf(input_ids=ids).logits).abs().max().item()
+        assert diff < 2e-5, diff
+        out = str(tmp_path / "back")
+        bridge.save_hf_pretrained(models, out)
+        assert_same_hf_folder(out, folder)
+        exported = mixln_bridge.MixLNMoeBridge.megatron_to_hf_config(provider)
+        assert exported["model_type"] == "mixln_moe" and exported["num_experts"] == 4
+        assert exported["mlp_only_layers"] == [0] and exported["norm_topk_prob"] == config.norm_topk_prob
+        assert exported["shared_expert_gate"] is True and exported["post_ln_layers"] == fields["post_ln_layers"]
+        # its Megatron-LM checkpoint (MoE args written from the provider) converts back to the folder
+        ckpt, again = str(tmp_path / "ckpt"), str(tmp_path / "again")
+        mixln_bridge.save_megatron_checkpoint(models, ckpt, tokenizer_model=folder)
+        _run(["-m", "mixln_megatron.cli", "convert", "to-hf", "--load", ckpt, "--save", again])
+        assert_same_hf_folder(again, folder)

@@ -14,8 +14,8 @@ folders `mixln-megatron convert to-hf` writes for P > 0 or an LNS scheme, so tha
 
 builds the Megatron model with this package's own block spec (mixln_megatron.model.specs), the
 same settings record in its checkpoints, and the same HF folder on export. A P = 0, scheme
-"mixln" folder is a stock LlamaForCausalLM (Bridge's own Llama bridge takes it). MoE models are
-refused in one line (MixLNBridgeMoEError, bridge.moe): use `mixln-megatron convert from-hf / to-hf`.
+"mixln" folder is a stock LlamaForCausalLM (Bridge's own Llama bridge takes it). The Mix-LN MoE
+model (`MixLNMoeForCausalLM`, model_type "mixln_moe") has its bridge too (bridge.moe).
 
 Tested with megatron-bridge 0.6.2 (scripts/install_bridge.sh pins it), whose Llama bridge still
 goes through a GPTModelProvider (`provider_bridge`); this bridge builds on that Llama bridge.
@@ -25,11 +25,13 @@ Nothing else in mixln_megatron imports this package: megatron.bridge is imported
 from .provider import MixLNModelProvider, mixln_block_spec, use_local_backend  # noqa: F401
 from .llama import MIXLN_ARCHITECTURE, MixLNLlamaBridge, post_ln_mappings  # noqa: F401
 from .checkpoint import save_megatron_checkpoint  # noqa: F401
-from .moe import MixLNBridgeMoEError  # noqa: F401
+from .moe import MOE_ARCHITECTURE, MixLNMoeBridge, moe_mappings  # noqa: F401
 
 __all__ = [
     "MIXLN_ARCHITECTURE",
-    "MixLNBridgeMoEError",
+    "MOE_ARCHITECTURE",
+    "MixLNMoeBridge",
+    "moe_mappings",
     "MixLNLlamaBridge",
     "MixLNModelProvider",
     "mixln_block_spec",

@@ -51,13 +51,16 @@ def _provider_of(models):
 
 def hf_config_of(provider) -> dict:
     """The HF config dict of a provider, by the bridge of its kind (ours for a MixLNModelProvider,
-    Bridge's Llama otherwise)."""
+    the MoE one when it has experts; Bridge's Llama otherwise)."""
     from megatron.bridge.models.llama.llama_bridge import LlamaBridge
 
     from .llama import MixLNLlamaBridge
+    from .moe import MixLNMoeBridge
     from .provider import MixLNModelProvider
 
-    bridge = MixLNLlamaBridge if isinstance(provider, MixLNModelProvider) else LlamaBridge
+    bridge = LlamaBridge
+    if isinstance(provider, MixLNModelProvider):
+        bridge = MixLNMoeBridge if getattr(provider, "num_moe_experts", None) else MixLNLlamaBridge
     return bridge.megatron_to_hf_config(provider)
 
 

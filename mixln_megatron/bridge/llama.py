@@ -32,7 +32,6 @@ from ..hf.export_code import MIXLN_ARCHITECTURES, export_config_fields
 from ..model.layout import KINDS, POST, POST_LN_KINDS, SANDWICH
 from ..model.hf_norm_names import NORM_A, NORM_B, NORM_C, NORM_D, hf_norm_module
 from .conversion_tasks import build_tasks
-from .moe import MOE_ARCHITECTURE, MOE_MODEL_TYPE, moe_refusal
 from .provider import MixLNModelProvider
 
 MIXLN_ARCHITECTURE = MIXLN_ARCHITECTURES[0]  # "MixLNLlamaForCausalLM", the auto_map class name
@@ -171,21 +170,3 @@ class MixLNLlamaBridge(LlamaBridge):
 
 
 _register_module_types()
-
-
-@MegatronModelBridge.register_bridge(
-    source=MOE_ARCHITECTURE, target=GPTModel, provider=MixLNModelProvider, model_type=MOE_MODEL_TYPE
-)
-class MixLNMoeRefusedBridge(MegatronModelBridge):
-    """The Mix-LN MoE architecture, registered so that AutoBridge gives the one-line refusal of
-    bridge.moe (not Bridge's "unsupported architecture") whatever it is asked first."""
-
-    def provider_bridge(self, hf_pretrained):
-        raise moe_refusal(f"{MOE_ARCHITECTURE} (model_type {MOE_MODEL_TYPE!r}) folders")
-
-    def mapping_registry(self):
-        raise moe_refusal(f"{MOE_ARCHITECTURE} (model_type {MOE_MODEL_TYPE!r}) folders")
-
-    @classmethod
-    def megatron_to_hf_config(cls, provider) -> dict:
-        raise moe_refusal("an export to the Mix-LN MoE model")

@@ -1,38 +1,122 @@
-"""MoE through Megatron-Bridge: refused in one line, naming the gap and what to use instead.
+"""The Megatron-Bridge bridge of `MixLNMoeForCausalLM` (HF folders with model_type "mixln_moe").
 
-This package's Bridge support is the Mix-LN Llama bridge. A Mix-LN MoE bridge would need, beyond
-it, the router / per-expert / shared-expert (and gate) mappings, the dense-layer pattern
-(`mlp_only_layers` <-> --moe-layer-freq), the MoE layers' own pre-MLP norm names per kind, and the
-MoE export config; Bridge 0.6.2 has no Qwen2-MoE or Mixtral bridge to build them on (only
-Qwen3-MoE's, with QK norms and every layer MoE). Until then an MoE model meets a clear refusal
-instead of a half-mapped model:
-  - an HF folder of the Mix-LN MoE model code (architecture MixLNMoeForCausalLM, model_type
-    "mixln_moe"): a registered bridge whose provider and mappings refuse;
-  - a MixLNModelProvider with num_moe_experts: refused when it is finalized (before any build).
-`mixln-megatron convert from-hf` / `convert to-hf` carry Mix-LN MoE models between HF and Megatron.
+The Mix-LN Llama bridge (bridge.llama: provider, layout, every norm of every kind, which an MoE
+layer names as a dense one does) plus the MoE MLP, in the hub's per-expert names that the
+folders hold on disk (hf.modeling_mixln_moe; transformers fuses them on load, Bridge reads the
+files):
+    Megatron (decoder.layers.<i>.mlp.)                    HF (model.layers.<i>.mlp.)
+    router.weight                                         gate.weight
+    experts.local_experts.<e>.linear_fc1.weight           experts.<e>.gate_proj.weight ; up_proj (rows)
+      (TE grouped GEMM: experts.linear_fc1.weight<e>)
+    experts.local_experts.<e>.linear_fc2.weight           experts.<e>.down_proj.weight
+      (TE grouped GEMM: experts.linear_fc2.weight<e>)
+    shared_experts.linear_fc1.weight / linear_fc2.weight  shared_expert.{gate,up}_proj / down_proj
+    shared_experts.gate_weight                            shared_expert_gate.weight
+and the routing in the provider: experts, top-k, expert width, the dense layers (mlp_only_layers
+<-> moe_layer_freq), the shared expert and its gate, renormalised top-k (norm_topk_prob) or
+megatron's --moe-router-pre-softmax. How the experts run (dispatcher, grouped GEMM, fusions) is
+megatron's default (allgather, sequential experts); on GPUs set the provider's
+moe_token_dispatcher_type / moe_grouped_gemm as for any Megatron MoE model.
+
+Stock Mixtral / Qwen2-MoE folders (what an all-Pre-LN MoE model exports as) are not this bridge's:
+Bridge 0.6.2 has no bridge for them; `mixln-megatron convert from-hf` reads them.
 """
 
 from __future__ import annotations
 
-from ..model.support import MixLNUnsupportedError
+from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+from megatron.bridge.models.conversion.param_mapping import AutoMapping, GatedMLPMapping
+from megatron.core.models.gpt.gpt_model import GPTModel
+
+from .llama import MixLNLlamaBridge
+from .provider import MixLNModelProvider
 
 MOE_ARCHITECTURE = "MixLNMoeForCausalLM"
 MOE_MODEL_TYPE = "mixln_moe"
-INSTEAD = ("convert it with `mixln-megatron convert from-hf` (HF -> Megatron torch_dist) or `convert to-hf` "
-           "(Megatron -> HF) instead")
+
+_MEG, _HF = "decoder.layers.*.mlp.", "model.layers.*.mlp."
 
 
-class MixLNBridgeMoEError(MixLNUnsupportedError):
-    """An MoE model given to this package's Megatron-Bridge support; the message says what to use."""
+def moe_mappings() -> list:
+    """The MoE MLP's mappings (every MoE layer; a dense layer has none of these parameters)."""
+    experts = []
+    for fc1, fc2 in (("experts.local_experts.*.linear_fc1.weight", "experts.local_experts.*.linear_fc2.weight"),
+                     ("experts.linear_fc1.weight*", "experts.linear_fc2.weight*")):  # sequential, TE grouped
+        experts += [GatedMLPMapping(megatron_param=_MEG + fc1, gate=_HF + "experts.*.gate_proj.weight",
+                                    up=_HF + "experts.*.up_proj.weight"),
+                    AutoMapping(megatron_param=_MEG + fc2, hf_param=_HF + "experts.*.down_proj.weight")]
+    return [
+        AutoMapping(megatron_param=_MEG + "router.weight", hf_param=_HF + "gate.weight"),
+        *experts,
+        GatedMLPMapping(megatron_param=_MEG + "shared_experts.linear_fc1.weight",
+                        gate=_HF + "shared_expert.gate_proj.weight", up=_HF + "shared_expert.up_proj.weight"),
+        AutoMapping(megatron_param=_MEG + "shared_experts.linear_fc2.weight", hf_param=_HF + "shared_expert.down_proj.weight"),
+        AutoMapping(megatron_param=_MEG + "shared_experts.gate_weight", hf_param=_HF + "shared_expert_gate.weight"),
+    ]
 
 
-def moe_refusal(what: str) -> MixLNBridgeMoEError:
-    return MixLNBridgeMoEError(f"Megatron-Bridge: {what}, but this package has no Mix-LN MoE bridge (router, "
-                               f"expert and shared-expert mappings); {INSTEAD}")
+def moe_provider_fields(hf_config) -> dict:
+    """The provider's MoE fields of a (validated) MixLNMoeConfig."""
+    dense = set(hf_config.mlp_only_layers or ())
+    return dict(
+        num_moe_experts=int(hf_config.num_experts), moe_router_topk=int(hf_config.num_experts_per_tok),
+        moe_ffn_hidden_size=int(hf_config.moe_intermediate_size),
+        moe_layer_freq=[0 if i in dense else 1 for i in range(hf_config.num_hidden_layers)],
+        moe_shared_expert_intermediate_size=hf_config.shared_expert_intermediate_size,
+        moe_shared_expert_gate=bool(hf_config.shared_expert_gate),
+        moe_router_pre_softmax=not hf_config.norm_topk_prob,  # softmax, top-k, no renormalisation
+        moe_router_score_function="softmax", moe_router_topk_scaling_factor=None,
+        moe_aux_loss_coeff=0.0,  # training-only; an inference-equal model (set it to train with it)
+    )
 
 
-def refuse_moe_provider(provider) -> None:
-    """A provider asked to build MoE layers (num_moe_experts) is refused before anything is built."""
-    experts = getattr(provider, "num_moe_experts", None)
-    if experts:
-        raise moe_refusal(f"the provider has num_moe_experts={experts}")
+def hf_moe_fields(provider) -> dict:
+    """moe_export_config_fields' MoE keyword arguments of a provider (the inverse of moe_provider_fields)."""
+    freq = provider.moe_layer_freq
+    pattern = [bool(v) for v in freq] if isinstance(freq, (list, tuple)) else \
+        [i % int(freq) == 0 for i in range(int(provider.num_layers))]
+    return dict(num_experts=int(provider.num_moe_experts), num_experts_per_tok=int(provider.moe_router_topk),
+                moe_intermediate_size=int(provider.moe_ffn_hidden_size),
+                norm_topk_prob=not provider.moe_router_pre_softmax,
+                shared_expert_intermediate_size=provider.moe_shared_expert_intermediate_size,
+                shared_expert_gate=bool(provider.moe_shared_expert_gate),
+                mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe],
+                num_hidden_layers=int(provider.num_layers))
+
+
+@MegatronModelBridge.register_bridge(
+    source=MOE_ARCHITECTURE, target=GPTModel, provider=MixLNModelProvider, model_type=MOE_MODEL_TYPE
+)
+class MixLNMoeBridge(MixLNLlamaBridge):
+    """Megatron-Bridge bridge for Mix-LN MoE models (MixLNMoeForCausalLM <-> GPTModel with MoE layers).
+
+        >>> import mixln_megatron.bridge
+        >>> bridge = AutoBridge.from_hf_pretrained(folder, trust_remote_code=True)
+        >>> provider = bridge.to_megatron_provider()   # MixLNModelProvider with num_moe_experts
+    """
+
+    def provider_bridge(self, hf_pretrained) -> MixLNModelProvider:
+        provider = super().provider_bridge(hf_pretrained)  # Llama's fields and the Mix-LN layout
+        for name, value in moe_provider_fields(hf_pretrained.config).items():
+            setattr(provider, name, value)
+        return provider
+
+    @classmethod
+    def megatron_to_hf_config(cls, provider) -> dict:
+        from ..hf.export_code import export_config_fields, moe_export_config_fields
+
+        hf_config = super().megatron_to_hf_config(provider)  # Llama's and the Mix-LN fields
+        dense_keys = export_config_fields(int(getattr(provider, "post_ln_layers", 0)),
+                                          getattr(provider, "mixln_scheme", "mixln"))
+        for key in ("model_type", "architectures", "auto_map"):  # the dense class keys give way to the MoE ones
+            if key in dense_keys:
+                hf_config.pop(key, None)
+        layout = {k: hf_config.get(k) for k in ("layer_kinds", "deepnorm_alpha", "deepnorm_beta")}
+        hf_config.update(moe_export_config_fields(
+            int(getattr(provider, "post_ln_layers", 0)), getattr(provider, "mixln_scheme", "mixln"),
+            getattr(provider, "mixln_alpha", None), **layout, **hf_moe_fields(provider)))
+        return hf_config
+
+    def mapping_registry(self) -> MegatronMappingRegistry:
+        return MegatronMappingRegistry(*super().mapping_registry().mappings, *moe_mappings())

@@ -26,6 +26,10 @@ CUDA_ONLY_FUSIONS = (
     "cross_entropy_loss_fusion",
 )
 
+# How MoE layers run on the CPU: the allgather dispatcher, sequential experts, no fused kernels.
+CPU_MOE_EXECUTION = {"moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": False,
+                     "moe_permute_fusion": False, "moe_router_fusion": False, "moe_shared_expert_overlap": False}
+
 
 def mixln_settings(config) -> MixLNSettings:
     """The settings a provider describes: its per-layer layout (with DeepNorm's constants) when it
@@ -74,9 +78,6 @@ class MixLNModelProvider(GPTModelProvider):
     transformer_layer_spec: object = mixln_block_spec
 
     def finalize(self) -> None:
-        from .moe import refuse_moe_provider
-
-        refuse_moe_provider(self)  # no Mix-LN MoE bridge (bridge.moe)
         check_backend(self.mixln_backend)
         if self.mixln_backend == "local":
             self.persist_layer_norm = False  # apex's kernel; the local norm is plain torch
@@ -87,8 +88,9 @@ def use_local_backend(provider, cpu: bool = False):
     """Switch `provider` to this package's block spec with megatron's local modules (the project's
     MixLNNorm for every norm). A MixLNModelProvider keeps its layout; Bridge's own Llama provider
     (a P = 0 folder) gets the Mix-LN spec at P = 0, which is the stock Llama network.
-    cpu=True also turns off the fusions that need CUDA kernels (CUDA_ONLY_FUSIONS) and
-    initialises parameters on the CPU, for megatron-core under mixln_megatron.dev.cpu.
+    cpu=True also turns off the fusions that need CUDA kernels (CUDA_ONLY_FUSIONS), runs MoE
+    layers as a CPU can (CPU_MOE_EXECUTION) and initialises parameters on the CPU, for
+    megatron-core under mixln_megatron.dev.cpu.
     Returns the provider."""
     provider.mixln_backend = "local"
     provider.transformer_layer_spec = mixln_block_spec
@@ -98,4 +100,7 @@ def use_local_backend(provider, cpu: bool = False):
             if hasattr(provider, name):
                 setattr(provider, name, False)
         provider.use_cpu_initialization = True
+        if getattr(provider, "num_moe_experts", None):  # what runs in a CPU process (docs/moe.md)
+            for name, value in CPU_MOE_EXECUTION.items():
+                setattr(provider, name, value)
     return provider
