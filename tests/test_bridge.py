@@ -14,6 +14,10 @@ mixln_megatron.bridge.save_megatron_checkpoint; those checkpoints are read by `m
 convert to-hf` (the source folder again, bit for bit), and the TP2 one by `mixln-megatron pretrain
 --cpu --load` (vetted, loaded at TP1, one iteration trained).
 
+Mix-LN MoE (bridge.moe; a dense first layer, 4 experts top-2, a gated shared expert; P = 1, and
+every kind with megatron's pre-softmax routing): a mixln_moe folder through AutoBridge gives HF's
+logits, exports bit for bit, and its Megatron-LM checkpoint converts back to the folder.
+
 `make test-bridge` runs these with Bridge laid over the venv (scripts/install_bridge.sh); without
 Bridge they skip, unless BRIDGE_TESTS_REQUIRED=1 (set by the make target), where they fail.
 """
@@ -566,7 +570,8 @@ else:
             setattr(hf.config, key, value)
         folder = export_folder(hf, str(tmp_path / "moe"))
         bridge, provider, models = bridge_models(folder)
-        assert provider.num_moe_experts == 4 and provider.moe_router_topk == 2 and provider.moe_layer_freq == [0, 1, 1, 1]
+        assert provider.num_moe_experts == 4 and provider.moe_router_topk == 2
+        assert provider.moe_layer_freq == [0, 1, 1, 1]
         assert provider.moe_router_pre_softmax == (not config.norm_topk_prob) and provider.moe_shared_expert_gate
         model = models[0].eval()
         assert type(model.decoder.layers[0].mlp).__name__ == "MLP"
@@ -587,3 +592,34 @@ else:
         mixln_bridge.save_megatron_checkpoint(models, ckpt, tokenizer_model=folder)
         _run(["-m", "mixln_megatron.cli", "convert", "to-hf", "--load", ckpt, "--save", again])
         assert_same_hf_folder(again, folder)
+
+    @pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped-gemm"])
+    def test_moe_te_backend_builds_loads_and_exports_exactly(gloo, tmp_path, grouped):
+        """The TE backend's MoE layers (TE linears per expert, or TE's grouped GEMM: weight0..weightN-1)
+        load from and export to the folder bit for bit (TE's forward needs a GPU)."""
+        reason = cpu.te_unavailable_reason()
+        if reason:
+            pytest.fail(reason) if REQUIRED else pytest.skip(reason)
+        from mixln_megatron.hf import MixLNMoeConfig, MixLNMoeForCausalLM
+
+        config = MixLNMoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=32, shared_expert_gate=True, mlp_only_layers=[0],
+                                post_ln_layers=1, **TINY)
+        torch.manual_seed(0)
+        hf = MixLNMoeForCausalLM(config).eval()
+        folder = export_folder(hf, str(tmp_path / "moe"))
+        bridge = AutoBridge.from_hf_pretrained(folder, trust_remote_code=True)
+        provider = bridge.to_megatron_provider(load_weights=True)
+        provider.use_cpu_initialization, provider.gradient_accumulation_fusion = True, False
+        provider.moe_grouped_gemm = grouped
+        provider.finalize()
+        with cpu.te_modules():
+            models = provider.provide_distributed_model(
+                wrap_with_ddp=False, use_cpu_initialization=True, mixed_precision_wrapper=None)
+        experts = models[0].decoder.layers[1].mlp.experts
+        assert type(experts).__name__ == ("TEGroupedMLP" if grouped else "SequentialMLP"), type(experts)
+        exported = dict(bridge.export_hf_weights(models, cpu=True, show_progress=False))
+        on_disk = folder_tensors(folder)  # the per-expert names the folder holds (HF fuses them in memory)
+        assert set(exported) == set(on_disk), sorted(set(exported) ^ set(on_disk))[:6]
+        for name, tensor in on_disk.items():
+            assert torch.equal(exported[name], tensor), name
