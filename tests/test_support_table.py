@@ -22,12 +22,18 @@ def test_rows_name_real_fields_and_known_consumers():
 
 def test_config_field_and_argument_alias_are_both_rejected():
     cfg = mu.tiny_config(num_layers=2)
-    cfg.num_moe_experts = 4  # MoE trains; the Llama export refuses it
-    with pytest.raises(support.MixLNUnsupportedError, match=r"MoE .*\[num_moe_experts=4\]"):
+    cfg.heterogeneous_block_specs = True
+    with pytest.raises(support.MixLNUnsupportedError, match=r"heterogeneous .*\[heterogeneous_block_specs=True\]"):
         support.check(cfg, support.CONVERT)
-    found = support.problems(Namespace(num_experts=8), support.CONVERT)
-    assert len(found) == 1 and "[num_experts=8]" in found[0]
-    assert support.problems(Namespace(num_experts=None), support.CONVERT) == []
+    found = support.problems(Namespace(heterogeneous_layers_config_path="x.json"), support.CONVERT)
+    assert len(found) == 1 and "[heterogeneous_layers_config_path='x.json']" in found[0]
+    assert support.problems(Namespace(heterogeneous_layers_config_path=None), support.CONVERT) == []
+
+
+def test_moe_is_refused_by_no_consumer():
+    """MoE trains, converts (convert.moe_shape refuses the routing HF cannot carry) and is analysed."""
+    for where in (support.LAYER, support.PRETRAIN, support.CONVERT, support.ANALYSIS):
+        assert support.problems(Namespace(num_experts=8, num_moe_experts=8), where) == []
 
 
 def test_te_op_fuser_is_rejected_under_its_real_field_name():

@@ -281,10 +281,8 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: in
 def check_megatron_args_supported(args) -> None:
     """Raise UnsupportedModelError naming every feature of `args` that Llama cannot express (fields
     read through the same readers as args_shape: one answer per field)."""
-    # the features in mixln_megatron.model.support.TABLE, but for MoE, which the export now carries
-    # (convert.moe_shape refuses the routing it cannot)
-    problems = [p for p in support.problems(args, support.CONVERT) if "[num_moe_experts=" not in p
-                and "[num_experts=" not in p]
+    # MoE is carried (convert.moe_shape refuses the routing it cannot), so it has no row there
+    problems = list(support.problems(args, support.CONVERT))
     pattern = args_hybrid_pattern(args)
     if pattern is not None and not isinstance(pattern, str):
         raise ConversionError(f"{ARGS}: hybrid_layer_pattern must be a string, got {_shown(pattern)}")

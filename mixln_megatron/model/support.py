@@ -52,10 +52,6 @@ def _row(names, what, why, where, **kw) -> Unsupported:
 
 _LLAMA = "the Hugging Face Llama export cannot express it"
 TABLE: tuple = (
-    # MoE layers train (every kind: model.moe_layers) and are analysed (analysis.moe); the Llama export has no experts.
-    _row("num_moe_experts num_experts", "MoE (--num-experts)",
-         "the Hugging Face Llama export has no experts; the MoE model trains and checkpoints in "
-         "Megatron format", {CONVERT}),
     _row("multi_latent_attention", "multi-latent attention (MLA, --multi-latent-attention)",
          "MLA fuses the input norm into its down-projections, so a Post-LN MLA layer needs its "
          "own design", _BUILD),
