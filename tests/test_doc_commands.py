@@ -57,6 +57,7 @@ NOT_RUN = {
     ("docs/layer-kinds.md", 'eval "$(mixln-megatron arms --num-layers 32 --mixln-alpha 0.0625 mix_deepnorm)"'): CLUSTER + " (SLURM)",
     ("docs/hybrid-model.md", "export MIXLN_ALPHA=0.0625"): CLUSTER,
     ("docs/moe.md", "NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 MEGATRON_LM_DIR=/opt/Megatron-LM DATA_PATH=/data/c4/c4_en_t5_text_document bash examples/pretrain_moe16b_a2b_mixln.sh"): CLUSTER,
+    ("docs/moe.md", "mixln-megatron convert to-hf --load CKPT_DIR --save HF_DIR"): DATA + " (tests/test_convert_moe.py runs all three)",
     ("docs/entry-point.md", "mixln-megatron pretrain <Megatron-LM pretrain_gpt.py flags> --mixln-alpha 0.25"): GPU,
     ("docs/entry-point.md", "make demo"): "trains two models for minutes: make demo is its own check",
     ("docs/data.md", "mixln-megatron preprocess -i corpus.jsonl -o data/corpus --append-eod --overwrite --split-sentences --workers 4"): "a minute of worker start-up on 2 cores; the block above runs",
