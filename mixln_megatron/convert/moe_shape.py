@@ -30,6 +30,11 @@ class MoEShape:
     shared_ffn: Optional[int] = None  # the shared expert's FFN width S; None: no shared expert
     shared_gate: bool = False  # the shared expert's output times sigmoid(h @ gate^T)
     norm_topk_prob: bool = True  # renormalise the k chosen weights (Megatron's default routing)
+    # Carried or folded beyond the default routing (one table: model.moe_fields):
+    topk_scaling: float = 1.0  # --moe-router-topk-scaling-factor: folded into each routed expert's fc2
+    router_fp32: bool = False  # --moe-router-dtype fp32: the router's logits and softmax in fp32
+    expert_glu_interleave: Optional[int] = None  # --moe-mlp-glu-interleave-size: fc1 rows in gate/up blocks
+    shared_glu_interleave: Optional[int] = None  # moe_shared_expert_glu_interleave_size: the shared fc1's
 
     @property
     def dense_layers(self) -> Tuple[int, ...]:
