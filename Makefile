@@ -40,7 +40,8 @@ test-compat: $(STAMP)
 # The tests marked `te`, with TransformerEngine 2.20.2's real modules on the CPU (construction,
 # checkpoints, resharding, conversion; TE's forward needs a GPU). scripts/install_te.sh lays TE
 # over the venv (.venv/te-2.20.2, on PYTHONPATH for these tests only); another torch or no wheel:
-# it says why in one line and the tests are skipped.
+# it says why in one line and the tests are skipped, or, with TE_TESTS_REQUIRED=1 in the
+# environment, make fails with that line.
 test-te: $(STAMP)
 	@overlay=$$(scripts/install_te.sh) || exit 1; \
 	if [ -z "$$overlay" ]; then echo "test-te: skipped (see the line above)"; exit 0; fi; \
@@ -50,7 +51,8 @@ test-te: $(STAMP)
 # The tests marked `bridge`, with Megatron-Bridge 0.6.2 on the CPU (HF folder -> AutoBridge -> the
 # Mix-LN GPTModel -> HF folder). scripts/install_bridge.sh lays Bridge's pinned packages over the
 # venv (.venv/bridge-0.6.2, in front of the TE overlay, on PYTHONPATH for these tests only); where
-# it cannot (another torch, no network, ...) it says why in one line and the tests are skipped.
+# it cannot (another torch, no network, ...) it says why in one line and the tests are skipped, or,
+# with BRIDGE_TESTS_REQUIRED=1 in the environment, make fails with that line.
 # Only tests/test_bridge.py is collected: the rest of the suite is tested on the venv's transformers.
 test-bridge: $(STAMP)
 	@paths=$$(scripts/install_bridge.sh) || exit 1; \
