@@ -414,6 +414,30 @@ def test_missing_plugin_is_a_clear_error(patched):
     assert "0001-mixln-cli-flags" in text and "mixln_megatron" in text
 
 
+def _flags_the_patch_adds(patch: Path) -> set:
+    """The --mixln-* flags patch 0001 adds to Megatron-LM's parser: its added lines hand the parser
+    to the plugin's add_mixln_args, so that function's flags, plus any flag the added lines spell out."""
+    import argparse
+
+    from mixln_megatron.megatron_args import add_mixln_args
+
+    added = "\n".join(line[1:] for line in patch.read_text().splitlines()
+                      if line.startswith("+") and not line.startswith("+++"))
+    assert ".add_mixln_args(parser)" in added, f"{patch}: its added lines no longer call add_mixln_args"
+    parser = add_mixln_args(argparse.ArgumentParser())
+    flags = {s for action in parser._actions for s in action.option_strings if s.startswith("--mixln-")}
+    return flags | set(re.findall(r"--mixln-[a-z0-9-]+", added))
+
+
+@pytest.mark.parametrize("release", list(RELEASES))
+def test_readme_names_every_flag_the_patch_adds(release):
+    flags = _flags_the_patch_adds(_patch(release, "0001-mixln-cli-flags.patch"))
+    named = set(re.findall(r"`(--mixln-[a-z0-9-]+)`", (PATCHES / "README.md").read_text()))
+    missing, unknown = sorted(flags - named), sorted(named - flags)
+    assert not missing, f"patches/README.md does not name {missing}, which patch 0001 adds: add them"
+    assert not unknown, f"patches/README.md names {unknown}, which patch 0001 does not add: remove them"
+
+
 # ---------------------------------------------------------------- 0002: fatal --spec import
 
 
