@@ -1,14 +1,10 @@
 """The Mixture-of-Experts part of a model's shape: what a conversion carries, read and checked once.
 
 Both directions agree on MoEShape: which layers are MoE (the rest dense), the routed experts
-(count, top-k, FFN width), the shared expert (width, sigmoid gate) and how the top-k weights are
-normalised. Megatron's default routing (top-k of the logits, softmax over the k) equals a softmax
-over all experts renormalised over the k chosen (HF `norm_topk_prob=True`); with
---moe-router-pre-softmax the k weights are not renormalised (`norm_topk_prob=False`).
-
-Routing settings that change what the model computes and that no HF class here expresses are
-refused, one line naming the flag. Training-only settings (load balancing, aux / z losses, input
-jitter, dispatchers, expert parallelism) carry as nothing: the exported model routes the same.
+(count, top-k, FFN width), the shared expert (width, sigmoid gate), how the top-k weights are
+normalised and scaled, fp32 routing and GLU-interleaved fc1 rows. What each megatron MoE setting
+becomes (carried, folded, refused in one line naming its flag, or training / execution only) is
+model.moe_fields.TABLE; this module reads the saved args through it and checks every value.
 """
 
 from __future__ import annotations
@@ -17,6 +13,7 @@ import dataclasses
 from typing import Optional, Tuple
 
 from ..errors import ConversionError, UnsupportedModelError
+from ..model import moe_fields
 
 EXPERTS_BOUND = 1 << 14  # far above any real model (DeepSeek-V3: 256 routed experts)
 
@@ -67,41 +64,31 @@ def layers_of_freq(freq, num_layers: int, where: str, name: str = "moe_layer_fre
     raise ConversionError(f"{where}: {name} must be an integer or a list of 0/1, got {_shown(freq)}")
 
 
-# (Megatron-LM arg names, flag, "off" test): routing settings no HF class here reproduces.
 def _routing_problems(args) -> list:
-    def get(*names):
-        for n in names:
-            v = getattr(args, n, None)
-            if v is not None:
-                return v
-        return None
+    """What an export cannot carry exactly, one sentence per setting naming its flag: the rows of
+    the one MoE table (model.moe_fields) that refuse the saved value."""
+    return moe_fields.conversion_problems(args)
 
-    problems = []
-    score = get("moe_router_score_function")
-    if score not in (None, "softmax"):
-        problems.append(f"router score function {score!r} [--moe-router-score-function]: the export routes with a "
-                        "softmax; convert a softmax-routed model")
-    if get("moe_router_enable_expert_bias"):
-        problems.append("an expert bias in routing [--moe-router-enable-expert-bias]: HF's top-k router has none")
-    if get("moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_limited_devices"):
-        problems.append("group-limited routing [--moe-router-num-groups / --moe-router-group-topk]: HF's top-k router "
-                        "chooses among all experts")
-    factor = get("moe_router_topk_scaling_factor")
-    if factor is not None and factor != 1:
-        problems.append(f"a top-k scaling factor {factor!r} [--moe-router-topk-scaling-factor]: HF's router does not "
-                        "scale the weights")
-    capacity = get("moe_expert_capacity_factor")
-    if capacity is not None and capacity >= 0:
-        problems.append(f"an expert capacity factor {capacity!r} [--moe-expert-capacity-factor]: dropped tokens "
-                        "are a training-time layout the HF model does not reproduce; train without token dropping")
-    if get("moe_latent_size"):
-        problems.append("a latent MoE projection [--moe-latent-size]: the HF MoE block has no latent projection")
-    return problems
+
+def _positive_float(where: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ConversionError(f"{where}: {name} must be a finite number > 0, got {_shown(value)}")
+    return float(value)
+
+
+def _interleave(where: str, name: str, value, ffn: Optional[int]) -> Optional[int]:
+    """A GLU interleave block size: whole blocks of gate and up rows must fit the FFN width."""
+    if value is None:
+        return None
+    value = _int(where, name, value, 1 << 20)
+    if ffn is not None and ffn % value:
+        raise ConversionError(f"{where}: {name} {value} does not divide the FFN width {ffn}")
+    return value
 
 
 def moe_shape_of_args(args, num_layers: int, add_bias_linear: bool, where: str) -> Optional[MoEShape]:
     """The MoEShape of saved Megatron-LM args (None for a dense model), every field checked; one
-    UnsupportedModelError naming each flag a conversion cannot carry."""
+    UnsupportedModelError naming each flag a conversion cannot carry (model.moe_fields.TABLE)."""
     experts = getattr(args, "num_experts", None)
     if experts is None:
         experts = getattr(args, "num_moe_experts", None)
@@ -113,6 +100,7 @@ def moe_shape_of_args(args, num_layers: int, add_bias_linear: bool, where: str) 
         problems.append("biases on the MoE layers' linears [--disable-bias-linear]: the HF MoE experts have none")
     if problems:
         raise UnsupportedModelError("this checkpoint's MoE layers cannot be converted: " + "; ".join(problems))
+    get = moe_fields.getter(args)
     topk = _int(where, "moe_router_topk", getattr(args, "moe_router_topk", None) or 2, experts)
     ffn = getattr(args, "moe_ffn_hidden_size", None)
     ffn = getattr(args, "ffn_hidden_size", None) if ffn is None else ffn
@@ -124,8 +112,15 @@ def moe_shape_of_args(args, num_layers: int, add_bias_linear: bool, where: str) 
     gate = bool(getattr(args, "moe_shared_expert_gate", False))
     if gate and shared is None:
         raise ConversionError(f"{where}: moe_shared_expert_gate is set without a shared expert")
-    return MoEShape(num_experts=experts, topk=topk, expert_ffn=ffn, moe_layers=layers, shared_ffn=shared,
-                    shared_gate=gate, norm_topk_prob=not bool(getattr(args, "moe_router_pre_softmax", False)))
+    return MoEShape(
+        num_experts=experts, topk=topk, expert_ffn=ffn, moe_layers=layers, shared_ffn=shared, shared_gate=gate,
+        norm_topk_prob=moe_fields.norm_topk_prob(get),
+        topk_scaling=_positive_float(where, "moe_router_topk_scaling_factor", moe_fields.topk_scaling(get)),
+        router_fp32=moe_fields.router_fp32(get),
+        expert_glu_interleave=_interleave(where, "moe_mlp_glu_interleave_size", moe_fields.expert_glu_interleave(get),
+                                          ffn),
+        shared_glu_interleave=_interleave(where, "moe_shared_expert_glu_interleave_size",
+                                          moe_fields.shared_glu_interleave(get), shared))
 
 
 def _cfg(config: dict, where: str, name: str, default=None, hi: int = 1 << 20):
@@ -152,8 +147,9 @@ def moe_shape_of_hf_config(config: dict, model_type: str, num_layers: int, where
     problems = []
     if model_type == "mixtral":
         experts = _cfg(config, where, "num_local_experts", None, EXPERTS_BOUND)
-        return MoEShape(num_experts=experts, topk=_cfg(config, where, "num_experts_per_tok", None, experts),
-                        expert_ffn=_cfg(config, where, "intermediate_size"), moe_layers=(True,) * num_layers), problems
+        moe = MoEShape(num_experts=experts, topk=_cfg(config, where, "num_experts_per_tok", None, experts),
+                       expert_ffn=_cfg(config, where, "intermediate_size"), moe_layers=(True,) * num_layers)
+        return moe, problems + _megatron_routing_problems(moe, "num_experts_per_tok")
     experts = _cfg(config, where, "num_experts", None, EXPERTS_BOUND)
     topk = _cfg(config, where, "num_experts_per_tok", None, experts)
     expert_ffn = _cfg(config, where, "moe_intermediate_size")
@@ -167,9 +163,6 @@ def moe_shape_of_hf_config(config: dict, model_type: str, num_layers: int, where
         step = _cfg(config, where, "decoder_sparse_step", 1, num_layers)
         shared = _cfg(config, where, "shared_expert_intermediate_size")
         gate, norm_topk = True, _cfg_bool(config, where, "norm_topk_prob", False)
-        if _cfg_bool(config, where, "qkv_bias", True):
-            problems.append("qkv_bias (a bias on q, k, v only): the conversion carries attention without biases; "
-                            "convert a model with qkv_bias false")
     else:
         shared = config.get("shared_expert_intermediate_size")
         shared = None if shared is None else _int(where, "shared_expert_intermediate_size", shared, 1 << 20)
@@ -177,11 +170,42 @@ def moe_shape_of_hf_config(config: dict, model_type: str, num_layers: int, where
         norm_topk = _cfg_bool(config, where, "norm_topk_prob", True)
         if gate and shared is None:
             raise ConversionError(f"{where}: shared_expert_gate is true without a shared expert")
+    router_fp32 = False
+    if model_type == "mixln_moe":
+        router_fp32 = _router_dtype(config, where) == "float32"
+        problems += _mixln_moe_bias_problems(config, where)
     layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
     if not any(layers):
         problems.append("no MoE layer (every layer is in mlp_only_layers or off decoder_sparse_step)")
-    return MoEShape(num_experts=experts, topk=topk, expert_ffn=expert_ffn, moe_layers=layers, shared_ffn=shared,
-                    shared_gate=gate, norm_topk_prob=norm_topk), problems
+    moe = MoEShape(num_experts=experts, topk=topk, expert_ffn=expert_ffn, moe_layers=layers, shared_ffn=shared,
+                   shared_gate=gate, norm_topk_prob=norm_topk, router_fp32=router_fp32)
+    return moe, problems + _megatron_routing_problems(moe, "norm_topk_prob")
+
+
+def _router_dtype(config: dict, where: str) -> Optional[str]:
+    """mixln_moe's router_dtype (hf.configuration_mixln_moe): null (the model's dtype) or "float32"."""
+    value = config.get("router_dtype")
+    if value not in (None, "float32"):
+        raise ConversionError(f"{where}: router_dtype must be null or \"float32\", got {_shown(value)}")
+    return value
+
+
+def _mixln_moe_bias_problems(config: dict, where: str) -> list:
+    """Megatron puts a linear bias on every linear, the experts' included, or on none (its
+    add_bias_linear); the Mix-LN MoE model's experts have none, so no bias converts."""
+    return [f"{name} true: Megatron's --add-bias-linear would put biases on the experts too, which this model's "
+            f"experts lack; convert a model with {name} false"
+            for name in ("attention_bias", "mlp_bias") if _cfg_bool(config, where, name, False)]
+
+
+def _megatron_routing_problems(moe: MoEShape, field: str) -> list:
+    """Routing an HF model has that megatron refuses to build: top-1 renormalised (its weight is
+    always 1) needs megatron's softmax over the one chosen logit, which megatron rejects for top-1
+    (it asks for --moe-router-pre-softmax, whose weight is the expert's softmax probability)."""
+    if moe.topk == 1 and moe.norm_topk_prob:
+        return [f"top-1 routing with the weight renormalised to 1 ({field}): megatron builds top-1 softmax routing "
+                "only with --moe-router-pre-softmax, a different weight; no Megatron model computes it"]
+    return []
 
 
 def expert_role(expert: int, which: str) -> str:
