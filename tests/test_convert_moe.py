@@ -282,8 +282,6 @@ def test_inspect_names_the_experts(exported, capsys):
 @pytest.mark.parametrize("flag,value", [
     ("moe_router_score_function", "sigmoid"),
     ("moe_router_enable_expert_bias", True),
-    ("moe_router_num_groups", 2),
-    ("moe_router_topk_scaling_factor", 2.5),
     ("moe_expert_capacity_factor", 1.0),
     ("moe_latent_size", 16),
     ("add_bias_linear", True),

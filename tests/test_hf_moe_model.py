@@ -504,6 +504,11 @@ def test_stock_choice_rules():
     assert stock_moe_model_type(0, "mixln", ["pre", "pre"], mixln_alpha="0", num_experts=4) == "mixtral"
     fields = moe_export_config_fields(0, "mixln", **MOE, **gated, qkv_bias=True)
     assert fields["qkv_bias"] is True and fields["model_type"] == "qwen2_moe"
+    # the stock classes route in the model's dtype: exact for an fp32 router only in a float32 export
+    assert stock_moe_model_type(**pre, router_dtype="float32", dtype="bfloat16") is None
+    assert stock_moe_model_type(**pre, **gated, router_dtype="float32", dtype=torch.bfloat16) is None
+    assert stock_moe_model_type(**pre, router_dtype="float32", dtype="float32") == "mixtral"
+    assert stock_moe_model_type(**pre, **gated, router_dtype="float32", dtype=torch.float32) == "qwen2_moe"
     # A Mix-LN layout keeps export_config_fields' Mix-LN keys.
     fields = moe_export_config_fields(1, "mixln", "0.25", **MOE)
     assert (fields["post_ln_layers"], fields["mixln_scheme"], fields["mixln_alpha"]) == (1, "mixln", "0.25")
@@ -528,6 +533,9 @@ REFUSALS = [
     (dict(mlp_only_layers=[1, 1]), "mlp_only_layers lists a layer twice"),
     (dict(mlp_only_layers="0"), "mlp_only_layers must be a list"),
     (dict(post_ln_layers=1, mixln_scheme="lns"), "mixln_scheme 'lns' keeps every layer Pre-LN"),  # Mix-LN's rules too
+    (dict(qkv_bias="yes"), "qkv_bias must be true or false"),
+    (dict(router_dtype="bfloat16"), "or one of float32, got 'bfloat16'"),
+    (dict(router_dtype=32), "router_dtype must be null"),
 ]
 
 
@@ -546,10 +554,46 @@ def test_config_refusals(over, message):
         moe_export_config_fields(**placement, **moe_kw, num_hidden_layers=4)
 
 
-def test_qkv_only_bias_refused_without_stock_class():
-    with pytest.raises(MixLNConfigValueError, match="--add-qkv-bias") as err:
-        moe_export_config_fields(1, "mixln", **MOE, qkv_bias=True)
-    assert "\n" not in str(err.value)
+def test_qkv_only_bias_and_fp32_router_in_the_mixln_moe_model(tmp_path):
+    """A q/k/v-only bias (Megatron's --add-qkv-bias) and fp32 routing: fields of the Mix-LN MoE config, written
+    to config.json only when set, and honoured by the model (q, k, v biased, o not; the fp32 router)."""
+    fields = moe_export_config_fields(1, "mixln", **MOE, qkv_bias=True, router_dtype="float32")
+    assert fields["model_type"] == "mixln_moe" and fields["qkv_bias"] is True and fields["router_dtype"] == "float32"
+    assert "qkv_bias" not in moe_export_config_fields(1, "mixln", **MOE)
+    model = build(["post", "pre"], qkv_bias=True, router_dtype="float32")
+    attn = model.model.layers[1].self_attn
+    assert attn.q_proj.bias is not None and attn.v_proj.bias is not None and attn.o_proj.bias is None
+    assert type(model.model.layers[0].mlp.gate).__name__ == "MixLNMoeFp32Router"
+    save_hf_folder(model, tmp_path / "folder")
+    saved = json.load(open(tmp_path / "folder" / "config.json"))
+    assert saved["qkv_bias"] is True and saved["router_dtype"] == "float32"
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "folder", trust_remote_code=True, dtype=torch.float32)
+    ids = torch.randint(3, 61, (2, 8), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
+    save_hf_folder(build(["post", "pre"]), tmp_path / "plain")
+    plain = json.load(open(tmp_path / "plain" / "config.json"))
+    assert "qkv_bias" not in plain and "router_dtype" not in plain  # earlier folders' config.json unchanged
+
+
+def test_fp32_router_routes_in_fp32_in_a_bf16_model():
+    """The same weights in bf16: the fp32 router's choices are those of the fp32 logits; the bf16 router's
+    are not (near-tied logits); the weights come back in the model's dtype."""
+    from mixln_megatron.hf.modeling_mixln_moe import MixLNMoeFp32Router
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+
+    g = torch.Generator().manual_seed(1)
+    cfg = moe_config(["pre"], num_experts=32, num_experts_per_tok=4, router_dtype="float32")
+    weight = (torch.randn(1, 32, generator=g) + 1e-3 * torch.randn(32, 32, generator=g)).bfloat16()
+    tokens = torch.randn(256, 32, generator=g).bfloat16()
+    fp32, bf16 = MixLNMoeFp32Router(cfg), Qwen2MoeTopKRouter(cfg)
+    fp32.weight.data, bf16.weight.data = weight.clone(), weight.clone()
+    with torch.no_grad():
+        _, want = (tokens.float() @ weight.float().T).topk(4, dim=-1)
+        _, weights, index = fp32(tokens)
+        _, _, bf16_index = bf16(tokens)
+    assert torch.equal(index.sort(-1).values, want.sort(-1).values) and weights.dtype == torch.bfloat16
+    assert not torch.equal(bf16_index.sort(-1).values, want.sort(-1).values)
 
 
 def test_config_roundtrip_and_edit_validation(tmp_path):

@@ -8,9 +8,10 @@ for Mix-LN explicitly (--post-ln-layers / --mixln-alpha): then layers 1..P becom
 with N1 := post_attention_layernorm and N2 := input_layernorm of the Llama weights (a different
 network; meant as an initialisation for Mix-LN fine-tuning, and announced as such).
 MoE folders: Mix-LN MoE (mixln_moe, e.g. from `convert to-hf`), stock Mixtral and Qwen2-MoE (the
-hub's per-expert names; Qwen2-MoE with qkv_bias is refused), written as torch_dist only, with
-per-layer keys when dense and MoE layers mix (as megatron saves them) and the MoE args
-(--num-experts, --moe-layer-freq, ...) recorded.
+hub's per-expert names; Qwen2-MoE's / mixln_moe's qkv_bias as --add-qkv-bias), written as
+torch_dist only, with per-layer keys when dense and MoE layers mix (as megatron saves them) and the
+MoE args (--num-experts, --moe-layer-freq, --moe-router-dtype fp32 for a mixln_moe router_dtype
+"float32", ...) recorded; the written fc1s are plain [gate; up] and no top-k scaling factor is set.
 
 Output (written into a temporary directory renamed to --save at the end):
   latest_checkpointed_iteration.txt   "release"

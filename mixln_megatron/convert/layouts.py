@@ -3,14 +3,16 @@
   * QKV rows are grouped per query group (model.qkv_layout); tensor parallelism splits whole
     groups, so concatenating the TP shards of a legacy checkpoint gives torch_dist's layout.
   * fc1 (SwiGLU) is [gate; up]. torch_dist stores the layout-independent [gate_all; up_all]; each
-    legacy TP rank holds [gate_r; up_r] of its own slice.
+    legacy TP rank holds [gate_r; up_r] of its own slice. MoE fc1s saved with a GLU interleave
+    (--moe-mlp-glu-interleave-size / the fused shared expert's) hold blocks [gate s; up s] repeated
+    instead (split_glu_rows).
   * Row ranges ("chunks") let the import write a tensor in bounded pieces without a range ever
     straddling what HF keeps apart.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 from ..model import qkv_layout
 from .shape import ModelShape
@@ -59,6 +61,29 @@ def deinterleave_rope_rows(t, num_heads: int, head_dim: int):
     """
     rest = tuple(t.shape[1:])
     return t.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(num_heads * head_dim, *rest)
+
+
+def split_glu_rows(tensor, interleave_size: Optional[int] = None):
+    """An fc1's rows (weight [2I, H] or bias [2I]) -> (gate, up), each [I, ...].
+
+    `interleave_size` None: plain [gate; up]. Else s: the rows come in blocks [gate s rows; up s
+    rows] repeated (TE grouped GEMM's layout; megatron undoes it on the fc1 output with
+    `_remove_glu_interleaving`). Whole blocks are required: a row count that is not a multiple of 2s
+    is not such a layout (ConversionError).
+    """
+    if interleave_size is None:
+        gate, up = tensor.chunk(2, dim=0)
+        return gate, up
+    rows, rest = tensor.shape[0], tuple(tensor.shape[1:])
+    if interleave_size < 1 or rows % (2 * interleave_size):
+        from ..errors import ConversionError
+
+        raise ConversionError(f"an fc1 of {rows} rows cannot hold GLU blocks of {interleave_size} gate + "
+                              f"{interleave_size} up rows (the saved GLU interleave size does not fit the tensor)")
+    blocks = tensor.reshape(rows // (2 * interleave_size), 2, interleave_size, *rest)
+    gate = blocks[:, 0].reshape(rows // 2, *rest)
+    up = blocks[:, 1].reshape(rows // 2, *rest)
+    return gate, up
 
 
 def merge_glu_ranks(shards: Sequence):

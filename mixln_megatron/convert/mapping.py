@@ -211,7 +211,8 @@ def hf_norm_names(kind) -> Dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------- roles
-# Per-layer roles in the order they are converted (and written to HF); the biases only with add_bias_linear.
+# Per-layer roles in the order they are converted (and written to HF); the biases only with add_bias_linear
+# (qkv.bias alone with a qkv-only bias: ModelShape.add_qkv_bias).
 LAYER_ROLES = ("qkv.weight", "qkv.bias", "proj.weight", "proj.bias", "fc1.weight", "fc1.bias",
                "fc2.weight", "fc2.bias", "norm_b", "norm_a")
 
@@ -237,7 +238,8 @@ def layer_roles(shape, kind=None, layer: Optional[int] = None) -> List[str]:
     """The per-layer roles of a model of this shape (convert.shape.ModelShape), in conversion order;
     a sandwich layer (`kind`) also has norm_c / norm_d; an MoE layer (`layer` of an MoE shape) has
     the router, the shared expert's roles, then one fc1 / fc2 pair per expert instead of fc1 / fc2."""
-    roles = [r for r in LAYER_ROLES if shape.add_bias_linear or not r.endswith(".bias")]
+    qkv_only = getattr(shape, "add_qkv_bias", False)  # --add-qkv-bias alone: the QKV bias, no other
+    roles = [r for r in LAYER_ROLES if shape.add_bias_linear or not r.endswith(".bias") or (qkv_only and r == "qkv.bias")]
     if is_moe_layer(shape, layer):
         moe = shape.moe
         roles = [r for r in roles if r not in DENSE_MLP_ROLES]

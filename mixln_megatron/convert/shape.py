@@ -236,6 +236,8 @@ class ModelShape:
     tie_embeddings: bool = False
     layernorm_1p: bool = False  # Megatron stores gamma - 1 (--apply-layernorm-1p)
     rotary_interleaved: bool = False  # Megatron's interleaved RoPE (export permutes q/k rows)
+    # a bias on q, k, v only (--add-qkv-bias without add_bias_linear; HF: Qwen2's qkv_bias); MoE models only
+    add_qkv_bias: bool = False
     moe: Optional[MoEShape] = None  # the MoE layers, experts and routing (convert.moe_shape); None: dense
 
     def __post_init__(self):
@@ -266,6 +268,8 @@ class ModelShape:
         }
         if self.add_bias_linear:
             shapes.update({"qkv.bias": (self.qkv_rows,), "proj.bias": (h,), "fc1.bias": (2 * f,), "fc2.bias": (h,)})
+        elif self.add_qkv_bias:
+            shapes["qkv.bias"] = (self.qkv_rows,)
         if self.moe is not None:  # fc1 / fc2 only in the dense layers, these only in the MoE layers
             shapes.update(moe_role_shapes(self.moe, h))
         return shapes
@@ -305,7 +309,7 @@ def check_megatron_args_supported(args) -> None:
     add_bias = _flag(args, "add_bias_linear", default=True)
     if _flag(args, "disable_bias_linear"):
         add_bias = False
-    if _flag(args, "add_qkv_bias") and not add_bias:
+    if _flag(args, "add_qkv_bias") and not add_bias and not _is_moe(args):  # MoE: Qwen2-MoE / mixln_moe qkv_bias
         problems.append(
             "a bias on the QKV projection only (--add-qkv-bias without biases on the other linears): "
             "Llama's attention_bias also puts a bias on o_proj (qkv-only bias)"
@@ -316,6 +320,12 @@ def check_megatron_args_supported(args) -> None:
         raise UnsupportedModelError(
             "this checkpoint's model cannot be converted to Hugging Face Llama: " + "; ".join(problems)
         )
+
+
+def _is_moe(args) -> bool:
+    """Whether saved args describe an MoE model (convert.moe_shape reads the rest)."""
+    experts = _arg(args, "num_experts")
+    return bool(experts if experts is not None else _arg(args, "num_moe_experts"))
 
 
 def shape_from_megatron_args(args, vocab_size: int) -> ModelShape:
@@ -361,6 +371,7 @@ def _model_shape(a: ArgsShape, vocab_size: int, moe: Optional[MoEShape] = None) 
         tie_embeddings=not a.untie_embeddings,
         layernorm_1p=a.zero_centered_gamma,
         rotary_interleaved=a.rotary_interleaved,
+        add_qkv_bias=a.add_qkv_bias and not a.add_bias_linear and moe is not None,
         moe=moe,
     )
 
@@ -460,7 +471,9 @@ def hf_config_shape(config: dict, source: str = "config.json", megatron: bool = 
     sliding = config.get("use_sliding_window") if model_type == "qwen2_moe" else config.get("sliding_window")
     if sliding:  # Qwen2-MoE keeps a window size it does not use unless use_sliding_window
         problems.append("sliding-window attention")
-    moe = None
+    moe, qkv_bias = None, False
+    if model_type in ("qwen2_moe", "mixln_moe"):  # q, k, v biases without o_proj's (Qwen2-MoE's default: true)
+        qkv_bias = _cfg_bool(config, where, "qkv_bias", model_type == "qwen2_moe") and not attention_bias
     if model_type in HF_MOE_MODEL_TYPES:
         from .moe_shape import moe_shape_of_hf_config
 
@@ -484,6 +497,7 @@ def hf_config_shape(config: dict, source: str = "config.json", megatron: bool = 
         rope_scaling=rope_scaling,
         add_bias_linear=attention_bias,
         tie_embeddings=tie,
+        add_qkv_bias=qkv_bias,
         moe=moe,
     )
 

@@ -46,8 +46,8 @@ from ..errors import ConversionError, UnsupportedModelError
 from .staging import prepare_output, staged_output_dir
 from . import mapping as M
 from .facts import TOKENIZER_FILES, CheckpointFacts, read_checkpoint_facts
-from .layouts import deinterleave_rope_rows, split_qkv
-from .moe_shape import split_expert_role
+from .layouts import deinterleave_rope_rows, split_glu_rows, split_qkv
+from .moe_shape import MoEShape, split_expert_role
 from .shape import ModelShape
 
 TRANSFORMERS_RANGE = ("4.56", "6")  # >= 4.56, < 6 (tested with 5.24)
@@ -239,24 +239,28 @@ def hf_config_dict(shape: ModelShape, post_ln: int, scheme: str, alpha, dtype_na
         if shape.moe is None:
             cfg.update(export_config_fields(int(post_ln), scheme, alpha, layer_kinds, deepnorm_alpha, deepnorm_beta))
         else:  # Mixtral, Qwen2-MoE or the Mix-LN MoE class: hf.export_code decides (stock_moe_model_type)
-            cfg.update(moe_config_fields(shape, post_ln, scheme, alpha, layer_kinds, deepnorm_alpha, deepnorm_beta))
+            cfg.update(moe_config_fields(shape, post_ln, scheme, alpha, layer_kinds, deepnorm_alpha, deepnorm_beta,
+                                         dtype_name))
     except ValueError as e:  # MixLNConfigValueError: settings the HF model cannot express
         raise ConversionError(f"the checkpoint's Mix-LN settings cannot be exported: {e}") from None
     return cfg
 
 
 def moe_config_fields(shape: ModelShape, post_ln, scheme, alpha, layer_kinds=None, deepnorm_alpha=None,
-                      deepnorm_beta=None) -> dict:
-    """The MoE export's class keys and fields (hf.export_code.moe_export_config_fields) of this shape."""
+                      deepnorm_beta=None, dtype_name: Optional[str] = None) -> dict:
+    """The MoE export's class keys and fields (hf.export_code.moe_export_config_fields) of this shape,
+    exported in `dtype_name` (an fp32 router makes a stock class exact only in float32)."""
     from ..hf.export_code import moe_export_config_fields
 
     moe = shape.moe
+    # the top-k scaling factor needs no field: it is folded into the experts' fc2 (hf_layer_tensors)
     return moe_export_config_fields(
         int(post_ln), scheme, alpha, layer_kinds, deepnorm_alpha, deepnorm_beta, num_experts=moe.num_experts,
         num_experts_per_tok=moe.topk, moe_intermediate_size=moe.expert_ffn, norm_topk_prob=moe.norm_topk_prob,
         shared_expert_intermediate_size=moe.shared_ffn, shared_expert_gate=moe.shared_gate,
         mlp_only_layers=list(moe.dense_layers), attention_bias=shape.add_bias_linear, mlp_bias=shape.add_bias_linear,
-        num_hidden_layers=shape.num_layers)
+        qkv_bias=shape.add_qkv_bias and not shape.add_bias_linear, num_hidden_layers=shape.num_layers,
+        router_dtype="float32" if moe.router_fp32 else None, dtype=dtype_name)
 
 
 def v4_rope_keys(shape: ModelShape) -> dict:
@@ -311,6 +315,7 @@ def convert_to_hf(
     if dtype not in (None, "auto") and dtype not in DTYPES:
         raise ConversionError(f"--dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
     facts = read_checkpoint_facts(load, iteration, vocab_size=vocab_size, tokenizer=tokenizer)  # 1. read
+    check_glu_interleave_saved_layout(facts.shape.moe, facts.reader.args)
     out_dtype = facts.dtype if dtype in (None, "auto") else DTYPES[dtype]
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise UnsupportedModelError(f"the checkpoint's weights are {out_dtype}; pass --dtype bfloat16/float32")
@@ -356,6 +361,34 @@ def convert_to_hf(
     }
 
 
+def check_glu_interleave_saved_layout(moe: Optional[MoEShape], args) -> None:
+    """GLU-interleaved fc1 rows are read as [gate s; up s] blocks of the whole tensor, which is what
+    torch_dist holds when one rank held the whole fc1: megatron saves each tensor-parallel rank's
+    interleaved rows cut in two halves (the [gate; up] split of a plain fc1), so with more ranks the
+    saved rows depend on that rank count. One line refusing those saves."""
+    if moe is None:
+        return
+    tp = getattr(args, "tensor_model_parallel_size", None) or 1
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    problems = []
+    if moe.expert_glu_interleave is not None and etp > 1:
+        problems.append(f"the experts' GLU-interleaved fc1 (--moe-mlp-glu-interleave-size) saved at expert tensor "
+                        f"parallel size {etp}")
+    if moe.shared_glu_interleave is not None and tp > 1:
+        problems.append(f"the shared expert's GLU-interleaved fc1 (moe_shared_expert_glu_interleave_size) saved at "
+                        f"tensor parallel size {tp}")
+    if problems:
+        raise UnsupportedModelError("this checkpoint's MoE layers cannot be converted: " + "; ".join(problems)
+                                    + " (rank-dependent row order); convert a save at (expert) tensor parallel size 1")
+
+
+def _glu_interleave(role: str, moe: Optional[MoEShape]) -> Optional[int]:
+    """The GLU interleave of an fc1 role's rows (None: plain [gate; up]); only MoE fc1s have one."""
+    if moe is None or not role.endswith(".fc1.weight"):
+        return None
+    return moe.shared_glu_interleave if role.startswith("shared.") else moe.expert_glu_interleave
+
+
 def hf_layer_tensors(role: str, tensor: torch.Tensor, shape: ModelShape) -> List[torch.Tensor]:
     """One layer's Megatron tensor of `role` (global layout) -> its HF tensors, in mapping.hf_role_tensors order."""
     if role.startswith("qkv."):
@@ -365,7 +398,11 @@ def hf_layer_tensors(role: str, tensor: torch.Tensor, shape: ModelShape) -> List
             q, k = (deinterleave_rope_rows(t, t.shape[0] // d, d) for t in (q, k))
         return [q, k, v]
     if role.startswith("fc1.") or role.endswith(".fc1.weight"):  # dense, each expert's and the shared expert's
-        return list(tensor.chunk(2, dim=0))  # [gate; up]
+        return list(split_glu_rows(tensor, _glu_interleave(role, shape.moe)))  # [gate; up] or [gate s; up s]*
+    if role.endswith(".fc2.weight") and split_expert_role(role) and shape.moe.topk_scaling != 1:
+        # Megatron multiplies the k routing weights by the factor; each routed expert's output is
+        # linear in its fc2 (no bias), so the factor goes into fc2 (in fp32, cast once on writing)
+        return [tensor.float() * shape.moe.topk_scaling]
     if role in M.NORM_ROLES and shape.layernorm_1p:
         return [tensor.float() + 1]  # Megatron stores gamma - 1 (--apply-layernorm-1p)
     return [tensor]

@@ -362,7 +362,8 @@ class TorchDistCheckpoint(ReaderBase):
             if tuple(got) != tuple(want):
                 raise ConversionError(f"{key} has shape {tuple(got)}, the args imply {tuple(want)}")
         if shape.add_bias_linear is False:
-            extra = [r for r in ("qkv.bias", "fc1.bias") if any(
+            qkv_only = getattr(shape, "add_qkv_bias", False)  # --add-qkv-bias alone (MoE models)
+            extra = [r for r in ("fc1.bias",) + (() if qkv_only else ("qkv.bias",)) if any(
                 k == M.TD_LAYER_PREFIX + M.LAYER_ROLE_NAMES[r] or k.endswith("." + M.LAYER_ROLE_NAMES[r])
                 for k in self._tensors)]
             if extra:

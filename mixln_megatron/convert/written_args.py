@@ -66,7 +66,7 @@ def megatron_args_namespace(
         layernorm_epsilon=shape.norm_epsilon,
         norm_epsilon=shape.norm_epsilon,
         add_bias_linear=shape.add_bias_linear,
-        add_qkv_bias=shape.add_bias_linear,
+        add_qkv_bias=shape.add_bias_linear or shape.add_qkv_bias,
         rotary_base=shape.rotary_base,
         rotary_seq_len_interpolation_factor=(
             scaling.get("factor") if scaling.get("rope_type") == "linear" else None),
@@ -102,7 +102,9 @@ def megatron_args_namespace(
 
 def moe_args(shape: ModelShape) -> dict:
     """Megatron-LM's MoE args of an MoE shape (convert.moe_shape): routing as the HF model routes
-    (softmax scores, top-k; --moe-router-pre-softmax when the k weights are not renormalised)."""
+    (softmax scores, top-k; --moe-router-pre-softmax when the k weights are not renormalised; fp32
+    logits with --moe-router-dtype fp32). What the written tensors are: no top-k scaling factor (an
+    export folded it into the experts' fc2) and plain [gate; up] fc1 rows (no GLU interleave)."""
     moe = shape.moe
     if moe is None:
         return {}
@@ -110,8 +112,10 @@ def moe_args(shape: ModelShape) -> dict:
                 moe_layer_freq=[int(m) for m in moe.moe_layers],
                 moe_shared_expert_intermediate_size=moe.shared_ffn, moe_shared_expert_gate=moe.shared_gate,
                 moe_router_pre_softmax=not moe.norm_topk_prob, moe_router_score_function="softmax",
+                moe_router_dtype="fp32" if moe.router_fp32 else None,
                 moe_router_topk_scaling_factor=None, moe_router_enable_expert_bias=False,
-                moe_expert_capacity_factor=None)
+                moe_expert_capacity_factor=None, moe_mlp_glu_interleave_size=None,
+                moe_shared_expert_glu_interleave_size=None)
 
 
 def moe_flags(ns: argparse.Namespace) -> List[str]:
@@ -127,6 +131,8 @@ def moe_flags(ns: argparse.Namespace) -> List[str]:
         flags.append("--moe-shared-expert-gate")
     if ns.moe_router_pre_softmax:
         flags.append("--moe-router-pre-softmax")
+    if getattr(ns, "moe_router_dtype", None):
+        flags += ["--moe-router-dtype", ns.moe_router_dtype]
     return [str(f) for f in flags]
 
 
@@ -173,6 +179,8 @@ def launch_flags(ns: argparse.Namespace) -> List[str]:
               "--position-embedding-type", "rope", "--rotary-base", f"{ns.rotary_base:g}"]
     if not ns.add_bias_linear:
         flags.append("--disable-bias-linear")
+        if getattr(ns, "add_qkv_bias", False):
+            flags.append("--add-qkv-bias")
     if ns.rotary_seq_len_interpolation_factor:
         flags += ["--rotary-seq-len-interpolation-factor", f"{ns.rotary_seq_len_interpolation_factor:g}"]
     if ns.use_rope_scaling:

@@ -15,6 +15,12 @@ around a dense MLP). Extra fields:
   shared_expert_gate               the shared expert's output multiplied by sigmoid(h @ gate^T) (needs a shared expert)
   mlp_only_layers                  0-based indices of the DENSE layers (LLaMA's MLP of size `intermediate_size`);
                                    every other layer is an MoE layer
+  qkv_bias                         a bias on q, k and v only (Megatron's --add-qkv-bias, Qwen2's qkv_bias); LLaMA's
+                                   `attention_bias` puts one on o_proj too
+  router_dtype                     None: the router's logits in the model's dtype; "float32": logits (fp32 weight and
+                                   input), softmax and top-k in fp32 whatever the model's dtype, the weights cast
+                                   back (Megatron's --moe-router-dtype fp32; a bf16 router picks other experts on
+                                   near ties)
 Experts and shared expert are SwiGLU (`hidden_act`) without biases; `mlp_bias` applies to the dense layers only.
 
 Written for transformers >= 5 (its fused Qwen2-MoE experts); tested with 5.25.
@@ -24,6 +30,9 @@ from .configuration_mixln_llama import MixLNConfigValueError, MixLNLlamaConfig
 
 MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
               "shared_expert_intermediate_size", "shared_expert_gate", "mlp_only_layers")
+ROUTER_DTYPES = ("float32",)  # besides None (the model's dtype)
+# Written to config.json only when set, so that folders without them keep their config.json.
+OPTIONAL_FIELDS = {"qkv_bias": False, "router_dtype": None}
 
 
 def _is_int(value) -> bool:
@@ -62,8 +71,12 @@ def _check_mlp_only_layers(mlp_only_layers, num_hidden_layers):
 
 def check_moe_fields(num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob=True,
                      shared_expert_intermediate_size=None, shared_expert_gate=False, mlp_only_layers=None,
-                     num_hidden_layers=None) -> list:
+                     num_hidden_layers=None, qkv_bias=False, router_dtype=None) -> list:
     """Raise MixLNConfigValueError (one line) on an invalid MoE field; return mlp_only_layers as a sorted list."""
+    _check_bool("qkv_bias", qkv_bias)
+    if router_dtype is not None and (not isinstance(router_dtype, str) or router_dtype not in ROUTER_DTYPES):
+        raise MixLNConfigValueError(f"router_dtype must be null (the model's dtype) or one of "
+                                    f"{', '.join(ROUTER_DTYPES)}, got {router_dtype!r:.60}")
     _positive_int("num_experts", num_experts, "the routed experts per MoE layer")
     _positive_int("num_experts_per_tok", num_experts_per_tok, "the experts each token is routed to")
     if num_experts_per_tok > num_experts:
@@ -93,6 +106,8 @@ class MixLNMoeConfig(MixLNLlamaConfig):
         shared_expert_intermediate_size (`int`, *optional*): FFN size of the shared expert; None for none.
         shared_expert_gate (`bool`, defaults to False): sigmoid gate on the shared expert's output.
         mlp_only_layers (`list[int]`, defaults to []): 0-based indices of the dense layers.
+        qkv_bias (`bool`, defaults to False): a bias on q, k, v only (o_proj without).
+        router_dtype (`str`, *optional*): "float32" to route in fp32 whatever the model's dtype; None: its dtype.
         kwargs: every `MixLNLlamaConfig` argument (post_ln_layers, mixln_scheme, layer_kinds, ... and LLaMA's).
 
     A model whose layers are all "pre" with scheme "mixln" is exported as a stock Mixtral or Qwen2-MoE where one
@@ -104,7 +119,7 @@ class MixLNMoeConfig(MixLNLlamaConfig):
 
     def __init__(self, num_experts: int = 8, num_experts_per_tok: int = 2, moe_intermediate_size: int = 1408,
                  norm_topk_prob: bool = True, shared_expert_intermediate_size=None, shared_expert_gate: bool = False,
-                 mlp_only_layers=None, **kwargs):
+                 mlp_only_layers=None, qkv_bias: bool = False, router_dtype=None, **kwargs):
         # Set before the parent init, like the Mix-LN fields, and checked in full (with the layer count) after it.
         self.num_experts = num_experts
         self.num_experts_per_tok = num_experts_per_tok
@@ -113,6 +128,8 @@ class MixLNMoeConfig(MixLNLlamaConfig):
         self.shared_expert_intermediate_size = shared_expert_intermediate_size
         self.shared_expert_gate = shared_expert_gate
         self.mlp_only_layers = mlp_only_layers  # a sorted list once validated
+        self.qkv_bias = qkv_bias
+        self.router_dtype = router_dtype
         super().__init__(**kwargs)
 
     def validate_mixln(self) -> None:
@@ -121,7 +138,15 @@ class MixLNMoeConfig(MixLNLlamaConfig):
         self.mlp_only_layers = check_moe_fields(
             self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size, self.norm_topk_prob,
             self.shared_expert_intermediate_size, self.shared_expert_gate, self.mlp_only_layers,
-            getattr(self, "num_hidden_layers", None))
+            getattr(self, "num_hidden_layers", None), getattr(self, "qkv_bias", False),
+            getattr(self, "router_dtype", None))
+
+    def to_dict(self):
+        out = super().to_dict()
+        for key, unset in OPTIONAL_FIELDS.items():
+            if out.get(key, unset) == unset:
+                out.pop(key, None)
+        return out
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether the layer with 0-based index `layer_idx` has an MoE block (else LLaMA's dense MLP)."""

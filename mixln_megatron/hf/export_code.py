@@ -153,19 +153,29 @@ def config_for_export(post_ln_layers: int, mixln_scheme: str, mixln_alpha: Optio
     return config
 
 
+def _dtype_name(dtype) -> Optional[str]:
+    """"float32", "bfloat16", ... of a torch dtype or its name (None stays None)."""
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
 def stock_moe_model_type(post_ln_layers: int, mixln_scheme: str, layer_kinds=None, *,
                          shared_expert_intermediate_size: Optional[int] = None, shared_expert_gate: bool = False,
                          mlp_only_layers=None, norm_topk_prob: bool = True, attention_bias: bool = False,
-                         qkv_bias: bool = False, mlp_bias: bool = False, **_other_fields) -> Optional[str]:
+                         qkv_bias: bool = False, mlp_bias: bool = False, router_dtype: Optional[str] = None,
+                         dtype=None, **_other_fields) -> Optional[str]:
     """"mixtral" or "qwen2_moe" when that stock class is exactly the MoE network, else None ("mixln_moe").
 
     Only an all-"pre" "mixln" model (`is_stock_llama`) qualifies, without LLaMA's attention / MLP biases:
       Mixtral    no shared expert, no dense layer, renormalised top-k (norm_topk_prob), no qkv bias;
       Qwen2-MoE  a shared expert WITH its gate (Qwen2-MoE always gates it); dense layers, either routing and
                  a qkv-only bias (Megatron's --add-qkv-bias: Qwen2-MoE's qkv_bias) are fine.
+    Both compute the router logits in the model's dtype: with router_dtype "float32" (--moe-router-dtype fp32)
+    they are exact only for an export `dtype` of float32 (a bf16 router picks other experts on near ties).
     Every other field of `moe_export_config_fields` may be passed too (ignored), so one dict serves both.
     """
     if not is_stock_llama(post_ln_layers, mixln_scheme, layer_kinds) or attention_bias or mlp_bias:
+        return None
+    if router_dtype is not None and _dtype_name(dtype) != router_dtype:
         return None
     shared = shared_expert_intermediate_size is not None
     if not shared and not mlp_only_layers and norm_topk_prob and not qkv_bias:
@@ -181,10 +191,13 @@ def moe_export_config_fields(post_ln_layers: int, mixln_scheme: str, mixln_alpha
                              moe_intermediate_size: int, norm_topk_prob: bool = True,
                              shared_expert_intermediate_size: Optional[int] = None, shared_expert_gate: bool = False,
                              mlp_only_layers=None, attention_bias: bool = False, qkv_bias: bool = False,
-                             mlp_bias: bool = False, num_hidden_layers: Optional[int] = None) -> Dict[str, Any]:
+                             mlp_bias: bool = False, num_hidden_layers: Optional[int] = None,
+                             router_dtype: Optional[str] = None, dtype=None) -> Dict[str, Any]:
     """The config.json keys of an MoE export: class keys, Mix-LN fields and MoE fields, spelled for the class
     `stock_moe_model_type` picks. attention_bias / mlp_bias are LLaMA's (they only decide the class; they are
-    LlamaConfig arguments of `moe_config_for_export`); qkv_bias is a bias on q, k, v only.
+    LlamaConfig arguments of `moe_config_for_export`); qkv_bias is a bias on q, k, v only; router_dtype
+    "float32" routes in fp32 whatever the model's dtype, `dtype` is the export's (it decides whether a stock
+    class routes exactly).
 
     Mixtral:   {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": E,
                 "num_experts_per_tok": k, "intermediate_size": I (the expert's), "router_jitter_noise": 0.0}
@@ -192,11 +205,11 @@ def moe_export_config_fields(post_ln_layers: int, mixln_scheme: str, mixln_alpha
                 "moe_intermediate_size", "shared_expert_intermediate_size", "mlp_only_layers", "decoder_sparse_step": 1,
                 "norm_topk_prob", "qkv_bias", "use_sliding_window": False}
     Mix-LN:    export_config_fields' Mix-LN keys with model_type "mixln_moe", MOE_AUTO_MAP, ["MixLNMoeForCausalLM"],
-               plus the MoE fields as MixLNMoeConfig names them (configuration_mixln_moe.MOE_FIELDS).
+               plus the MoE fields as MixLNMoeConfig names them (configuration_mixln_moe.MOE_FIELDS), with
+               "qkv_bias" / "router_dtype" only when set (earlier exports' config.json stays as it was).
     Validated as MixLNMoeConfig does (MixLNConfigValueError, a ValueError, one line); mlp_only_layers are checked
     against num_hidden_layers (or the length of layer_kinds) when known.
     """
-    from .configuration_mixln_llama import MixLNConfigValueError
     from .configuration_mixln_moe import check_moe_fields
 
     if layer_kinds is not None and not isinstance(layer_kinds, str) and num_hidden_layers is None:
@@ -205,12 +218,12 @@ def moe_export_config_fields(post_ln_layers: int, mixln_scheme: str, mixln_alpha
                                         deepnorm_beta)
     mlp_only_layers = check_moe_fields(num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
                                        shared_expert_intermediate_size, shared_expert_gate, mlp_only_layers,
-                                       num_hidden_layers)
+                                       num_hidden_layers, qkv_bias, router_dtype)
     stock = stock_moe_model_type(post_ln_layers, mixln_scheme, layer_kinds,
                                  shared_expert_intermediate_size=shared_expert_intermediate_size,
                                  shared_expert_gate=shared_expert_gate, mlp_only_layers=mlp_only_layers,
                                  norm_topk_prob=norm_topk_prob, attention_bias=attention_bias, qkv_bias=qkv_bias,
-                                 mlp_bias=mlp_bias)
+                                 mlp_bias=mlp_bias, router_dtype=router_dtype, dtype=dtype)
     if stock == "mixtral":
         return {"model_type": "mixtral", "architectures": list(STOCK_MOE_ARCHITECTURES["mixtral"]),
                 "num_local_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
@@ -222,12 +235,11 @@ def moe_export_config_fields(post_ln_layers: int, mixln_scheme: str, mixln_alpha
                 "shared_expert_intermediate_size": shared_expert_intermediate_size,
                 "mlp_only_layers": mlp_only_layers, "decoder_sparse_step": 1, "norm_topk_prob": norm_topk_prob,
                 "qkv_bias": bool(qkv_bias), "use_sliding_window": False}
-    if qkv_bias:
-        raise MixLNConfigValueError(
-            "a bias on q, k, v only (--add-qkv-bias) exports only as Qwen2-MoE (every layer pre, scheme mixln, a "
-            "gated shared expert); the Mix-LN MoE model has LLaMA's attention_bias (q, k, v and o)"
-        )
     fields = {k: v for k, v in dense_fields.items() if k not in _CLASS_KEYS}
+    if qkv_bias:
+        fields["qkv_bias"] = True
+    if router_dtype is not None:
+        fields["router_dtype"] = router_dtype
     return {
         "model_type": "mixln_moe",
         "architectures": list(MOE_ARCHITECTURES),
@@ -248,7 +260,8 @@ def moe_config_for_export(post_ln_layers: int, mixln_scheme: str, mixln_alpha: O
                           deepnorm_beta: Optional[float] = None, *, num_experts: int, num_experts_per_tok: int,
                           moe_intermediate_size: int, norm_topk_prob: bool = True,
                           shared_expert_intermediate_size: Optional[int] = None, shared_expert_gate: bool = False,
-                          mlp_only_layers=None, qkv_bias: bool = False, **llama_kwargs):
+                          mlp_only_layers=None, qkv_bias: bool = False, router_dtype: Optional[str] = None,
+                          **llama_kwargs):
     """The MoE config to save: a `MixtralConfig`, `Qwen2MoeConfig` or `MixLNMoeConfig` (with auto_map), as
     `moe_export_config_fields` chooses. `llama_kwargs` are LlamaConfig arguments as for `config_for_export`
     (the dense layers' intermediate_size among them); LLaMA-only ones (attention_bias, mlp_bias, pretraining_tp)
@@ -261,7 +274,8 @@ def moe_config_for_export(post_ln_layers: int, mixln_scheme: str, mixln_alpha: O
         norm_topk_prob=norm_topk_prob, shared_expert_intermediate_size=shared_expert_intermediate_size,
         shared_expert_gate=shared_expert_gate, mlp_only_layers=mlp_only_layers,
         attention_bias=bool(kwargs.get("attention_bias", False)), qkv_bias=qkv_bias,
-        mlp_bias=bool(kwargs.get("mlp_bias", False)), num_hidden_layers=kwargs.get("num_hidden_layers"))
+        mlp_bias=bool(kwargs.get("mlp_bias", False)), num_hidden_layers=kwargs.get("num_hidden_layers"),
+        router_dtype=router_dtype, dtype=kwargs.get("dtype", kwargs.get("torch_dtype")))
     model_type = fields["model_type"]
     if model_type == "mixln_moe":
         from .configuration_mixln_moe import MixLNMoeConfig as cls

@@ -11,7 +11,9 @@ by a mixture of experts; each layer kind puts its norms around the MoE block exa
              [ * sigmoid(h @ shared_expert_gate^T) on it ] with its gate
 
 Router, experts (fused `gate_up_proj` [E, 2I, H], gate rows first, and `down_proj` [E, H, I]) and shared expert are
-transformers' Qwen2-MoE modules. On disk the experts are per expert under the hub's names
+transformers' Qwen2-MoE modules; with `config.router_dtype` "float32" the router computes its logits from the fp32
+weight and input (MixLNMoeFp32Router), as Megatron's --moe-router-dtype fp32 does. `config.qkv_bias` gives q, k and v
+(not o) a bias. On disk the experts are per expert under the hub's names
 (`mlp.experts.<e>.gate_proj/up_proj/down_proj.weight`): importing this file registers transformers' own Qwen2-MoE
 checkpoint conversion for model_type "mixln_moe", so from_pretrained fuses them and save_pretrained splits them.
 
@@ -61,12 +63,35 @@ def _register_expert_conversion() -> None:
 _register_expert_conversion()
 
 
+class MixLNMoeFp32Router(Qwen2MoeTopKRouter):
+    """Qwen2-MoE's top-k router with the logits from the fp32 weight and input: in bf16 near-tied logits round
+    together and the top-k picks other experts than the fp32 router the model was trained with. Softmax and
+    top-k are fp32 (as in the parent); the weights go back to the input's dtype."""
+
+    def forward(self, hidden_states):
+        dtype = hidden_states.dtype
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim).float()
+        router_logits = nn.functional.linear(hidden_states, self.weight.float())
+        probs = torch.softmax(router_logits, dim=-1)
+        top_value, top_index = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+        return router_logits, top_value.to(dtype), top_index
+
+
+def _router(config: MixLNMoeConfig) -> nn.Module:
+    """The router of `config.router_dtype`: the model's dtype (Qwen2-MoE's router) or fp32."""
+    if getattr(config, "router_dtype", None) == "float32":
+        return MixLNMoeFp32Router(config)
+    return Qwen2MoeTopKRouter(config)  # softmax, top-k, renormalised iff config.norm_topk_prob
+
+
 class MixLNMoeSparseMoeBlock(nn.Module):
     """Top-k routed SwiGLU experts plus an optional (optionally gated) shared expert; see the module docstring."""
 
     def __init__(self, config: MixLNMoeConfig):
         super().__init__()
-        self.gate = Qwen2MoeTopKRouter(config)  # softmax, top-k, renormalised iff config.norm_topk_prob
+        self.gate = _router(config)
         self.experts = Qwen2MoeExperts(config)
         if config.shared_expert_intermediate_size is not None:
             self.shared_expert = Qwen2MoeMLP(config, intermediate_size=config.shared_expert_intermediate_size)
@@ -86,6 +111,15 @@ class MixLNMoeSparseMoeBlock(nn.Module):
         return out.reshape(shape)
 
 
+def _add_qkv_bias(attention: nn.Module) -> None:
+    """Give LLaMA's q, k, v projections a bias (o_proj keeps none): Qwen2's qkv_bias."""
+    for name in ("q_proj", "k_proj", "v_proj"):
+        old = getattr(attention, name)
+        if old.bias is None:
+            setattr(attention, name, nn.Linear(old.in_features, old.out_features, bias=True,
+                                               device=old.weight.device, dtype=old.weight.dtype))
+
+
 class _MoeMLP:
     """Mixin for the Mix-LN layer kinds: the MoE block in place of LLaMA's MLP on MoE layers."""
 
@@ -95,6 +129,8 @@ class _MoeMLP:
         super().__init__(config, layer_idx)
         if config.is_moe_layer(layer_idx):
             self.mlp = MixLNMoeSparseMoeBlock(config)
+        if getattr(config, "qkv_bias", False):
+            _add_qkv_bias(self.self_attn)
 
 
 class MixLNMoePreLNDecoderLayer(_MoeMLP, MixLNLlamaPreLNDecoderLayer):
