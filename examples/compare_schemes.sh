@@ -4,7 +4,7 @@
 #
 #   ARM=mix_deepnorm MODEL=1b NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 \
 #   MEGATRON_LM_DIR=/opt/Megatron-LM DATA_PATH=/data/c4/c4_en_t5_text_document \
-#   bash examples/compare_schemes.sh
+#   TOKENIZER_MODEL=/data/tokenizers/t5-base bash examples/compare_schemes.sh
 #
 # Run it on every node (NODE_RANK 0 .. NNODES-1), once per arm. The arms (the same table
 # benchmarks/schemes.py trains on CPU): pre_ln post_ln deepnorm deepnorm_authors sandwich lns mix_ln
@@ -15,6 +15,14 @@
 # Each arm writes its own CHECKPOINT_DIR (default /checkpoints/llama1b-<ARM>, llama7b-<ARM> or
 # moe16b-<ARM>); compare the validation loss Megatron-LM logs (TensorBoard under
 # CHECKPOINT_DIR/tensorboard) at equal steps.
+#
+# Environment [default]:
+#   ARM                   the arm (required)
+#   MODEL                 1b, 7b or moe16b [1b]
+#   CHECKPOINT_DIR        [/checkpoints/<llama1b|llama7b|moe16b>-<ARM>]
+#   PYTHON                the interpreter that prints the arm's settings [python]
+# The rest (MEGATRON_LM_DIR, DATA_PATH, TOKENIZER_MODEL, NNODES, ...) as the launcher's header
+# says; the launcher's MIXLN_* come from the arm only.
 set -euo pipefail
 
 ARM=${ARM:?set ARM to one arm, e.g. mix_ln or mix_deepnorm (python -m mixln_megatron.analysis.arms --help)}

@@ -8,8 +8,14 @@
 #   NPROC=2 TP=2 bash examples/cpu_tiny_mixln.sh     # tensor parallel over 2 gloo processes
 #   NPROC=2 PP=2 bash examples/cpu_tiny_mixln.sh     # pipeline parallel
 # (A single process also runs without torchrun: python -m mixln_megatron.training.pretrain <same flags>.)
-# torchrun is started as `$PYTHON -m torch.distributed.run`, so no activated venv is needed:
-# PYTHON defaults to the checkout's .venv/bin/python (what `make` creates), else python3.
+# torchrun is started as `$PYTHON -m torch.distributed.run`, so no activated venv is needed.
+#
+# Environment [default]:
+#   NPROC                 processes [1]
+#   TP                    tensor parallel size [1]
+#   PP                    pipeline parallel size [1]
+#   OUT_DIR               checkpoints go to OUT_DIR/checkpoints [runs/cpu-tiny-mixln]
+#   PYTHON                [the checkout's .venv/bin/python (what `make` creates), else python3]
 #
 # --cpu applies mixln_megatron.dev.cpu.enable_training() and adds the flags a CPU run needs
 # (mixln_megatron.dev.cpu.CPU_MEGATRON_FLAGS: --distributed-backend gloo, --transformer-impl local,

@@ -1,14 +1,34 @@
 #!/usr/bin/env bash
 # Mix-LN pre-training of a LLaMA-1B-shaped model (the authors' 24-layer 1B configuration) with stock
-# Megatron-LM (core 0.19.x): one node x 8 GPUs by default, pure data parallelism (the model fits
-# on one GPU), TransformerEngine, bf16, distributed optimizer.
+# Megatron-LM (a checkout with megatron-core >=0.17,<0.21: branch core_r0.17.0, core_r0.18.0 or
+# core_r0.19.0, or main): one node x 8 GPUs by default, pure data parallelism (the model fits on
+# one GPU), TransformerEngine, bf16, distributed optimizer.
 # Mix-LN comes in through `--spec mixln_megatron.spec mixln_layer_spec` and the MIXLN_*
 # environment (with patches/<release>/0001-mixln-cli-flags.patch applied, `--mixln-alpha 0.25` works too).
 #
 #   MEGATRON_LM_DIR=/opt/Megatron-LM DATA_PATH=/data/c4/c4_en_t5_text_document \
-#   bash examples/pretrain_llama1b_mixln.sh
+#   TOKENIZER_MODEL=/data/tokenizers/t5-base bash examples/pretrain_llama1b_mixln.sh
 # More nodes: run it on each with NNODES, NODE_RANK (0 .. NNODES-1), MASTER_ADDR set; torchrun
 # hands this shell's environment (the MIXLN_* exports below) to every rank it starts.
+#
+# Environment [default]:
+#   MEGATRON_LM_DIR       the Megatron-LM checkout whose pretrain_gpt.py runs (required)
+#   DATA_PATH             a Megatron indexed dataset, PREFIX of PREFIX.bin / .idx (required)
+#   TOKENIZER_MODEL       the tokenizer DATA_PATH was made with (required): a local Hugging Face
+#                         tokenizer directory, or a hub name (t5-base), which every rank downloads
+#   CHECKPOINT_DIR        saved to and resumed from [/checkpoints/llama1b-mixln]
+#   SEQ_LENGTH            [256]
+#   TRAIN_ITERS           [100000]
+#   MIXLN_ALPHA           [0.25]
+#   MIXLN_POST_LN_LAYERS  instead of MIXLN_ALPHA (at most one of the three)
+#   MIXLN_LAYOUT          instead of MIXLN_ALPHA: one arm of examples/compare_schemes.sh
+#   NNODES                [1]
+#   NODE_RANK             [0]
+#   MASTER_ADDR           [localhost]
+#   MASTER_PORT           [6000]
+#   GPUS_PER_NODE         [8]
+#   PYTHON                the interpreter that checks the plugin imports before torchrun [python]
+# Resuming: export the same MIXLN_* values (docs/megatron-lm.md).
 #
 # Settings of the paper (Mix-LN, arXiv 2412.13795) and of the authors' 1B reference run:
 #   model    24 layers, hidden 2048, FFN 5461 (SwiGLU), 32 heads, RMSNorm eps 1e-6, RoPE,
@@ -31,11 +51,9 @@ MASTER_PORT=${MASTER_PORT:-6000}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 PYTHON=${PYTHON:-python}
 
-MEGATRON_LM_DIR=${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR to a Megatron-LM checkout of core_r0.19.x}
-# Placeholders: a Megatron indexed dataset (tools/preprocess_data.py, same tokenizer) and a
-# tokenizer name or local directory.
-DATA_PATH=${DATA_PATH:-/data/c4/c4_en_t5_text_document}
-TOKENIZER_MODEL=${TOKENIZER_MODEL:-t5-base}
+MEGATRON_LM_DIR=${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR to a Megatron-LM checkout with megatron-core >=0.17,<0.21}
+DATA_PATH=${DATA_PATH:?set DATA_PATH to a Megatron indexed dataset prefix (Megatron-LM tools/preprocess_data.py or mixln-megatron preprocess)}
+TOKENIZER_MODEL=${TOKENIZER_MODEL:?set TOKENIZER_MODEL to the tokenizer DATA_PATH was made with (a local Hugging Face tokenizer directory, or a hub name)}
 CHECKPOINT_DIR=${CHECKPOINT_DIR:-/checkpoints/llama1b-mixln}
 SEQ_LENGTH=${SEQ_LENGTH:-256}
 TRAIN_ITERS=${TRAIN_ITERS:-100000}

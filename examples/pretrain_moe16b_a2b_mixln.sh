@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Mix-LN pre-training of a DeepSeek-MoE-16B / Qwen-MoE-shaped Mixture-of-Experts model (about 16B
-# parameters in all, about 2.5B active per token) with stock Megatron-LM (core 0.19.x).
+# parameters in all, about 2.5B active per token) with stock Megatron-LM. mixln_megatron supports
+# megatron-core >=0.17,<0.21; this model's dense first layer needs 0.19+: a checkout of branch
+# core_r0.19.0 or main.
 #
 # NNODES nodes x 8 GPUs, EP8 x TP1 x PP1 (the 64 routed experts spread over the 8 GPUs of a node,
 # 8 each; every node holds one model replica), data parallel across nodes, alltoall token
@@ -10,11 +12,31 @@
 # and the MIXLN_* environment (stock Megatron-LM rejects unknown flags; with
 # patches/<release>/0001-mixln-cli-flags.patch applied, `--mixln-alpha 0.0625` in MEGATRON_ARGS works too).
 # A Post-LN layer with an MoE MLP is y = N(h + MoE(h)); routing and experts are megatron's own
-# (docs/moe.md). The --moe-layer-freq stack (a dense first layer) needs megatron-core 0.19+.
+# (docs/moe.md). The --moe-layer-freq stack (a dense first layer) needs the --spec call of 0.19+.
 #
 # Run the same command on every node, NODE_RANK = 0 .. NNODES-1 (static rendezvous):
 #   NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 MEGATRON_LM_DIR=/opt/Megatron-LM \
-#   DATA_PATH=/data/c4/c4_en_t5_text_document bash examples/pretrain_moe16b_a2b_mixln.sh
+#   DATA_PATH=/data/c4/c4_en_t5_text_document TOKENIZER_MODEL=/data/tokenizers/t5-base \
+#   bash examples/pretrain_moe16b_a2b_mixln.sh
+#
+# Environment [default]:
+#   MEGATRON_LM_DIR       the Megatron-LM checkout whose pretrain_gpt.py runs (required)
+#   DATA_PATH             a Megatron indexed dataset, PREFIX of PREFIX.bin / .idx (required)
+#   TOKENIZER_MODEL       the tokenizer DATA_PATH was made with (required): a local Hugging Face
+#                         tokenizer directory, or a hub name (t5-base), which every rank downloads
+#   CHECKPOINT_DIR        saved to and resumed from [/checkpoints/moe16b-mixln]
+#   SEQ_LENGTH            [4096]
+#   TRAIN_ITERS           [50000]
+#   MIXLN_ALPHA           [0.0625]
+#   MIXLN_POST_LN_LAYERS  instead of MIXLN_ALPHA (at most one of the three)
+#   MIXLN_LAYOUT          instead of MIXLN_ALPHA: one arm of examples/compare_schemes.sh
+#   NNODES                [1]
+#   NODE_RANK             [0]
+#   MASTER_ADDR           [localhost]
+#   MASTER_PORT           [6000]
+#   GPUS_PER_NODE         [8]
+#   PYTHON                the interpreter that checks the plugin imports before torchrun [python]
+# Resuming: export the same MIXLN_* values (docs/megatron-lm.md).
 #
 # Environment on every rank: torchrun starts its workers with the environment of the shell that
 # launched it, so the `export MIXLN_*` below reaches every rank of this node; each node runs this
@@ -54,11 +76,9 @@ MASTER_PORT=${MASTER_PORT:-6000}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 PYTHON=${PYTHON:-python}
 
-MEGATRON_LM_DIR=${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR to a Megatron-LM checkout of core_r0.19.x}
-# Placeholders: a Megatron indexed dataset (tools/preprocess_data.py, same tokenizer) and a
-# tokenizer name or local directory (offline clusters: a local copy of t5-base).
-DATA_PATH=${DATA_PATH:-/data/c4/c4_en_t5_text_document}
-TOKENIZER_MODEL=${TOKENIZER_MODEL:-t5-base}
+MEGATRON_LM_DIR=${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR to a Megatron-LM checkout with megatron-core >=0.17,<0.21}
+DATA_PATH=${DATA_PATH:?set DATA_PATH to a Megatron indexed dataset prefix (Megatron-LM tools/preprocess_data.py or mixln-megatron preprocess)}
+TOKENIZER_MODEL=${TOKENIZER_MODEL:?set TOKENIZER_MODEL to the tokenizer DATA_PATH was made with (a local Hugging Face tokenizer directory, or a hub name)}
 CHECKPOINT_DIR=${CHECKPOINT_DIR:-/checkpoints/moe16b-mixln}
 SEQ_LENGTH=${SEQ_LENGTH:-4096}
 TRAIN_ITERS=${TRAIN_ITERS:-50000}

@@ -299,6 +299,8 @@ def _run_launcher(name: str, tmp: Path, stub_bin: Path, python=None, extra_env=N
         PATH=f"{stub_bin}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
         PYTHON=python or str(stub_bin / "python-preflight"),
         MEGATRON_LM_DIR=str(megatron_lm),
+        DATA_PATH="/data/c4/c4_en_t5_text_document",  # placeholders: neither is opened here
+        TOKENIZER_MODEL="/data/tokenizers/t5-base",
         MIXLN_TEST_CAPTURE=str(capture),
         MIXLN_TEST_PYTHON=sys.executable,
         OUT_DIR=str(tmp / "out"),
@@ -500,3 +502,114 @@ def test_cpu_launcher_needs_no_activated_venv():
     venv = EXAMPLES.parent / ".venv" / "bin" / "python"
     assert out == (str(venv) if os.access(venv, os.X_OK) else "python3")
 
+
+
+# ------------------------------------------------------------------ headers and the docs' table
+STANDARD_VARIABLES = {"HOME", "PATH", "PWD", "USER", "HOSTNAME", "BASH_SOURCE", "RANDOM"}
+_READ = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)")
+_SET = re.compile(r"(?:^|[\s;(])(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\+?=|\bmapfile\s+(?:-\S+\s+)*([A-Za-z_]\w*)")
+_DOCUMENTED = re.compile(r"^#   ([A-Z][A-Z0-9_]*)(?:\s|$)")  # `#   NAME  what it is [default]`
+
+
+def _header_and_body(name: str):
+    """The leading comment block (shebang and #SBATCH lines included) and the lines after it,
+    comment lines dropped."""
+    lines = (EXAMPLES / name).read_text().splitlines()
+    n = next(i for i, line in enumerate(lines) if not line.startswith("#"))
+    return lines[:n], [line for line in lines[n:] if not line.lstrip().startswith("#")]
+
+
+def _environment_read(body: list) -> set:
+    """The variables the body reads from its environment: read before (or where, as in
+    `X=${X:-1}`) the script sets them; the shell's and SLURM's own left out."""
+    first_read, first_set = {}, {}
+    for i, line in enumerate(body):
+        for m in _READ.finditer(line):
+            first_read.setdefault(m.group(1), i)
+        for m in _SET.finditer(line):
+            first_set.setdefault(m.group(1) or m.group(2), i)
+    return {v for v, i in first_read.items()
+            if first_set.get(v, i) >= i and v not in STANDARD_VARIABLES and not v.startswith("SLURM_")}
+
+
+@pytest.mark.parametrize("name", _launchers_on_disk())
+def test_header_documents_every_variable_the_launcher_reads(name):
+    header, body = _header_and_body(name)
+    read = _environment_read(body)
+    start = next((i for i, line in enumerate(header) if line.startswith("# Environment [default]:")), None)
+    assert start is not None, f"{name}: its header has no '# Environment [default]:' list"
+    section = []
+    for line in header[start + 1:]:
+        if not line.startswith("#   "):
+            break
+        section.append(line)
+    documented = {m.group(1) for line in section for m in [_DOCUMENTED.match(line)] if m}
+    assert read, f"{name}: no variable read found (the parser is broken)"
+    assert not read - documented, (
+        f"{name} reads {sorted(read - documented)} but its header does not document them: add a "
+        f"'#   NAME  what it is [default]' line to its Environment list")
+    assert not documented - read, (
+        f"{name}'s header documents {sorted(documented - read)}, which it does not read: remove them")
+
+
+def test_the_reader_finds_reads_and_skips_what_a_script_sets():
+    body = ['A=${A:-1}', 'b=2', 'echo "${b}" "$C" "${HOME}" "${SLURM_JOB_ID}"',
+            'mapfile -t N < <(true)', 'echo "${N[0]}"', 'if [[ -z "${D:-}" ]]; then D=3; fi']
+    assert _environment_read(body) == {"A", "C", "D"}
+
+
+def test_launchers_name_the_supported_megatron_range():
+    """One range, compat.SUPPORTED (setup.py's requirement): every launcher that runs a checkout's
+    pretrain_gpt.py names it, in its header and its MEGATRON_LM_DIR error; no launcher names another."""
+    from mixln_megatron import compat
+
+    assert f'"megatron-core{compat.SUPPORTED}"' in (REPO / "setup.py").read_text()
+    supported = f"megatron-core {compat.SUPPORTED}"
+    for name in _launchers_on_disk():
+        text = (EXAMPLES / name).read_text()
+        header, body = _header_and_body(name)
+        ranges = set(re.findall(r"megatron-core\s*[<>=~!][<>=~!0-9.,]*[0-9]", text))
+        assert ranges <= {supported}, f"{name} names {sorted(ranges - {supported})}, not {supported}"
+        old = re.findall(r"core[_ ]r?0\.\d+\.x|\(core 0\.\d+", text)
+        assert not old, f"{name} names one release ({old}) where {supported} is supported"
+        if "MEGATRON_LM_DIR" in _environment_read(body):
+            assert supported in " ".join(line.lstrip("# ") for line in header).replace("  ", " "), (
+                f"{name}'s header does not say it runs a checkout with {supported}")
+            error = [line for line in body if "${MEGATRON_LM_DIR:?" in line]
+            assert error and supported in error[0], f"{name}: the MEGATRON_LM_DIR error names no range"
+
+
+@pytest.mark.parametrize("variable", ["DATA_PATH", "TOKENIZER_MODEL"])
+@pytest.mark.parametrize("name", sorted(n for n in LAUNCHERS if LAUNCHERS[n]["target"] == "pretrain_gpt.py"))
+def test_launcher_without_data_or_tokenizer_stops_in_one_line(name, variable, tmp_path, stub_bin):
+    """No placeholder data path and no hub download by default: the user names the data and the
+    tokenizer it was made with, or torchrun never starts."""
+    work = tmp_path / "work"
+    work.mkdir()
+    proc, capture, _ = _run_launcher(name, work, stub_bin, extra_env={variable: ""})
+    assert proc.returncode != 0
+    assert not (capture / "torchrun.calls").exists(), "torchrun started without " + variable
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{variable}: set {variable} to" in lines[0], proc.stderr
+
+
+DOC = REPO / "docs" / "megatron-lm.md"
+
+
+def _launcher_table() -> dict:
+    """docs/megatron-lm.md's launcher table: script name -> its row."""
+    text = DOC.read_text()
+    section = text.split("## Launchers", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return {re.match(r"\| `([^`]+)`", row).group(1): row for row in rows}
+
+
+def test_docs_launcher_table_lists_every_launcher():
+    table = _launcher_table()
+    assert sorted(table) == _launchers_on_disk(), (
+        f"docs/megatron-lm.md's launcher table lists {sorted(table)}, examples/ has "
+        f"{_launchers_on_disk()}: one row per launcher")
+    # compare_schemes.sh: the row names every MODEL the script takes
+    models = re.findall(r"^\s+([a-z0-9]+)\) launcher=", (EXAMPLES / "compare_schemes.sh").read_text(), re.M)
+    assert models and all(f"`MODEL={m}`" in table["compare_schemes.sh"] for m in models), (
+        models, table["compare_schemes.sh"])
