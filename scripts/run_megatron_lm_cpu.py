@@ -5,7 +5,7 @@ not a training tool: it puts the checkout's `megatron` first on sys.path (before
 megatron, so a patched checkout behaves patched), enters the CPU harness, applies the entry
 point's prebuilt-helpers workaround, then runs the checkout's script unchanged.
 
-    MLM_DIR=/path/to/Megatron-LM MIXLN_ALPHA=0.5 \
+    MEGATRON_LM_DIR=/path/to/Megatron-LM MIXLN_ALPHA=0.5 \
     python -m torch.distributed.run --nproc_per_node 1 scripts/run_megatron_lm_cpu.py <pretrain_gpt.py args>
 
 What comes from where: pretrain_gpt.py, megatron/training and megatron/core from the checkout
@@ -52,10 +52,12 @@ def _wheel_helpers():
 
 
 def main():
-    mlm = os.environ.get("MLM_DIR")
+    mlm = os.environ.get("MEGATRON_LM_DIR")
+    if not mlm and os.environ.get("MLM_DIR"):
+        sys.exit(f"{PREFIX} MLM_DIR is not read: set MEGATRON_LM_DIR to the Megatron-LM checkout instead")
     script = os.path.join(mlm or "", "pretrain_gpt.py")
     if not mlm or not os.path.isfile(script):
-        sys.exit(f"{PREFIX} set MLM_DIR to a Megatron-LM checkout (core_r0.19.x) that has pretrain_gpt.py")
+        sys.exit(f"{PREFIX} set MEGATRON_LM_DIR to a Megatron-LM checkout (its root, with pretrain_gpt.py)")
     mlm = os.path.abspath(mlm)
     if any(name == "megatron" or name.startswith("megatron.") for name in sys.modules):
         sys.exit(f"{PREFIX} megatron was imported before the checkout was put on sys.path")
@@ -72,7 +74,7 @@ def main():
 
     where = os.path.abspath(megatron.training.__file__)
     if not where.startswith(mlm + os.sep):
-        sys.exit(f"{PREFIX} megatron.training was imported from {where}, not from MLM_DIR={mlm}")
+        sys.exit(f"{PREFIX} megatron.training was imported from {where}, not from MEGATRON_LM_DIR={mlm}")
     cpu.enable_training()
     use_prebuilt_dataset_helpers()
     sys.argv = [script, *sys.argv[1:]]

@@ -24,8 +24,8 @@ ARGV = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
 
 
 def _env(mlm):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
-    env.update(MLM_DIR=str(mlm), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_") and k not in ("MLM_DIR", "MEGATRON_LM_DIR")}
+    env.update(MEGATRON_LM_DIR=str(mlm), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     return env
 
 
@@ -68,3 +68,13 @@ def test_missing_helpers_without_pybind11_is_one_line(tmp_path):
     assert len(lines) == 1, proc.stderr
     assert "no built helpers_cpp" in lines[0] and "pip install pybind11" in lines[0]
     assert f"make -C {datasets}" in lines[0]
+
+
+def test_the_old_variable_name_is_refused_in_one_line(tmp_path):
+    """MEGATRON_LM_DIR names the checkout everywhere; MLM_DIR alone is not taken silently."""
+    env = _env(tmp_path)
+    del env["MEGATRON_LM_DIR"]
+    env["MLM_DIR"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "run_megatron_lm_cpu: MLM_DIR is not read: set MEGATRON_LM_DIR to the Megatron-LM checkout instead"], proc.stderr
