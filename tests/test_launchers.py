@@ -613,3 +613,58 @@ def test_docs_launcher_table_lists_every_launcher():
     models = re.findall(r"^\s+([a-z0-9]+)\) launcher=", (EXAMPLES / "compare_schemes.sh").read_text(), re.M)
     assert models and all(f"`MODEL={m}`" in table["compare_schemes.sh"] for m in models), (
         models, table["compare_schemes.sh"])
+
+
+def _required(name: str) -> set:
+    """The variables a launcher stops without (`${NAME:?...}`); compare_schemes.sh adds its
+    launchers' own."""
+    text = (EXAMPLES / name).read_text()
+    required = set(re.findall(r"\$\{([A-Za-z_]\w*):\?", text))
+    for launcher in re.findall(r"launcher=(\S+?);", text):
+        required |= _required(launcher)
+    return required
+
+
+def _documented_launches():
+    """(where, launcher, the variables the command sets) for every `bash|sbatch examples/X` in the
+    docs' shell blocks and in the launchers' header examples."""
+    sources = [REPO / "README.md", REPO / "CONTRIBUTING.md", REPO / "benchmarks" / "README.md",
+               *sorted((REPO / "docs").glob("*.md"))]
+    found = []
+    for path in sources:
+        for block in re.findall(r"```(?:bash|sh|console)\n(.*?)```", path.read_text(), re.S):
+            found += _launches(path.relative_to(REPO).as_posix(), block.splitlines())
+    for name in _launchers_on_disk():
+        header, _ = _header_and_body(name)
+        found += _launches(f"examples/{name}", [line.lstrip("#") for line in header])
+    return found
+
+
+def _launches(where: str, lines: list) -> list:
+    out, exported, current = [], set(), ""
+    for raw in lines:
+        line = re.sub(r"^\s*\$ ", "", raw).rstrip()
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        line, current = current + line, ""
+        exported |= set(re.findall(r"\bexport\s+([A-Za-z_]\w*)=", line))
+        m = re.search(r"(?:^|[\s;])((?:[A-Za-z_]\w*=\S*\s+)*)(?:bash|sbatch)\s+examples/(\S+)", line)
+        if m:
+            assigned = set(re.findall(r"([A-Za-z_]\w*)=", m.group(1)))
+            out.append((where, m.group(2), assigned | exported))
+    return out
+
+
+def test_documented_launch_commands_set_every_required_variable():
+    """A documented launch command that sets some of a launcher's required variables sets all of
+    them (one that sets none is about other variables and assumes an exported environment)."""
+    launches = _documented_launches()
+    # every launcher's header shows its command, so the parser finds one for each
+    assert {launcher for _, launcher, _ in launches} == set(_launchers_on_disk()), launches
+    bad = []
+    for where, launcher, assigned in launches:
+        required = _required(launcher)
+        if assigned & required and required - assigned:
+            bad.append(f"{where}: `{launcher}` without {sorted(required - assigned)}")
+    assert not bad, "launch commands miss variables the launcher stops without: " + "; ".join(bad)
