@@ -3,6 +3,9 @@ MoE layers of 4 experts, top-2, with a gated shared expert; Post-LN, Sandwich an
 trained for 3 iterations by `mixln-megatron pretrain` (torch_dist, per-layer keys), then
 angular-distance and layer-drop read it with --load through the command line. What stays refused
 (an MoE Hugging Face folder, a checkpoint whose tensors the args do not describe) is one line, exit 2.
+The loaded model computes what megatron computed in evaluation: sinkhorn's and quantile balancing's
+routing (its saved qb_beta), and TE grouped GEMM's GLU-interleaved fc1 rows (put back in order for
+the CPU model's sequential experts), each against the megatron model's own logits.
 """
 
 import json
@@ -10,6 +13,8 @@ import math
 import os
 
 import pytest
+
+from mixln_megatron.dev import testing as mu
 
 from test_pretrain import TINY, train
 
@@ -143,7 +148,7 @@ def test_the_saved_routing_is_carried_and_the_execution_is_the_cpu_s():
     saved.moe_latent_size = 16
     with pytest.raises(moe.MoEAnalysisError) as info:
         moe.moe_config_fields(saved)
-    assert "\n" not in str(info.value) and "moe_latent_size=16" in str(info.value)
+    assert "\n" not in str(info.value) and "--moe-latent-size=16" in str(info.value)
     assert moe.local_expert("mlp.experts.local_experts.3.linear_fc2.weight") == (3, "fc2")
     assert moe.local_expert("mlp.shared_experts.linear_fc1.weight") is None
 
@@ -160,3 +165,82 @@ def test_a_uniform_moe_stack_with_stacked_keys(tmp_path):
     res = json.loads((tmp_path / "d" / "layer_drop.json").read_text())
     assert "deepnorm:3" in res["model"] and [r["layer"] for r in res["layers"]] == [1, 2, 3, 4]
     assert all(abs(r["loss"] - res["baseline"]["loss"]) > 1e-6 for r in res["layers"])
+
+
+# ------------------------------------------------------------------ the loaded model is megatron's forward
+def _interleaved(fc1: "torch.Tensor", size: int) -> "torch.Tensor":
+    """Plain [gate; up] fc1 rows -> TE grouped GEMM's [gate s; up s] blocks."""
+    import torch
+
+    gate, up = fc1.chunk(2)
+    return torch.stack([gate.reshape(-1, size, fc1.shape[1]), up.reshape(-1, size, fc1.shape[1])], 1).reshape(fc1.shape)
+
+
+def _fc1_interleaved(model, size: int, shared_size: int) -> dict:
+    """{parameter: its plain rows} after laying the experts' and the shared expert's fc1 rows out
+    GLU-interleaved in place, as a run with TE grouped GEMM (and the fused shared expert) holds them."""
+    import torch
+
+    plain = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            block = size if "local_experts" in name else shared_size if "shared_experts" in name else None
+            if block is not None and name.endswith("linear_fc1.weight"):
+                plain[p] = p.detach().clone()
+                p.copy_(_interleaved(p, block))
+    return plain
+
+
+ROUTINGS = {
+    "sinkhorn": (dict(moe_router_load_balancing_type="sinkhorn"), {}),
+    "quantile": (dict(moe_router_load_balancing_type="quantile_balancing"), {}),
+    "glu-interleave": (dict(moe_shared_expert_intermediate_size=32), dict(
+        moe_grouped_gemm=True, moe_mlp_glu_interleave_size=8, use_grouped_gemm_for_shared_expert=True,
+        moe_shared_expert_glu_interleave_size=4)),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUTINGS))
+def test_the_loaded_model_computes_megatron_s_evaluation_forward(case, mcore_single, tmp_path):
+    """The analysis model's logits equal those of the megatron model that was saved (in eval()):
+    the routing it ran, the buffer it learnt (quantile balancing's qb_beta), the rows as it held them."""
+    import torch
+
+    from test_convert_moe import megatron_logits, save_megatron
+    from test_convert_moe_routing import build, saved_args
+
+    from mixln_megatron.analysis.models import load_megatron_checkpoint
+
+    config, args = ROUTINGS[case]
+    model, cfg = build(**config)
+    if case == "quantile":  # a learnt per-expert bias that changes which experts are chosen
+        g = torch.Generator().manual_seed(1)
+        for layer in model.decoder.layers:
+            layer.mlp.router.qb_beta.copy_(3 * torch.randn(layer.mlp.router.qb_beta.shape, generator=g))
+    plain = _fc1_interleaved(model, 8, 4) if case == "glu-interleave" else {}
+    ckpt = save_megatron(model, cfg, tmp_path / "ckpt", **{**saved_args(cfg), **args})
+    with torch.no_grad():  # back to the rows megatron's sequential experts compute with
+        for p, rows in plain.items():
+            p.copy_(rows)
+    lm = load_megatron_checkpoint(str(ckpt))
+    ids, want = megatron_logits(model)
+    _, _, pos, mask = mu.batch(seed=11)
+    with torch.no_grad():
+        got = lm.module(ids, pos, mask)
+    diff = float((got - want).abs().max())
+    print(f"{case}: max |analysis - megatron| logits {diff:.3g}")
+    assert diff <= 1e-5, (case, diff)
+
+
+def test_glu_interleave_saved_by_several_ranks_is_refused_in_one_line():
+    from argparse import Namespace
+
+    from mixln_megatron.analysis import moe
+
+    saved = Namespace(num_experts=4, moe_router_topk=2, swiglu=True, moe_grouped_gemm=True,
+                      moe_mlp_glu_interleave_size=8, expert_tensor_parallel_size=2)
+    with pytest.raises(moe.MoEAnalysisError) as info:
+        moe.moe_config_fields(saved)
+    assert "\n" not in str(info.value) and "--moe-mlp-glu-interleave-size" in str(info.value)
+    saved.moe_grouped_gemm = False  # sequential experts ignored the setting: plain rows, nothing to refuse
+    assert "moe_mlp_glu_interleave_size" not in moe.moe_config_fields(saved)

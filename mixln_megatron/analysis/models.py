@@ -573,6 +573,7 @@ def load_megatron_checkpoint(
     from ..model.placement import resolve_placement
     from ..model.settings import MixLNSettings, layered
     from ..spec import get_mixln_decoder_block_spec
+    from .moe import plain_glu_rows
 
     ensure_megatron_cpu()
     info = inspect_for_analysis(path, iteration)
@@ -600,6 +601,7 @@ def load_megatron_checkpoint(
     try:
         info.reader.check_layer_kinds(placement.kinds)  # and the sandwich layers' rows of the stacked norms
         state = _state_from_reader(model, info.reader, config.num_layers, info.reader.settings_record or info.record)
+        plain_glu_rows(state, info.args)  # TE grouped GEMM's interleaved fc1 rows, for sequential experts
         model.load_state_dict(state, strict=True)
     except (ConversionError, RuntimeError) as e:  # RuntimeError: the layers' Mix-LN settings check
         raise CheckpointError(f"{ckpt_dir}: {one_line(e)}") from None

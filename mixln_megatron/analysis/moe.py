@@ -1,13 +1,19 @@
 """The MoE part of an analysis model: megatron's routing settings read from a checkpoint's args, and
 which expert a model tensor belongs to (for convert's per-expert roles).
 
-The analyses run megatron's own MoELayer, so every routing setting that changes the forward pass
-is carried as the run saved it (the router, top-k, pre-softmax, score function, scaling, groups,
-expert bias, capacity, shared experts and their gate). How the run executed the experts is not
+The analyses run megatron's own MoELayer in evaluation mode, so every routing setting that changes
+the forward pass is carried as the run saved it (the router, top-k, pre-softmax, score function,
+scaling, groups, expert bias, dtype, capacity, probabilities on the input, sinkhorn's and quantile
+balancing's evaluation routing with the saved qb_beta, shared experts and their gate): which ones,
+and which are refused, is model.moe_fields.TABLE. How the run executed the experts is not
 carried: the model here always uses local sequential experts and the allgather dispatcher, the
 only ones that run in one CPU process. That changes no weight: megatron saves grouped-GEMM and
 sequential experts under the same keys ([E, ...] over the global experts), whatever the
 expert-parallel size; convert's reader reads them by role (convert.mapping), one expert at a time.
+The one exception is a GLU interleave (TE grouped GEMM's fc1 rows in [gate s; up s] blocks),
+which sequential experts ignore: those rows are put back in plain order on load (plain_glu_rows).
+Input jitter is not carried (megatron applies its noise in evaluation too; the analysis measures
+the noise-free model).
 
 Pure Python over an argparse Namespace; no megatron import.
 """
@@ -18,59 +24,93 @@ import re
 from typing import Optional, Tuple
 
 from ..errors import MixLNError
+from ..model import moe_fields
 
 
 class MoEAnalysisError(MixLNError, ValueError):
     """An MoE setting the analysis model cannot carry; the message names the flag."""
 
 
-# TransformerConfig field <- Megatron-LM argument, for the settings that change what a layer computes.
-CARRIED = {
-    "num_moe_experts": "num_experts",
-    "moe_ffn_hidden_size": "moe_ffn_hidden_size",
-    "moe_layer_freq": "moe_layer_freq",
-    "moe_router_topk": "moe_router_topk",
-    "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
-    "moe_shared_expert_gate": "moe_shared_expert_gate",
-    "moe_router_pre_softmax": "moe_router_pre_softmax",
-    "moe_router_score_function": "moe_router_score_function",
-    "moe_router_topk_scaling_factor": "moe_router_topk_scaling_factor",
-    "moe_router_num_groups": "moe_router_num_groups",
-    "moe_router_group_topk": "moe_router_group_topk",
-    "moe_router_enable_expert_bias": "moe_router_enable_expert_bias",
-    "moe_router_dtype": "moe_router_dtype",
-    "moe_apply_probs_on_input": "moe_apply_probs_on_input",
-    "moe_expert_capacity_factor": "moe_expert_capacity_factor",
-    "moe_pad_expert_input_to_capacity": "moe_pad_expert_input_to_capacity",
-    "moe_token_drop_policy": "moe_token_drop_policy",
-    "moe_mlp_glu_interleave_size": "moe_mlp_glu_interleave_size",
-    "moe_shared_expert_glu_interleave_size": "moe_shared_expert_glu_interleave_size",
-}
+# All three derive from model.moe_fields.TABLE (the one list of megatron's MoE settings).
+# TransformerConfig field <- Megatron-LM argument, for the settings megatron's own layer computes.
+CARRIED = {row.name: row.dests[0] for row in moe_fields.TABLE if row.analysis == moe_fields.CARRY}
 # How the experts run in one CPU process (the weights do not depend on it, see the docstring).
-CPU_EXECUTION = {"moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": False,
-                 "moe_permute_fusion": False, "moe_router_fusion": False, "moe_shared_expert_overlap": False}
-# Forward-changing settings not carried: (argument, why, what instead).
-REFUSED = (
-    ("moe_latent_size", "latent MoE (--moe-latent-size) projections are not read by the analysis loader",
-     "analyze a checkpoint without --moe-latent-size"),
-)
+CPU_EXECUTION = {row.name: row.analysis[1] for row in moe_fields.TABLE if isinstance(row.analysis, tuple)}
+# Forward-changing settings the CPU model does not build: refused in one line when on.
+REFUSED = tuple(row for row in moe_fields.TABLE if row.analysis == "refuse")
 
 
 def is_moe(args) -> bool:
     return bool(getattr(args, "num_experts", None))
 
 
+def _refusal(row, value) -> str:
+    return (f"{row.where} [{row.label}={value!r:.40}]: the analysis loader does not build it; analyze a "
+            "checkpoint trained without it")
+
+
 def moe_config_fields(args) -> dict:
     """TransformerConfig keyword arguments for the MoE layers of a checkpoint's args ({} for a
-    dense model); a setting that cannot be carried is refused in one line naming its flag."""
+    dense model); a setting that cannot be carried is refused in one line naming its flag.
+    Load balancing is carried only where it routes (sinkhorn's evaluation routing, quantile
+    balancing with the saved qb_beta); the loss types only train."""
     if not is_moe(args):
         return {}
-    for name, why, instead in REFUSED:
-        if getattr(args, name, None) not in (None, 0, False):
-            raise MoEAnalysisError(f"{why} [{name}={getattr(args, name)!r}]; {instead}")
+    get = moe_fields.getter(args)
+    for row in REFUSED:
+        if moe_fields.row_changes(row, get):
+            raise MoEAnalysisError(_refusal(row, get(row.name)))
+    problem = glu_rows_problem(args)
+    if problem:
+        raise MoEAnalysisError(problem)
     fields = {field: getattr(args, arg) for field, arg in CARRIED.items() if getattr(args, arg, None) is not None}
+    if moe_fields.balancing(get) == "plain":
+        fields.pop("moe_router_load_balancing_type", None)
     fields.update(CPU_EXECUTION)
     return fields
+
+
+# ------------------------------------------------------------------ GLU-interleaved fc1 rows
+def glu_interleaves(args) -> Tuple[Optional[int], Optional[int]]:
+    """(experts', shared expert's) GLU interleave of the saved fc1 rows; None: plain [gate; up].
+    The CPU model's sequential experts and plain shared expert read plain rows only."""
+    get = moe_fields.getter(args)
+    return moe_fields.expert_glu_interleave(get), moe_fields.shared_glu_interleave(get)
+
+
+def glu_rows_problem(args) -> Optional[str]:
+    """Interleaved rows saved by more than one (expert) tensor-parallel rank: megatron cuts each
+    rank's interleaved rows in two halves when it saves, so their order depends on the rank count."""
+    experts, shared = glu_interleaves(args)
+    tp = getattr(args, "tensor_model_parallel_size", None) or 1
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    if experts is not None and etp > 1:
+        return (f"GLU-interleaved expert fc1 rows [--moe-mlp-glu-interleave-size={experts}] saved at expert tensor "
+                f"parallel size {etp}: their saved order depends on that size; analyze a save at size 1")
+    if shared is not None and tp > 1:
+        return (f"a GLU-interleaved shared-expert fc1 [moe_shared_expert_glu_interleave_size={shared}] saved at "
+                f"tensor parallel size {tp}: its saved order depends on that size; analyze a save at size 1")
+    return None
+
+
+_LOCAL_FC1 = re.compile(r"\.mlp\.experts\.local_experts\.\d+\.linear_fc1\.weight$")
+_SHARED_FC1 = ".mlp.shared_experts.linear_fc1.weight"
+
+
+def plain_glu_rows(state: dict, args) -> None:
+    """Reorder, in `state` (the CPU model's state dict as read), the fc1 rows of experts saved
+    GLU-interleaved ([gate s; up s] repeated) into the plain [gate; up] the CPU model computes with."""
+    experts, shared = glu_interleaves(args)
+    if experts is None and shared is None:
+        return
+    import torch
+
+    from ..convert.layouts import split_glu_rows
+
+    for key, value in state.items():
+        size = experts if _LOCAL_FC1.search(key) else shared if key.endswith(_SHARED_FC1) else None
+        if size is not None:
+            state[key] = torch.cat(split_glu_rows(value, size))
 
 
 def fresh_moe_fields(num_experts: int, topk: int, ffn_hidden_size: Optional[int] = None, layer_freq=1) -> dict:
