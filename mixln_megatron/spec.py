@@ -53,6 +53,7 @@ from .model.specs import (
     get_mixln_decoder_block_spec,
     get_mixln_hybrid_stack_spec,
 )
+from .model import support
 from .model.support import MixLNUnsupportedError
 from .training import runtime
 from .training.hooks import install_training_hooks
@@ -79,6 +80,8 @@ def settings_for_spec(environ=None, args=None) -> MixLNSettings:
 def _at_the_edge(config, build, environ=None, args=None, hybrid: bool = False):
     """Settings from the edge, `build(settings)`, then the hooks; a MixLN error printed in one line
     and raised (the objects Megatron-LM calls turn it into a Refusal).
+    Megatron-LM's arguments are checked against the support table's `stock` rows first (the
+    data-parallel wrappers other than Megatron's DDP), as the entry point checks its own.
     It runs before Megatron-LM loads --load, so a checkpoint this release cannot read (0.19+ on
     0.17/0.18, convert.vet.check_load_dir) is refused here too, not only in the project's entry point.
     What the checkpoint's pickles hold is not vetted here (Megatron-LM's --use-checkpoint-args has
@@ -86,7 +89,10 @@ def _at_the_edge(config, build, environ=None, args=None, hybrid: bool = False):
     from .convert.vet import check_load_dir
 
     try:
-        check_load_dir(getattr(runtime.megatron_args() if args is None else args, "load", None))
+        megatron_lm_args = runtime.megatron_args() if args is None else args
+        if megatron_lm_args is not None:  # the run's data-parallel wrapper (support.STOCK rows)
+            support.check(megatron_lm_args, support.STOCK)
+        check_load_dir(getattr(megatron_lm_args, "load", None))
         settings = settings_for_spec(environ, args)
         spec = build(settings)
         install_training_hooks(config, settings, hybrid=hybrid)

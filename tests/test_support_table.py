@@ -14,7 +14,7 @@ def test_rows_name_real_fields_and_known_consumers():
 
     fields = {f.name for c in (TransformerConfig, MLATransformerConfig) for f in dataclasses.fields(c)}
     for row in support.TABLE:
-        assert row.where and row.where <= {support.LAYER, support.PRETRAIN, support.CONVERT, support.ANALYSIS}
+        assert row.where and row.where <= {support.LAYER, support.PRETRAIN, support.CONVERT, support.ANALYSIS, support.STOCK}
         assert row.what and row.why, row.names
         if support.LAYER in row.where:  # the layer sees a TransformerConfig: its field comes first
             assert row.names[0] in fields, f"{row.names[0]} is not a TransformerConfig field"
@@ -79,3 +79,56 @@ def test_entry_point_converter_and_analysis_use_the_table(monkeypatch):
                         lambda path, iteration=None, moe=False: SimpleNamespace(format="torch_dist", path=path, args=saved))
     with pytest.raises(models.CheckpointError, match="heterogeneous layers"):
         models.inspect_for_analysis("ckpt", None)
+
+
+# ------------------------------------------------------------------ the FSDP wrappers, on every path
+FSDP_FLAGS = (("use_megatron_fsdp", "Megatron-FSDP (--use-megatron-fsdp)"), ("use_torch_fsdp2", "torch FSDP2 (--use-torch-fsdp2)"))
+
+
+@pytest.mark.parametrize("name, what", FSDP_FLAGS)
+def test_fsdp_is_refused_by_the_entry_point_in_the_tables_words(name, what):
+    from mixln_megatron.training.pretrain import MixLNPretrainUnsupported, check_supported_args
+
+    with pytest.raises(MixLNPretrainUnsupported) as info:
+        check_supported_args(Namespace(**{name: True}))
+    assert str(info.value) == support.message_of(name) and str(info.value).startswith(f"{what} is not supported: ")
+
+
+@pytest.mark.parametrize("name, what", FSDP_FLAGS)
+def test_fsdp_is_refused_by_the_stock_spec_in_one_line_before_the_build(name, what, monkeypatch, capsys):
+    """pretrain_gpt.py --spec mixln_megatron.spec mixln_local_layer_spec with an FSDP flag: the spec
+    function Megatron-LM calls prints one line and leaves with exit 2 (a Refusal), as the entry point does."""
+    import megatron.training.global_vars as global_vars
+
+    from mixln_megatron import spec
+    from mixln_megatron.errors import PREFIX, Refusal
+
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", Namespace(**{name: True}), raising=False)
+    monkeypatch.setattr(spec, "get_mixln_decoder_block_spec", lambda *a, **k: pytest.fail("built despite the refusal"))
+    with pytest.raises(Refusal) as info:
+        spec.mixln_local_layer_spec(mu.tiny_config(num_layers=2))
+    assert info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith(PREFIX)]
+    assert lines == [f"{PREFIX} {support.message_of(name)}"]
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", Namespace(**{name: False}), raising=False)
+    assert support.problems(global_vars._GLOBAL_ARGS, support.STOCK) == []
+
+
+def test_the_spike_scaler_refuses_fsdp_chunks_in_the_tables_words():
+    """A megatron-core user's own loop (no Megatron-LM run): the scaler's targets raise the
+    table's refusal, not a bare NotImplementedError."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mixln_megatron.training.spike.targets import Target, TargetSet
+
+    param = torch.nn.Parameter(torch.ones(4))
+    param.main_grad = torch.zeros(4)
+    target = Target(1, "norm1.weight", param)
+    megatron_fsdp = SimpleNamespace(ddp_config=SimpleNamespace(use_megatron_fsdp=True))
+    TorchFullyShardedDataParallel = type("TorchFullyShardedDataParallel", (), {})  # megatron's FSDP2 wrapper's name
+    for chunk, name in ((megatron_fsdp, "use_megatron_fsdp"), (TorchFullyShardedDataParallel(), "use_torch_fsdp2")):
+        with pytest.raises(support.MixLNUnsupportedError) as info:
+            TargetSet([target], {id(param): chunk}, (1, 4))
+        assert str(info.value) == "mixln spike scaler: " + support.message_of(name)

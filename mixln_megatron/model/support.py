@@ -6,6 +6,8 @@ and an argparse Namespace are both checked by name), the reason, and who rejects
     layer     the Mix-LN layer and the decoder spec, at model build (`post_ln_only` rows only for
               Post-LN layers, which are the ones that cannot honour them)
     pretrain  the `mixln-megatron pretrain` entry point, on the parsed arguments, before building
+    stock     the stock `--spec mixln_megatron.spec ...` objects, on Megatron-LM's parsed arguments,
+              when Megatron-LM builds the spec (before the model)
     convert   the Megatron -> Hugging Face converter (Llama cannot express the feature)
     analysis  the checkpoint loader of the analysis tools
 
@@ -21,7 +23,7 @@ from typing import Optional, Sequence
 
 from ..errors import MixLNError
 
-LAYER, PRETRAIN, CONVERT, ANALYSIS = "layer", "pretrain", "convert", "analysis"
+LAYER, PRETRAIN, CONVERT, ANALYSIS, STOCK = "layer", "pretrain", "convert", "analysis", "stock"
 _BUILD = frozenset({LAYER, PRETRAIN, CONVERT, ANALYSIS})
 _TRAIN = frozenset({LAYER, PRETRAIN})
 
@@ -51,6 +53,9 @@ def _row(names, what, why, where, **kw) -> Unsupported:
 
 
 _LLAMA = "the Hugging Face Llama export cannot express it"
+_NOT_DDP = ("the spike scaler and the telemetry read Megatron DDP's per-parameter main_grad, and the "
+            "Mix-LN layers have not been trained under it; use Megatron's DDP, optionally with "
+            "--use-distributed-optimizer")
 TABLE: tuple = (
     _row("multi_latent_attention", "multi-latent attention (MLA, --multi-latent-attention)",
          "MLA fuses the input norm into its down-projections, so a Post-LN MLA layer needs its "
@@ -82,8 +87,9 @@ TABLE: tuple = (
          "Post-LN layer would keep a norm before attention", {LAYER}, post_ln_only=True),
     _row("mtp_num_layers", "multi-token prediction (--mtp-num-layers)",
          "the entry point and the converter build and map the decoder only", {PRETRAIN, CONVERT}),
-    _row("use_megatron_fsdp", "Megatron-FSDP (--use-megatron-fsdp)",
-         "use Megatron's DDP, optionally with --use-distributed-optimizer", {PRETRAIN}),
+    # The data-parallel wrappers other than Megatron's DDP (docs/support-matrix.md).
+    _row("use_megatron_fsdp", "Megatron-FSDP (--use-megatron-fsdp)", _NOT_DDP, {PRETRAIN, STOCK}),
+    _row("use_torch_fsdp2", "torch FSDP2 (--use-torch-fsdp2)", _NOT_DDP, {PRETRAIN, STOCK}),
     # HybridModel checkpoints: conversion and analysis read Mix-LN `*-` patterns as the GPT network
     # they are (convert's reader) and refuse other patterns with hybrid_pattern.pattern_problem
     # (convert.shape), so no row here.
@@ -125,6 +131,13 @@ def problems(obj, where: str, backend: Optional[str] = None, post_ln: bool = Fal
                 found.append(row.message(name, getattr(obj, name)))
                 break
     return found
+
+
+def message_of(name: str, value=True) -> str:
+    """The message of the TABLE row that has `name` (a field or alias), for `name=value`: what a
+    check raises, for code that meets the feature elsewhere (the spike scaler's targets)."""
+    row = next(r for r in TABLE if name in r.names)
+    return row.message(name, value)
 
 
 def check(obj, where: str, backend: Optional[str] = None, post_ln: bool = False,

@@ -26,7 +26,10 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ...errors import refuse_in_training
+from ...model import support
 from ...model.layer import MixLNTransformerLayer
+from ...model.support import MixLNUnsupportedError
 from ...model.settings import SpikeConfigError
 from ..ddp_shards import owned_range
 
@@ -127,13 +130,17 @@ class TargetSet:
     def _find_ownership(self, chunk_of, shape) -> None:
         chunk = chunk_of[id(self.targets[0].param)]
         ddp_config = getattr(chunk, "ddp_config", None)
+        # The FSDP wrappers: the support table's refusal, one line (the edges refuse them first;
+        # this is where a megatron-core user's own loop meets it).
+        if getattr(ddp_config, "use_megatron_fsdp", False):
+            refuse_in_training(MixLNUnsupportedError("mixln spike scaler: " + support.message_of("use_megatron_fsdp")))
+        if type(chunk).__name__ == "TorchFullyShardedDataParallel":
+            refuse_in_training(MixLNUnsupportedError("mixln spike scaler: " + support.message_of("use_torch_fsdp2")))
         if ddp_config is None or not hasattr(chunk, "param_to_bucket_group"):
             raise RuntimeError(
                 "mixln spike scaler: the model chunks must be megatron.core.distributed."
                 "DistributedDataParallel instances (found " + type(chunk).__name__ + ")"
             )
-        if getattr(ddp_config, "use_megatron_fsdp", False):
-            raise NotImplementedError("mixln spike scaler: Megatron-FSDP is not supported")
         if not ddp_config.use_distributed_optimizer:
             return
         group = None
