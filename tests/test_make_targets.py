@@ -110,3 +110,16 @@ def test_the_scripts_themselves_fail_when_required(checkout):
     assert (skipped.returncode, skipped.stdout) == (0, ""), skipped.stderr
     assert (required.returncode, required.stdout) == (1, ""), required.stderr
     assert len(required.stderr.splitlines()) == 1, required.stderr
+
+
+def test_in_the_tests_the_same_variable_turns_a_skip_into_a_failure(monkeypatch):
+    """The te tests read the same variable with the same meaning (set to 1: required)."""
+    from mixln_megatron.dev import cpu, testing
+
+    if cpu.te_unavailable_reason() is None:
+        pytest.skip("TransformerEngine is importable here: no skip to turn into a failure")
+    monkeypatch.setenv("TE_TESTS_REQUIRED", "0")
+    assert testing.te_missing()  # a reason: the tests skip
+    monkeypatch.setenv("TE_TESTS_REQUIRED", "1")
+    with pytest.raises(RuntimeError, match="TE_TESTS_REQUIRED=1 requires the TE tests, but: "):
+        testing.te_missing()

@@ -292,10 +292,11 @@ class MixLNRun(TinyTrainer):
 # ------------------------------------------------------------------ TransformerEngine tests
 def te_missing():
     """None when the tests marked `te` can use real TransformerEngine modules here, else why not.
-    Under `make test-te` (cpu.TE_REQUIRED_ENV set) a missing TE is an error, not a skip."""
+    With cpu.TE_REQUIRED_ENV=1 (`make test-te` sets it once TE is laid out) a missing TE is an
+    error, not a skip."""
     why = cpu.te_unavailable_reason()
-    if why and os.environ.get(cpu.TE_REQUIRED_ENV):
-        raise RuntimeError(f"make test-te put TransformerEngine on the path, but: {why}")
+    if why and os.environ.get(cpu.TE_REQUIRED_ENV) == "1":
+        raise RuntimeError(f"{cpu.TE_REQUIRED_ENV}=1 requires the TE tests, but: {why}")
     return why
 
 
