@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Mix-LN pre-training of a DeepSeek-MoE-16B / Qwen-MoE-shaped Mixture-of-Experts model (about 16B
 # parameters in all, about 2.5B active per token) with stock Megatron-LM. mixln_megatron supports
-# megatron-core >=0.17,<0.21; this model's dense first layer needs 0.19+: a checkout of branch
-# core_r0.19.0 or main.
+# megatron-core >=0.17,<0.21; this model's dense first layer (a --moe-layer-freq stack) needs 0.19+:
+# a checkout of branch core_r0.19.0 or main.
 #
 # NNODES nodes x 8 GPUs, EP8 x TP1 x PP1 (the 64 routed experts spread over the 8 GPUs of a node,
 # 8 each; every node holds one model replica), data parallel across nodes, alltoall token
@@ -12,7 +12,7 @@
 # and the MIXLN_* environment (stock Megatron-LM rejects unknown flags; with
 # patches/<release>/0001-mixln-cli-flags.patch applied, `--mixln-alpha 0.0625` in MEGATRON_ARGS works too).
 # A Post-LN layer with an MoE MLP is y = N(h + MoE(h)); routing and experts are megatron's own
-# (docs/moe.md). The --moe-layer-freq stack (a dense first layer) needs the --spec call of 0.19+.
+# (docs/moe.md).
 #
 # Run the same command on every node, NODE_RANK = 0 .. NNODES-1 (static rendezvous):
 #   NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 MEGATRON_LM_DIR=/opt/Megatron-LM \
