@@ -239,3 +239,18 @@ def test_tensor_and_sequence_parallel_with_every_feature(tmp_path):
     assert runs.losses("tp_bf16") == pytest.approx(runs.losses("tp_plain"), rel=BF16_LOSS_REL)
     assert runs.used("tp_overlap")["ddp_config"]["overlap_param_gather"]
     assert runs.used("tp_full_block")["checkpoint_calls"] > 0
+
+
+# ------------------------------------------------------------------ selective `layernorm` recompute
+def test_layernorm_recompute_covers_the_pre_ln_norms_only(mcore_single):
+    """megatron's `--recompute-modules layernorm` checkpoints a layer's input and pre-MLP norms;
+    a Post-LN layer has neither (its N1 / N2 come after the residual adds) and recomputes no norm.
+    (Running it needs TransformerEngine: megatron's CheckpointWithoutOutput calls TE's FP8 state.)"""
+    from mixln_megatron.dev import testing as mu
+
+    config = mu.tiny_config(recompute_granularity="selective", recompute_modules=["layernorm"])
+    model = mu.build_gpt(config, mu.mixln_spec(config, post_ln_layers=2, vp_stage=None))
+    layers = list(model.decoder.layers)
+    assert [layer.kind for layer in layers] == ["post", "post", "pre", "pre"]
+    assert [(layer.recompute_input_layernorm, layer.recompute_pre_mlp_layernorm) for layer in layers] == \
+        [(False, False), (False, False), (True, True), (True, True)]
