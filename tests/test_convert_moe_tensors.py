@@ -17,9 +17,7 @@ HF model (transformers, fp32).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 
 import pytest
 import torch

@@ -239,7 +239,11 @@ def layer_roles(shape, kind=None, layer: Optional[int] = None) -> List[str]:
     a sandwich layer (`kind`) also has norm_c / norm_d; an MoE layer (`layer` of an MoE shape) has
     the router, the shared expert's roles, then one fc1 / fc2 pair per expert instead of fc1 / fc2."""
     qkv_only = getattr(shape, "add_qkv_bias", False)  # --add-qkv-bias alone: the QKV bias, no other
-    roles = [r for r in LAYER_ROLES if shape.add_bias_linear or not r.endswith(".bias") or (qkv_only and r == "qkv.bias")]
+
+    def kept(role):
+        return shape.add_bias_linear or not role.endswith(".bias") or (qkv_only and role == "qkv.bias")
+
+    roles = [r for r in LAYER_ROLES if kept(r)]
     if is_moe_layer(shape, layer):
         moe = shape.moe
         roles = [r for r in roles if r not in DENSE_MLP_ROLES]
