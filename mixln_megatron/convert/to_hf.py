@@ -11,7 +11,10 @@ What is written (into a temporary directory renamed to --save at the end):
   MoE checkpoints (convert.moe_shape): config.json of a stock MixtralForCausalLM or
   Qwen2MoeForCausalLM where one is the network (every layer pre, scheme mixln:
   hf.export_code.stock_moe_model_type), else MixLNMoeConfig with the four code files; experts under
-  the hub's per-expert names, read and written one expert at a time.
+  the hub's per-expert names, read and written one expert at a time. GLU-interleaved fc1 rows (TE
+  grouped GEMM) are split by blocks (layouts.split_glu_rows), a top-k scaling factor is folded into
+  each routed expert's fc2, --moe-router-dtype fp32 becomes router_dtype "float32" (the Mix-LN MoE
+  class unless the export is float32) and --add-qkv-bias becomes qkv_bias.
   model-0000k-of-0000N.safetensors + model.safetensors.index.json
   generation_config.json
   tokenizer files            with --tokenizer-model DIR.
