@@ -176,6 +176,11 @@ def _check_groups(get) -> Optional[str]:
             "router chooses among all experts")
 
 
+def _groups_by(name: str) -> Callable:
+    """_check_groups reported by the row of the group setting actually saved (the deprecated one too)."""
+    return lambda get: _check_groups(get) if get(name) else None
+
+
 def _check_dtype(get) -> Optional[str]:
     if get("moe_router_dtype") == "fp64":
         return ("routing in fp64: the exported routers compute in at most fp32, so a top-k choice can "
@@ -245,12 +250,12 @@ TABLE: Tuple[MoEField, ...] = (
     MoEField("moe_router_dtype", CARRIED, "fp32: router_dtype float32 (MoEShape.router_fp32); refused: fp64",
              check=_check_dtype, analysis=CARRY, off=(None,)),
     MoEField("moe_router_num_groups", CARRIED, "plain top-k when no group top-k is set or it equals the group "
-             "count; refused: group-limited routing", check=_check_groups, analysis=CARRY, changes=group_limited),
-    MoEField("moe_router_group_topk", CARRIED, "see moe_router_num_groups", check=_check_groups, analysis=CARRY,
+             "count; refused: group-limited routing", check=_groups_by("moe_router_num_groups"), analysis=CARRY, changes=group_limited),
+    MoEField("moe_router_group_topk", CARRIED, "see moe_router_num_groups", check=_groups_by("moe_router_group_topk"), analysis=CARRY,
              changes=group_limited),
     MoEField("moe_router_topk_limited_devices", CARRIED, "deprecated spelling of group-limited routing "
-             "(groups: the expert-parallel size)", args=("",), check=_check_groups, analysis="refuse",
-             changes=group_limited),
+             "(groups: the expert-parallel size)", args=("",), check=_groups_by("moe_router_topk_limited_devices"), analysis="refuse",
+             changes=lambda get: bool(get("moe_router_topk_limited_devices")) and group_limited(get)),
     MoEField("moe_router_enable_expert_bias", CARRIED, "off (sinkhorn routing does not read it); refused: on",
              check=_check_expert_bias, analysis=CARRY),
     MoEField("moe_expert_capacity_factor", CARRIED, "none (dropless); refused: a factor >= 0",
