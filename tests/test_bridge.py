@@ -16,7 +16,8 @@ convert to-hf` (the source folder again, bit for bit), and the TP2 one by `mixln
 
 Mix-LN MoE (bridge.moe; a dense first layer, 4 experts top-2, a gated shared expert; P = 1, and
 every kind with megatron's pre-softmax routing): a mixln_moe folder through AutoBridge gives HF's
-logits, exports bit for bit, and its Megatron-LM checkpoint converts back to the folder.
+logits, exports bit for bit, and its Megatron-LM checkpoint converts back to the folder; a provider
+whose routing its HF config cannot describe (model.moe_fields) is refused in one line.
 
 `make test-bridge` runs these with Bridge laid over the venv (scripts/install_bridge.sh); without
 Bridge they skip, unless BRIDGE_TESTS_REQUIRED=1 (set by the make target), where they fail.
@@ -623,3 +624,41 @@ else:
         assert set(exported) == set(on_disk), sorted(set(exported) ^ set(on_disk))[:6]
         for name, tensor in on_disk.items():
             assert torch.equal(exported[name], tensor), name
+
+    def test_moe_routing_the_config_cannot_describe_is_refused_in_one_line(gloo, tmp_path):
+        """A provider whose routing hf_moe_fields would describe as megatron's default one (a
+        scaling factor, sigmoid scores with expert bias, sinkhorn, fp32 routing, probabilities on
+        the input) is refused, naming the flag, by the config export and so by the checkpoint's
+        args; a folder with router_dtype is refused when the provider is made (model.moe_fields)."""
+        import json
+
+        from mixln_megatron.bridge.moe import MoEBridgeError
+        from mixln_megatron.hf import MixLNMoeConfig, MixLNMoeForCausalLM
+
+        config = MixLNMoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                mlp_only_layers=[0], post_ln_layers=1, **TINY)
+        torch.manual_seed(0)
+        folder = export_folder(MixLNMoeForCausalLM(config).eval(), str(tmp_path / "moe"))
+        provider = AutoBridge.from_hf_pretrained(folder, trust_remote_code=True).to_megatron_provider(
+            load_weights=False)
+        for setting, flag in [(dict(moe_router_topk_scaling_factor=2.0), "--moe-router-topk-scaling-factor"),
+                              (dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
+                               "--moe-router-score-function"),
+                              (dict(moe_router_load_balancing_type="sinkhorn"), "--moe-router-load-balancing-type"),
+                              (dict(moe_router_dtype="fp32"), "--moe-router-dtype"),
+                              (dict(moe_apply_probs_on_input=True), "--moe-apply-probs-on-input")]:
+            saved = {name: getattr(provider, name) for name in setting}
+            for name, value in setting.items():
+                setattr(provider, name, value)
+            with pytest.raises(MoEBridgeError) as info:
+                mixln_bridge.MixLNMoeBridge.megatron_to_hf_config(provider)
+            assert "\n" not in str(info.value) and flag in str(info.value), (setting, str(info.value))
+            for name, value in saved.items():
+                setattr(provider, name, value)
+        assert mixln_bridge.MixLNMoeBridge.megatron_to_hf_config(provider)["num_experts"] == 4
+        edited = json.loads(open(os.path.join(folder, "config.json")).read())
+        edited["router_dtype"] = "float32"
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(edited, f)
+        with pytest.raises(MoEBridgeError, match="router_dtype"):
+            AutoBridge.from_hf_pretrained(folder, trust_remote_code=True).to_megatron_provider(load_weights=False)

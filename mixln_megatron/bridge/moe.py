@@ -14,7 +14,10 @@ files):
     shared_experts.gate_weight                            shared_expert_gate.weight
 and the routing in the provider: experts, top-k, expert width, the dense layers (mlp_only_layers
 <-> moe_layer_freq), the shared expert and its gate, renormalised top-k (norm_topk_prob) or
-megatron's --moe-router-pre-softmax. How the experts run (dispatcher, grouped GEMM, fusions) is
+megatron's --moe-router-pre-softmax. A provider with any other routing (model.moe_fields.TABLE:
+score function, expert bias, groups, sinkhorn, scaling, fp32 routing, capacity, probabilities on
+the input, latent, GLU interleave...) is refused in one line when exported, as is a folder with
+router_dtype (the provider would route in the model's dtype). How the experts run (dispatcher, grouped GEMM, fusions) is
 megatron's default (allgather, sequential experts); on GPUs set the provider's
 moe_token_dispatcher_type / moe_grouped_gemm as for any Megatron MoE model.
 
@@ -29,6 +32,8 @@ from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
 from megatron.bridge.models.conversion.param_mapping import AutoMapping, GatedMLPMapping
 from megatron.core.models.gpt.gpt_model import GPTModel
 
+from ..errors import MixLNError
+from ..model import moe_fields
 from .llama import MixLNLlamaBridge
 from .provider import MixLNModelProvider
 
@@ -56,9 +61,27 @@ def moe_mappings() -> list:
     ]
 
 
+class MoEBridgeError(MixLNError, ValueError):
+    """A provider whose MoE routing the Mix-LN MoE HF config cannot describe; the message names the flag."""
+
+
+def check_provider_routing(provider) -> None:
+    """Refuse, in one line naming each setting, a provider whose routing differs from what
+    hf_moe_fields writes (model.moe_fields.TABLE: refused rows, and carried ones the Bridge
+    export does not write), rather than export a config that describes another routing."""
+    problems = moe_fields.bridge_problems(provider)
+    if problems:
+        raise MoEBridgeError("this provider's MoE routing cannot be exported by the Mix-LN MoE bridge: "
+                             + "; ".join(problems) + "; use megatron's default routing or export with "
+                             "`mixln-megatron convert to-hf` from a Megatron-LM checkpoint")
+
+
 def moe_provider_fields(hf_config) -> dict:
     """The provider's MoE fields of a (validated) MixLNMoeConfig."""
     dense = set(hf_config.mlp_only_layers or ())
+    if getattr(hf_config, "router_dtype", None) is not None:
+        raise MoEBridgeError(f"router_dtype {hf_config.router_dtype!r:.20}: the Mix-LN MoE bridge routes in the "
+                             "model's dtype; convert the folder with `mixln-megatron convert from-hf` instead")
     return dict(
         num_moe_experts=int(hf_config.num_experts), moe_router_topk=int(hf_config.num_experts_per_tok),
         moe_ffn_hidden_size=int(hf_config.moe_intermediate_size),
@@ -72,7 +95,9 @@ def moe_provider_fields(hf_config) -> dict:
 
 
 def hf_moe_fields(provider) -> dict:
-    """moe_export_config_fields' MoE keyword arguments of a provider (the inverse of moe_provider_fields)."""
+    """moe_export_config_fields' MoE keyword arguments of a provider (the inverse of moe_provider_fields);
+    a routing they would not describe is refused (check_provider_routing)."""
+    check_provider_routing(provider)
     freq = provider.moe_layer_freq
     pattern = [bool(v) for v in freq] if isinstance(freq, (list, tuple)) else \
         [i % int(freq) == 0 for i in range(int(provider.num_layers))]
