@@ -1,6 +1,7 @@
 """model.moe_fields: the one table of megatron-core's MoE settings names every one of the installed
-release's (`make test-compat` runs the walk and the flag check on 0.17, 0.18 and main too), each with a handling, the
-Megatron-LM flag its args hold it under, and is what convert, the analysis and the Bridge read."""
+release's (`make test-compat` runs the walk and the flag check on 0.17, 0.18 and main too), each
+with a handling and the Megatron-LM flag its args hold it under; it is what convert, the analysis
+and the Bridge read, and what docs/moe.md shows."""
 
 from __future__ import annotations
 
@@ -103,3 +104,20 @@ def test_the_bridge_refuses_what_its_config_does_not_write():
         assert any(flag in p for p in problems), (setting, problems)
     assert mf.bridge_problems(Namespace(num_moe_experts=8, moe_router_topk=2, moe_router_pre_softmax=True,
                                         moe_router_topk_scaling_factor=1.0, moe_token_drop_policy="probs")) == []
+
+
+def test_docs_moe_table_is_current(tmp_path):
+    """docs/moe.md shows the table as model.moe_fields has it (python -m mixln_megatron.dev.moe_table --write)."""
+    from pathlib import Path
+
+    from mixln_megatron.dev import moe_table
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "moe.md"
+    assert moe_table.main(["--check", str(doc)]) == 0, (
+        "docs/moe.md is stale: python -m mixln_megatron.dev.moe_table --write docs/moe.md")
+    for row in mf.TABLE:
+        assert f"| `{row.name}` |" in moe_table.render()
+    stale = tmp_path / "moe.md"
+    stale.write_text(doc.read_text().replace("`--moe-router-dtype`", "`--moe-router-precision`"))
+    assert moe_table.main(["--check", str(stale)]) == 1
+    assert moe_table.main(["--write", str(stale)]) == 0 and stale.read_text() == doc.read_text()
