@@ -75,7 +75,7 @@ def plan_tp2_sp_dp2(workdir):
 
 def launch(workdir, nproc, plan):
     with open(workdir / "plan.json", "w") as f:
-        json.dump([[name, argv, {}] for name, argv in plan], f)
+        json.dump([[name, argv] for name, argv in plan], f)
     proc = torchrun(WORKER, nproc, "--workdir", workdir, timeout=900)
     (workdir / "launch.log").write_text(proc.stdout + proc.stderr)
     return Runs(workdir)

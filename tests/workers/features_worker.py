@@ -1,6 +1,6 @@
 """torchrun worker: several `mixln-megatron pretrain` runs, one after another, in one process group.
 
-    features_worker.py --workdir DIR        (DIR/plan.json: [[run name, [entry-point flags...], {env}], ...])
+    features_worker.py --workdir DIR        (DIR/plan.json: [[run name, [entry-point flags...]], ...])
 
 Each rank calls the entry point's main() once per run of the plan, in order, resetting
 Megatron-LM's process-wide state in between (its global args, timers and micro-batch calculator,
@@ -18,8 +18,7 @@ import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # fork_queue
 
 
 def reset_megatron() -> None:
@@ -128,9 +127,8 @@ def main():
     recorder.install()
     rank = int(os.environ.get("RANK", "0"))
     try:
-        for name, argv, env in plan:
+        for name, argv in plan:
             reset_megatron()
-            os.environ.update(env)  # e.g. FSDP2's CUDA_DEVICE_MAX_CONNECTIONS
             recorder.used, recorder.checkpoint_calls = {}, 0
             out = os.path.join(a.workdir, name)
             code = pretrain.main([*argv, "--loss-log", out + ".loss.json",
