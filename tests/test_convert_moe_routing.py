@@ -183,3 +183,20 @@ def test_from_hf_refuses_top1_renormalised_and_biased_mixln_moe_folders(plain_ch
         config.update(edit)
         (folder / "config.json").write_text(json.dumps(config))
         assert name in _from_hf_refusal(folder, tmp_path, capsys)
+
+
+def test_inspect_names_the_routing_the_export_carries(plain_checkpoint, tmp_path, capsys):
+    from mixln_megatron.convert.cli import main
+
+    model, cfg, _ = plain_checkpoint
+    ckpt = save_megatron(model, cfg, tmp_path / "ckpt", moe_router_load_balancing_type="sinkhorn",
+                         moe_router_dtype="fp32")
+    capsys.readouterr()
+    assert main(["inspect", "--load", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    for line in ("moe_router_load_balancing_type: sinkhorn (its evaluation routing)", "norm_topk_prob: False",
+                 "router_fp32: True"):
+        assert line in out, (line, out)
+    ckpt = save_megatron(model, cfg, tmp_path / "refused", moe_apply_probs_on_input=True)
+    assert main(["inspect", "--load", str(ckpt)]) == 0
+    assert "--moe-apply-probs-on-input" in capsys.readouterr().out

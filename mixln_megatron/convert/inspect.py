@@ -194,6 +194,7 @@ def describe_checkpoint(load: str, iteration=None) -> dict:
 def _describe_moe(info) -> dict:
     """The MoE part of `inspect`: experts, top-k, expert / shared widths, which layers are dense,
     and whether to-hf carries the routing (else the one-line reason)."""
+    from ..model import moe_fields
     from .moe_shape import moe_shape_of_args
 
     if not getattr(info.reader, "moe", False):
@@ -210,6 +211,13 @@ def _describe_moe(info) -> dict:
            "dense_layers": [i + 1 for i in moe.dense_layers],
            "shared_expert_intermediate_size": moe.shared_ffn, "shared_expert_gate": moe.shared_gate,
            "norm_topk_prob": moe.norm_topk_prob}
+    # what the export rewrites or routes differently from megatron's default (model.moe_fields), when set
+    extra = {"moe_router_load_balancing_type": "sinkhorn (its evaluation routing)"
+             if moe_fields.balancing(moe_fields.getter(info.args)) == "sinkhorn" else None,
+             "topk_scaling": moe.topk_scaling if moe.topk_scaling != 1 else None,
+             "router_fp32": True if moe.router_fp32 else None,
+             "expert_glu_interleave": moe.expert_glu_interleave, "shared_glu_interleave": moe.shared_glu_interleave}
+    out.update({key: value for key, value in extra.items() if value is not None})
     if info.shape.add_bias_linear:
         out["moe_convertible"] = "biases on the MoE layers' linears: not carried by to-hf"
     return out
