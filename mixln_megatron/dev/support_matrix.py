@@ -140,9 +140,10 @@ MATRIX: Tuple[Feature, ...] = (
             (FEATURES + "test_selective_recompute_of_mlp_and_core_attention_equals_the_plain_run",
              FEATURES + "test_recompute_under_pipeline_and_virtual_pipeline_equals_the_plain_run")),
     Feature("selective recompute: layernorm", "--recompute-modules layernorm", GPU,
-            "megatron's norm checkpoint calls TransformerEngine's FP8 state (without TE it fails with a "
-            "NameError), and TE's forward needs a GPU. It covers the Pre-LN layers' input and pre-MLP "
-            "norms only: a Post-LN layer's N1 / N2 are not recomputed (tested)",
+            "megatron-core's norm checkpoint (CheckpointWithoutOutput) always takes its fp8 path, which "
+            "calls TransformerEngine: without TE a NameError, with TE the recompute asks the GPU's compute "
+            "capability. It covers the Pre-LN layers' input and pre-MLP norms only: a Post-LN layer's "
+            "N1 / N2 are not recomputed (tested), so it saves less memory in the Post-LN layers",
             (FEATURES + "test_layernorm_recompute_covers_the_pre_ln_norms_only",)),
     # precision
     Feature("bf16", "--bf16", TESTED,
