@@ -245,7 +245,8 @@ def test_tensor_and_sequence_parallel_with_every_feature(tmp_path):
 def test_layernorm_recompute_covers_the_pre_ln_norms_only(mcore_single):
     """megatron's `--recompute-modules layernorm` checkpoints a layer's input and pre-MLP norms;
     a Post-LN layer has neither (its N1 / N2 come after the residual adds) and recomputes no norm.
-    (Running it needs TransformerEngine: megatron's CheckpointWithoutOutput calls TE's FP8 state.)"""
+    (Running it needs TransformerEngine and a GPU: megatron-core's CheckpointWithoutOutput always
+    takes its fp8 path, docs/support-matrix.md.)"""
     from mixln_megatron.dev import testing as mu
 
     config = mu.tiny_config(recompute_granularity="selective", recompute_modules=["layernorm"])
