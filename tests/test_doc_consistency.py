@@ -357,10 +357,22 @@ STATED_ELSEWHERE = {
 }
 
 
+MORE_VERSIONS = re.compile(r"(?:[ \t]*\([^()\n]*\))?(?:[ \t]*,[ \t]*(?:and[ \t]+)?|[ \t]+(?:and|or)[ \t]+)"
+                           r"(\d+\.\d+(?:\.\d+)?)(?=[^\w.]|$)")
+
+
 def version_mentions(text: str) -> list:
-    """(package, version as written) of each `<package> <version>` in a text."""
-    return [(PACKAGE[m.group(1).lower()], m.group(2).replace(" ", "").replace("\t", ""))
-            for m in VERSION_MENTION.finditer(text)]
+    """(package, version as written) of each `<package> <version>` in a text, and of the versions
+    listed after it (`transformers 5.12.1 (Bridge's pin) and 5.24`)."""
+    found = []
+    for m in VERSION_MENTION.finditer(text):
+        package = PACKAGE[m.group(1).lower()]
+        found.append((package, m.group(2).replace(" ", "").replace("\t", "")))
+        end = m.end()
+        while more := MORE_VERSIONS.match(text, end):
+            found.append((package, more.group(1)))
+            end = more.end()
+    return found
 
 
 def unpinned(mentions) -> list:
@@ -396,10 +408,12 @@ def test_one_supported_megatron_core_range():
 
 def test_the_version_check_can_fail():
     mentions = version_mentions("Tested transformers releases: 5.24, and 5.12.1; megatron-core >=0.17,<0.21; "
-                                "Megatron-Bridge 0.6.2; TE 2.20.2; megatron-core 0.19")
-    assert mentions == [("transformers", "5.24"), ("megatron-core", ">=0.17,<0.21"), ("megatron-bridge", "0.6.2"),
-                        ("transformerengine", "2.20.2"), ("megatron-core", "0.19")]
-    assert unpinned(mentions) == [unpinned([("transformers", "5.24")])[0]]
+                                "Megatron-Bridge 0.6.2; TE 2.20.2; megatron-core 0.19; "
+                                "transformers 5.12.1 (Bridge's pin) and 5.25 (ours)")
+    assert mentions == [("transformers", "5.24"), ("transformers", "5.12.1"), ("megatron-core", ">=0.17,<0.21"),
+                        ("megatron-bridge", "0.6.2"), ("transformerengine", "2.20.2"), ("megatron-core", "0.19"),
+                        ("transformers", "5.12.1"), ("transformers", "5.25")]
+    assert [m.split(" (")[0] for m in unpinned(mentions)] == ["transformers 5.24", "transformers 5.25"]
 
 
 # ------------------------------------------------------------------------------------ dates
@@ -420,3 +434,34 @@ def test_no_dates_outside_the_benchmarks(doc):
 
 def test_the_date_check_can_fail():
     assert DATE.findall("peaked at 799 MB RSS (2026-12-03, shared 2-core CPU machine)") == ["2026-12-03"]
+
+
+# ------------------------------------------------------------------------------------ the unsupported list
+SUPPORT_HOME = ROOT / "docs" / "megatron-core-api.md"
+
+
+def undocumented_refusals(text: str) -> list:
+    """Rows of the support table (model/support.py) that refuse at build or training time and that the
+    text names by neither a flag of the row nor a field name."""
+    from mixln_megatron.model import support
+
+    training = {support.LAYER, support.PRETRAIN, getattr(support, "STOCK", support.PRETRAIN)}
+    rows = [r for r in support.TABLE if r.where & training] + list(support.DEEPNORM_INIT_TABLE)
+    missing = []
+    for row in rows:
+        names = set(row.names) | set(re.findall(r"--[\w-]+", row.what))
+        if not any(re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text) for name in names):
+            missing.append(row.what)
+    return missing
+
+
+def test_the_unsupported_list_is_the_support_table():
+    """docs/megatron-core-api.md is the one page listing what Mix-LN refuses; it names every row."""
+    section = SUPPORT_HOME.read_text(encoding="utf-8").split("## What is supported", 1)[1].split("\n## ", 1)[0]
+    missing = undocumented_refusals(section)
+    assert not missing, f"{rel(SUPPORT_HOME)} (What is supported) does not name these refusals of " \
+                        f"mixln_megatron/model/support.py: {missing}"
+
+
+def test_the_unsupported_list_check_can_fail():
+    assert "Megatron-FSDP (--use-megatron-fsdp)" in undocumented_refusals("multi-latent attention, `--use-kitchen`")
