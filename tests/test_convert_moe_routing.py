@@ -88,7 +88,8 @@ def test_sinkhorn_top2_exports_megatron_s_evaluation_routing(tmp_path, ignored):
     assert config["norm_topk_prob"] is False and diff <= 1e-5, (config.get("norm_topk_prob"), diff)
 
 
-@pytest.mark.parametrize("groups", [dict(moe_router_num_groups=2), dict(moe_router_num_groups=2, moe_router_group_topk=2)],
+@pytest.mark.parametrize("groups", [dict(moe_router_num_groups=2),
+                                    dict(moe_router_num_groups=2, moe_router_group_topk=2)],
                          ids=["groups-without-group-topk", "group-topk-equals-groups"])
 def test_group_routing_over_every_group_is_plain_top_k(tmp_path, groups):
     model, cfg = build(**groups)
@@ -160,9 +161,10 @@ def _from_hf_refusal(folder, tmp_path, capsys) -> str:
 def test_from_hf_refuses_renormalised_top1_which_megatron_does_not_build(tmp_path, capsys):
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    MixtralForCausalLM(MixtralConfig(vocab_size=mu.VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                                     num_attention_heads=2, num_key_value_heads=2, num_local_experts=4,
-                                     num_experts_per_tok=1, tie_word_embeddings=False)).save_pretrained(tmp_path / "top1")
+    config = MixtralConfig(vocab_size=mu.VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=1,
+                           tie_word_embeddings=False)
+    MixtralForCausalLM(config).save_pretrained(tmp_path / "top1")
     assert "num_experts_per_tok" in _from_hf_refusal(tmp_path / "top1", tmp_path, capsys)
 
 

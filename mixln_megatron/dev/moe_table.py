@@ -46,8 +46,8 @@ def _releases(row: mf.MoEField) -> str:
 
 def render() -> str:
     """The markdown table: one row per megatron-core MoE setting, carried ones first."""
-    rows = ["| setting (TransformerConfig) | Megatron-LM flag | `convert to-hf` | `analyze --load` | Bridge | releases |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| setting (TransformerConfig) | Megatron-LM flag | `convert to-hf` | `analyze --load` | Bridge "
+            "| releases |", "|---|---|---|---|---|---|"]
     for handling in ORDER:
         for row in (r for r in mf.TABLE if r.handling == handling):
             flag = f"`{row.flag}`" if row.flag else "(none)"
@@ -61,7 +61,8 @@ def main(argv=None) -> int:
                                      description="The MoE settings table of docs/moe.md.")
     action = parser.add_mutually_exclusive_group()
     action.add_argument("--write", metavar="FILE", type=Path, help="replace the table between the markers in FILE")
-    action.add_argument("--check", metavar="FILE", type=Path, help="exit 1 when FILE's table differs from the generated one")
+    action.add_argument("--check", metavar="FILE", type=Path,
+                        help="exit 1 when FILE's table differs from the generated one")
     args = parser.parse_args(argv)
     table = render()
     if args.write is None and args.check is None:

@@ -10,6 +10,8 @@ supported release 0.17-0.20; tests/test_moe_fields.py walks the installed releas
              training    changes only training (losses, bias updates, logging): the export is unchanged
              execution   how the experts run (dispatchers, kernels, parallel sizes, memory): same weights
   check      for a carried row: the values no HF router here reproduces (a one-line problem, or None)
+  changes    whether the saved value makes the routing differ from megatron's plain top-k (default:
+             the value is not one of `off`); what the Bridge refuses for the rows it does not carry
   analysis   what the analysis loader's CPU model takes: "carry" the saved value into megatron's
              own layer, ("cpu", v) a value that runs in one CPU process, "omit" (the default),
              "refuse" when on, "rows" (not a config value: the fc1 rows are de-interleaved on load)
@@ -250,12 +252,13 @@ TABLE: Tuple[MoEField, ...] = (
     MoEField("moe_router_dtype", CARRIED, "fp32: router_dtype float32 (MoEShape.router_fp32); refused: fp64",
              check=_check_dtype, analysis=CARRY, off=(None,)),
     MoEField("moe_router_num_groups", CARRIED, "plain top-k when no group top-k is set or it equals the group "
-             "count; refused: group-limited routing", check=_groups_by("moe_router_num_groups"), analysis=CARRY, changes=group_limited),
-    MoEField("moe_router_group_topk", CARRIED, "see moe_router_num_groups", check=_groups_by("moe_router_group_topk"), analysis=CARRY,
+             "count; refused: group-limited routing", check=_groups_by("moe_router_num_groups"), analysis=CARRY,
              changes=group_limited),
+    MoEField("moe_router_group_topk", CARRIED, "see moe_router_num_groups", check=_groups_by("moe_router_group_topk"),
+             analysis=CARRY, changes=group_limited),
     MoEField("moe_router_topk_limited_devices", CARRIED, "deprecated spelling of group-limited routing "
-             "(groups: the expert-parallel size)", args=("",), check=_groups_by("moe_router_topk_limited_devices"), analysis="refuse",
-             changes=lambda get: bool(get("moe_router_topk_limited_devices")) and group_limited(get)),
+             "(groups: the expert-parallel size)", args=("",), check=_groups_by("moe_router_topk_limited_devices"),
+             analysis="refuse", changes=lambda get: bool(get("moe_router_topk_limited_devices")) and group_limited(get)),
     MoEField("moe_router_enable_expert_bias", CARRIED, "off (sinkhorn routing does not read it); refused: on",
              check=_check_expert_bias, analysis=CARRY),
     MoEField("moe_expert_capacity_factor", CARRIED, "none (dropless); refused: a factor >= 0",
