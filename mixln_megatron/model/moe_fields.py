@@ -241,7 +241,7 @@ TABLE: Tuple[MoEField, ...] = (
              "not renormalised); off: true (softmax over the k chosen logits)", analysis=CARRY, bridge=True),
     MoEField("moe_router_load_balancing_type", CARRIED,
              "aux_loss / seq_aux_loss / global_aux_loss / none: plain top-k; sinkhorn (evaluation routing, "
-             "top-k > 1): norm_topk_prob false; refused: sinkhorn top-1, quantile_balancing",
+             "top-k > 1): norm_topk_prob false; refused: sinkhorn top-1, quantile_balancing (0.19+)",
              off=LOSS_BALANCING + (None,), check=_check_balancing, analysis=CARRY,
              changes=lambda get: balancing(get) != "plain"),
     MoEField("moe_router_score_function", CARRIED, "softmax; refused: sigmoid, sqrtsoftplus",
