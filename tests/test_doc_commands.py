@@ -17,6 +17,7 @@ import functools
 import importlib
 import importlib.util
 import io
+import itertools
 import os
 import re
 import shlex
@@ -38,7 +39,7 @@ NOT_RUN = {
     ("README.md", "make demo"): "trains two models for minutes: make demo is its own check",
     ("README.md", "pip install -e ."): "installs packages (network)",
     ("README.md", "export MIXLN_ALPHA=0.0625"): CLUSTER,
-    ("README.md", "MEGATRON_LM_DIR=/opt/Megatron-LM DATA_PATH=/data/c4/c4_en_t5_text_document bash examples/pretrain_llama1b_mixln.sh"): GPU,
+    ("README.md", "MEGATRON_LM_DIR=/opt/Megatron-LM DATA_PATH=/data/c4/c4_en_t5_text_document TOKENIZER_MODEL=/data/tokenizers/t5-base bash examples/pretrain_llama1b_mixln.sh"): GPU,
     ("README.md", "mixln-megatron convert to-hf --load CKPT_DIR --save HF_DIR --tokenizer-model TOK_DIR"): DATA,
     ("README.md", "mixln-megatron convert inspect --check --load CKPT_DIR"): DATA,
     ("README.md", "mixln-megatron convert inspect --load CKPT_DIR"): DATA,
@@ -57,7 +58,7 @@ NOT_RUN = {
     ("docs/layer-kinds.md", "for ARM in pre_ln post_ln deepnorm deepnorm_authors sandwich lns mix_ln mix_deepnorm pre_post post_every4 pre_every4 pre_sandwich; do"): CLUSTER,
     ("docs/layer-kinds.md", 'eval "$(mixln-megatron arms --num-layers 32 --mixln-alpha 0.0625 mix_deepnorm)"'): CLUSTER + " (SLURM)",
     ("docs/hybrid-model.md", "export MIXLN_ALPHA=0.0625"): CLUSTER,
-    ("docs/moe.md", "NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 MEGATRON_LM_DIR=/opt/Megatron-LM DATA_PATH=/data/c4/c4_en_t5_text_document bash examples/pretrain_moe16b_a2b_mixln.sh"): CLUSTER,
+    ("docs/moe.md", "NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 MEGATRON_LM_DIR=/opt/Megatron-LM DATA_PATH=/data/c4/c4_en_t5_text_document TOKENIZER_MODEL=/data/tokenizers/t5-base bash examples/pretrain_moe16b_a2b_mixln.sh"): CLUSTER,
     ("docs/moe.md", "mixln-megatron convert to-hf --load CKPT_DIR --save HF_DIR"): DATA + " (tests/test_convert_moe.py runs all three)",
     ("docs/entry-point.md", "mixln-megatron pretrain <Megatron-LM pretrain_gpt.py flags> --mixln-alpha 0.25"): GPU,
     ("docs/entry-point.md", "make demo"): "trains two models for minutes: make demo is its own check",
@@ -377,3 +378,51 @@ def test_relative_links_resolve(doc):
     broken = [target for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
               if not target.startswith(("http://", "https://", "mailto:")) and not (doc.parent / target).exists()]
     assert not broken, f"{doc.relative_to(ROOT)}: links to missing files {broken}"
+
+
+# ------------------------------------------------------------------------------------ launcher variables
+LAUNCHER_OF_MODEL = {"1b": "pretrain_llama1b_mixln.sh", "7b": "pretrain_llama7b_mixln.sh",
+                     "moe16b": "pretrain_moe16b_a2b_mixln.sh"}
+
+
+def required_variables(script: Path, assigned: dict) -> set:
+    """The variables a launcher stops without (`${VAR:?...}`), and those of the launcher
+    compare_schemes.sh hands over to (by MODEL, default 1b)."""
+    needed = set(re.findall(r"\$\{(\w+):\?", script.read_text()))
+    if script.name == "compare_schemes.sh":
+        model = assigned.get("MODEL", "1b")
+        if model in LAUNCHER_OF_MODEL:
+            needed |= required_variables(script.parent / LAUNCHER_OF_MODEL[model], assigned)
+    return needed
+
+
+def unset_launcher_variables(block) -> list:
+    """`VAR (script)` for each variable a launcher in the block requires that the block does not set."""
+    exported, missing = {}, []
+    for line in block[2]:
+        for command in simple_commands(line):
+            if command[:1] == ["export"]:
+                exported.update(w.split("=", 1) for w in command[1:] if "=" in w)
+                continue
+            prefix = dict(w.split("=", 1) for w in itertools.takewhile(lambda w: re.match(r"^[A-Za-z_]\w*=", w), command))
+            rest = command[len(prefix):]
+            if not rest or Path(rest[0]).name not in ("bash", "sh", "sbatch"):
+                continue
+            script = next((a for a in rest[1:] if a.startswith("examples/")), None)
+            if script is None or not (ROOT / script).exists():
+                continue
+            assigned = {**exported, **prefix}
+            missing += [f"{v} ({script})" for v in sorted(required_variables(ROOT / script, assigned)) if v not in assigned]
+    return missing
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}:{b[2][0][:60]}")
+def test_launcher_commands_set_what_the_launcher_requires(block):
+    """A launcher command as documented does not stop at a missing variable."""
+    missing = unset_launcher_variables(block)
+    assert not missing, f"{block[0]}: `{block[2][0][:80]}` leaves unset what the launcher requires: {missing}"
+
+
+def test_the_launcher_variable_check_can_fail():
+    block = ("x.md", "console", ["MEGATRON_LM_DIR=/m DATA_PATH=/d bash examples/pretrain_llama1b_mixln.sh"], "")
+    assert unset_launcher_variables(block) == ["TOKENIZER_MODEL (examples/pretrain_llama1b_mixln.sh)"]
