@@ -465,3 +465,27 @@ def test_the_unsupported_list_is_the_support_table():
 
 def test_the_unsupported_list_check_can_fail():
     assert "Megatron-FSDP (--use-megatron-fsdp)" in undocumented_refusals("multi-latent attention, `--use-kitchen`")
+
+
+# ------------------------------------------------------------------------------------ repository paths
+REPO_PATH = re.compile(r"`((?:examples|benchmarks|scripts|tests|patches|docs|mixln_megatron|\.ci)/[\w./-]*)`")
+
+
+def missing_paths(text: str, base: Path = ROOT) -> list:
+    """Repository paths named in `code` that do not exist (a glob must match something)."""
+    missing = []
+    for path in REPO_PATH.findall(text):
+        path = path.rstrip("/")
+        if not (list(base.glob(path)) if "*" in path else (base / path).exists()):
+            missing.append(path)
+    return missing
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=ids(DOCS))
+def test_named_repository_paths_exist(doc):
+    missing = missing_paths(doc.read_text(encoding="utf-8"))
+    assert not missing, f"{rel(doc)} names repository paths that do not exist: {missing}"
+
+
+def test_the_path_check_can_fail():
+    assert missing_paths("`benchmarks/hf_parity.py`, `tests/test_moe_*.py`, `scripts/nope.sh`") == ["scripts/nope.sh"]
