@@ -202,3 +202,20 @@ def test_inspect_names_the_routing_the_export_carries(plain_checkpoint, tmp_path
     ckpt = save_megatron(model, cfg, tmp_path / "refused", moe_apply_probs_on_input=True)
     assert main(["inspect", "--load", str(ckpt)]) == 0
     assert "--moe-apply-probs-on-input" in capsys.readouterr().out
+
+
+def test_the_installed_command_refuses_in_one_line_with_exit_2(plain_checkpoint, tmp_path):
+    """`mixln-megatron convert to-hf` as a user runs it (a fresh process): exit 2, one stderr line."""
+    import os
+    import subprocess
+    import sys
+
+    model, cfg, _ = plain_checkpoint
+    ckpt = save_megatron(model, cfg, tmp_path / "ckpt", moe_router_load_balancing_type="quantile_balancing")
+    proc = subprocess.run([sys.executable, "-m", "mixln_megatron.cli", "convert", "to-hf", "--load", str(ckpt),
+                           "--save", str(tmp_path / "out"), "--no-progress"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "--moe-router-load-balancing-type" in lines[0] and "qb_beta" in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
