@@ -232,10 +232,21 @@ def test_the_loaded_model_computes_megatron_s_evaluation_forward(case, mcore_sin
     assert diff <= 1e-5, (case, diff)
 
 
-def test_glu_interleave_saved_by_several_ranks_is_refused_in_one_line():
+def test_glu_interleave_saved_by_several_ranks_is_refused_in_one_line(mcore_single, tmp_path, capsys):
     from argparse import Namespace
 
+    from test_convert_moe import save_megatron
+    from test_convert_moe_routing import build, saved_args
+
     from mixln_megatron.analysis import moe
+
+    model, cfg = build()
+    ckpt = save_megatron(model, cfg, tmp_path / "ckpt", **saved_args(cfg), moe_grouped_gemm=True,
+                         moe_mlp_glu_interleave_size=8, expert_tensor_parallel_size=2)
+    capsys.readouterr()
+    assert _analyze("layer-drop", "--load", str(ckpt), "--tokens", "64", "--out-dir", str(tmp_path / "d")) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(err) == 1 and "--moe-mlp-glu-interleave-size=8" in err[0] and "size 2" in err[0], err
 
     saved = Namespace(num_experts=4, moe_router_topk=2, swiglu=True, moe_grouped_gemm=True,
                       moe_mlp_glu_interleave_size=8, expert_tensor_parallel_size=2)
