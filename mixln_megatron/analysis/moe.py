@@ -79,18 +79,8 @@ def glu_interleaves(args) -> Tuple[Optional[int], Optional[int]]:
 
 
 def glu_rows_problem(args) -> Optional[str]:
-    """Interleaved rows saved by more than one (expert) tensor-parallel rank: megatron cuts each
-    rank's interleaved rows in two halves when it saves, so their order depends on the rank count."""
-    experts, shared = glu_interleaves(args)
-    tp = getattr(args, "tensor_model_parallel_size", None) or 1
-    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
-    if experts is not None and etp > 1:
-        return (f"GLU-interleaved expert fc1 rows [--moe-mlp-glu-interleave-size={experts}] saved at expert tensor "
-                f"parallel size {etp}: their saved order depends on that size; analyze a save at size 1")
-    if shared is not None and tp > 1:
-        return (f"a GLU-interleaved shared-expert fc1 [moe_shared_expert_glu_interleave_size={shared}] saved at "
-                f"tensor parallel size {tp}: its saved order depends on that size; analyze a save at size 1")
-    return None
+    """Interleaved rows whose saved order depends on the (expert) tensor-parallel size (model.moe_fields)."""
+    return moe_fields.interleave_rank_problem(moe_fields.getter(args))
 
 
 _LOCAL_FC1 = re.compile(r"\.mlp\.experts\.local_experts\.\d+\.linear_fc1\.weight$")

@@ -131,6 +131,22 @@ def shared_glu_interleave(get) -> Optional[int]:
     return size if size is not None and get("use_grouped_gemm_for_shared_expert") else None
 
 
+def interleave_rank_problem(get) -> Optional[str]:
+    """GLU-interleaved rows saved by more than one (expert) tensor-parallel rank: megatron cuts each
+    rank's interleaved rows in two halves when it saves (the [gate; up] split of a plain fc1), so
+    the saved order depends on the rank count. The one-line problem, or None."""
+    experts, shared = expert_glu_interleave(get), shared_glu_interleave(get)
+    tp = get("tensor_model_parallel_size") or 1
+    etp = get("expert_tensor_parallel_size") or tp
+    if experts is not None and etp > 1:
+        return (f"GLU-interleaved expert fc1 rows [--moe-mlp-glu-interleave-size={experts}] saved at expert tensor "
+                f"parallel size {etp}: their saved order depends on that size; use a save at size 1")
+    if shared is not None and tp > 1:
+        return (f"a GLU-interleaved shared-expert fc1 [--moe-shared-expert-glu-interleave-size={shared}] saved at "
+                f"tensor parallel size {tp}: its saved order depends on that size; use a save at size 1")
+    return None
+
+
 def group_limited(get) -> bool:
     """Whether group-limited routing leaves some experts out: megatron only limits when a group
     top-k is set, and choosing every group is plain top-k (moe_utils.group_limited_topk)."""
