@@ -489,3 +489,19 @@ def test_named_repository_paths_exist(doc):
 
 def test_the_path_check_can_fail():
     assert missing_paths("`benchmarks/hf_parity.py`, `tests/test_moe_*.py`, `scripts/nope.sh`") == ["scripts/nope.sh"]
+
+
+# ------------------------------------------------------------------------------------ project bookkeeping
+BOOKKEEPING = re.compile(r"(?i)\b(?:issue|session|pull request|PR|ticket)\s*#?\d+\b|\bcommit\s+[0-9a-f]{7,40}\b")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=ids(DOCS))
+def test_no_issue_session_or_commit_numbers(doc):
+    """User docs describe the software, not the project's history."""
+    found = BOOKKEEPING.findall(doc.read_text(encoding="utf-8"))
+    assert not found, f"{rel(doc)} refers to project bookkeeping: {found}"
+
+
+def test_the_bookkeeping_check_can_fail():
+    assert BOOKKEEPING.findall("fixed in issue 43 (session 12, commit cdc2e28)") == ["issue 43", "session 12",
+                                                                                   "commit cdc2e28"]
