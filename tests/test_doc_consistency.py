@@ -505,3 +505,203 @@ def test_no_issue_session_or_commit_numbers(doc):
 def test_the_bookkeeping_check_can_fail():
     assert BOOKKEEPING.findall("fixed in issue 43 (session 12, commit cdc2e28)") == ["issue 43", "session 12",
                                                                                    "commit cdc2e28"]
+
+
+# ------------------------------------------------------------------------------------ Python names
+PACKAGE_DIR = ROOT / "mixln_megatron"
+DOTTED = re.compile(r"`(mixln_megatron(?:\.[A-Za-z_]\w*)*)[(`]")
+PY_FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```", re.M | re.S)
+
+
+@functools.lru_cache(maxsize=None)
+def module_file(dotted: str):
+    base = ROOT.joinpath(*dotted.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def module_tree(path: Path):
+    import ast
+
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
+def defined_in(path: Path, name: str):
+    """The AST node that defines `name` at the top level of a module file, True when the module names
+    it as a string (`__all__`, a lazy-export table), else None. Read, not imported: no optional
+    package (Megatron-Bridge, TE) is needed."""
+    import ast
+
+    for node in module_tree(path).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return node
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return node
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name.split(".")[0]) == name for a in node.names):
+            return node
+    return True if re.search(rf"['\"]{re.escape(name)}['\"]", path.read_text(encoding="utf-8")) else None
+
+
+def unresolved(dotted: str):
+    """None when `mixln_megatron.a.b.name` names a module or a top-level name of one, else the reason."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        path = module_file(".".join(parts[:i]))
+        if path is None:
+            continue
+        rest = parts[i:]
+        if not rest:
+            return None
+        return None if defined_in(path, rest[0]) is not None else f"{'.'.join(parts[:i])} defines no {rest[0]}"
+    return "no such module"
+
+
+def keyword_problems(source: str) -> list:
+    """Calls in a Python example of functions / classes imported from mixln_megatron with keywords the
+    definition does not take."""
+    import ast
+
+    tree = ast.parse(source)
+    origin = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mixln_megatron"):
+            for alias in node.names:
+                origin[alias.asname or alias.name] = (node.module, alias.name)
+    problems = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in origin):
+            continue
+        module, name = origin[node.func.id]
+        path = module_file(module)
+        definition, path = followed(path, name) if path else (None, None)
+        if definition is None:
+            problems.append(f"{module} has no {name}")
+            continue
+        accepted = parameters(definition, path)
+        if accepted is None:
+            continue
+        problems += [f"{name}() takes no keyword {k.arg!r}" for k in node.keywords if k.arg and k.arg not in accepted]
+    return problems
+
+
+def followed(path: Path, name: str, depth: int = 0):
+    """(node, file) of defined_in, through re-exports (`from .spec import x` in a package's __init__)."""
+    import ast
+
+    node = defined_in(path, name)
+    if isinstance(node, ast.ImportFrom) and depth < 5:
+        package = path.parent.relative_to(ROOT).as_posix().replace("/", ".")
+        base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+        module = f"{base}.{node.module}" if node.level and node.module else (base if node.level else node.module)
+        alias = next(a for a in node.names if (a.asname or a.name) == name)
+        target = module_file(module) if module and module.startswith("mixln_megatron") else None
+        if target is not None:
+            found, where = followed(target, alias.name, depth + 1)
+            return (node, path) if found is None else (found, where)
+    return node, path
+
+
+def parameters(definition, path: Path = None):
+    """Keyword names a def or a (data)class accepts; None when unknown (**kwargs, re-exports)."""
+    import ast
+
+    if isinstance(definition, ast.ClassDef):
+        init = next((n for n in definition.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+        if init is not None:
+            return parameters(init, path)
+        fields = {n.target.id for n in definition.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+        for base in definition.bases:  # a dataclass's inherited fields, from bases of the same module
+            if isinstance(base, ast.Name) and base.id == "object":
+                continue
+            inherited = parameters(defined_in(path, base.id), path) if path and isinstance(base, ast.Name) else None
+            if inherited is None:
+                return None
+            fields |= inherited
+        return fields
+    if isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        args = definition.args
+        if args.kwarg is not None:
+            return None
+        return {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
+    return None
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=ids(DOCS))
+def test_python_names_in_the_docs_exist(doc):
+    """Every `mixln_megatron.x.y` a page names, and every name and keyword its Python examples import
+    from mixln_megatron and call, exists (read from the source files, nothing imported)."""
+    text = doc.read_text(encoding="utf-8")
+    problems = [f"{d}: {why}" for d in sorted(set(DOTTED.findall(text))) if (why := unresolved(d))]
+    for block in PY_FENCE.findall(text):
+        problems += keyword_problems(block)
+        problems += [f"{m}: {why}" for m in re.findall(r"^\s*(?:from|import)\s+(mixln_megatron[\w.]*)", block, re.M)
+                     if (why := unresolved(m))]
+    assert not problems, f"{rel(doc)} names Python objects that do not exist: {problems}"
+
+
+def test_the_python_name_check_can_fail():
+    assert unresolved("mixln_megatron.training.spike.install_spike_scaler") is None
+    assert unresolved("mixln_megatron.training.spike.install_spike_scalar") is not None
+    assert unresolved("mixln_megatron.nope") == "mixln_megatron defines no nope"
+    assert keyword_problems("from mixln_megatron.model.placement import resolve_placement\n"
+                            "resolve_placement(4, setting=None)\n") == ["resolve_placement() takes no keyword 'setting'"]
+
+
+@functools.lru_cache(maxsize=None)
+def package_definitions() -> dict:
+    """name -> [(node, file)] of every top-level def and class in mixln_megatron (hf/ excepted: the
+    exported model code), read with ast."""
+    import ast
+
+    found = {}
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        for node in module_tree(path).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                found.setdefault(node.name, []).append((node, path))
+    return found
+
+
+INLINE_CALL = re.compile(r"`((?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*)\((?:[^`()]|\([^`()]*\))*\))`")
+
+
+def inline_call_problems(text: str) -> list:
+    """Inline-code calls of a function or class the package defines once (`install_training_hooks(config,
+    settings, hybrid=True)`, `mixln_megatron.bridge.use_local_backend(provider, cpu=True)`) with keywords
+    the definition does not take."""
+    import ast
+
+    problems = []
+    for call, name in INLINE_CALL.findall(prose_of(text)):
+        definitions = package_definitions().get(name, [])
+        if len(definitions) != 1:
+            continue
+        try:
+            node = ast.parse(call.replace("...", "None"), mode="eval").body
+        except SyntaxError:
+            continue
+        accepted = parameters(*definitions[0])
+        if accepted is not None and isinstance(node, ast.Call):
+            problems += [f"`{call}`: {name}() takes no keyword {k.arg!r}" for k in node.keywords
+                         if k.arg and k.arg not in accepted]
+    return problems
+
+
+def prose_of(text: str) -> str:
+    return FENCE.sub("", text)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=ids(DOCS))
+def test_inline_calls_take_those_keywords(doc):
+    problems = inline_call_problems(doc.read_text(encoding="utf-8"))
+    assert not problems, f"{rel(doc)}: {problems}"
+
+
+def test_the_inline_call_check_can_fail():
+    assert keyword_problems("from mixln_megatron import MixLNSettings\nMixLNSettings(alpa=1)\n") == \
+        ["MixLNSettings() takes no keyword 'alpa'"]
+    assert inline_call_problems("`resolve_placement(4, setting=None)` and `resolve_placement(4, settings=None)`") == \
+        ["`resolve_placement(4, setting=None)`: resolve_placement() takes no keyword 'setting'"]
