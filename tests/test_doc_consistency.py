@@ -181,8 +181,10 @@ MOE_FLAGS = {
     "--moe-layer-freq": lambda v: {"mlp_only_layers": [i for i, x in enumerate(eval(v, {})) if not x]},  # noqa: S307
     "--moe-router-pre-softmax": lambda v: {"norm_topk_prob": False},
     "--add-qkv-bias": lambda v: {"qkv_bias": True},
+    "--moe-router-dtype": lambda v: {"router_dtype": {"fp32": "float32", "fp64": "float64"}[v]},
+    "--dtype": lambda v: {"dtype": v},  # to-hf's export dtype, as the converter passes it
 }
-TAKES_VALUE = {"--num-experts", "--moe-shared-expert-intermediate-size", "--moe-layer-freq",
+TAKES_VALUE = {"--num-experts", "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--moe-router-dtype", "--dtype",
                "--mixln-alpha", "--mixln-post-ln-layers", "--mixln-layout", "--mixln-scheme"}
 
 
