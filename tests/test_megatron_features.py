@@ -56,7 +56,6 @@ def plan_dp2(workdir):
         ("full_block", [*BASE, *FULL_BLOCK]),
         ("selective", [*BASE, *SELECTIVE]),
         ("bf16", [*BASE, "--bf16"]),
-        ("fp8_local", [*BASE, "--fp8-format", "hybrid"]),
     ]
 
 
@@ -215,15 +214,6 @@ def test_bf16_trains_with_the_hooks_within_tolerance(dp2):
     assert bf16 != plain  # really another precision
     assert bf16 == pytest.approx(plain, rel=BF16_LOSS_REL)
     assert_close_rows(dp2.telemetry("bf16"), dp2.telemetry("plain"), BF16_TELEMETRY_REL, "bf16")
-
-
-def test_fp8_flags_are_not_applied_by_the_local_backend(dp2):
-    """megatron-core's local modules have no fp8 path: the run is the plain one, bit for bit
-    (fp8 needs TransformerEngine's modules on a GPU)."""
-    used = dp2.used("fp8_local")
-    assert used["args"]["fp8"] == "hybrid" and used["config"]["fp8"] == "hybrid"
-    assert used["args"]["transformer_impl"] == "local"
-    dp2.assert_identical("fp8_local", "plain")
 
 
 # ------------------------------------------------------------------ slow: TP2 + SP x DP2, 4 ranks

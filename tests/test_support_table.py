@@ -132,3 +132,18 @@ def test_the_spike_scaler_refuses_fsdp_chunks_in_the_tables_words():
         with pytest.raises(support.MixLNUnsupportedError) as info:
             TargetSet([target], {id(param): chunk}, (1, 4))
         assert str(info.value) == "mixln spike scaler: " + support.message_of(name)
+
+
+def test_fp8_is_refused_with_the_local_backend_only():
+    """megatron-core's local modules ignore fp8 (the run trains in the base precision): the spec
+    refuses it with the local backend; with TE it is TE's fp8."""
+    from mixln_megatron.model.settings import MixLNSettings
+    from mixln_megatron.model.specs import checked_layer_spec
+
+    cfg = mu.tiny_config(num_layers=2)
+    cfg.fp8 = "hybrid"
+    with pytest.raises(support.MixLNUnsupportedError, match=r"fp8 .*local backend.*\[fp8='hybrid'\]"):
+        checked_layer_spec(cfg, "local", MixLNSettings(alpha=0.5))
+    support.check_supported(cfg, backend="te")
+    cfg.fp8 = None
+    checked_layer_spec(cfg, "local", MixLNSettings(alpha=0.5))

@@ -153,9 +153,9 @@ MATRIX: Tuple[Feature, ...] = (
             "the spike scaler divides by the loss scale; skipped (overflow) steps never commit",
             ("tests/test_spike.py::test_fp16_skipped_steps_never_commit",)),
     Feature("fp8 (TransformerEngine)", "--fp8-format --transformer-impl transformer_engine", GPU,
-            "TE's fp8 GEMMs need a GPU. With the local backend megatron-core applies no fp8: the run "
-            "is the plain one, bit for bit (tested)",
-            (FEATURES + "test_fp8_flags_are_not_applied_by_the_local_backend",)),
+            "TE's fp8 GEMMs need a GPU"),
+    Feature("fp8, local backend", "--fp8-format --transformer-impl local", REFUSED, "",
+            refuse=_entry_point(fp8="hybrid")),
     Feature("fp8 parameters with deepnorm layers", "--fp8-param-gather", REFUSED, "",
             refuse=_deepnorm(fp8_param=True)),
     Feature("fp32 residual connection, TE backend", "--fp32-residual-connection", REFUSED, "",

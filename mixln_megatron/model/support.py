@@ -75,6 +75,10 @@ TABLE: tuple = (
     _row("context_parallel_size", "context parallelism (--context-parallel-size > 1)",
          "it needs TransformerEngine's attention; use the TE spec (mixln_layer_spec, "
          "--transformer-impl transformer_engine)", _TRAIN, off=(None, 0, 1), backend="local"),
+    _row("fp8", "fp8 (--fp8-format)",
+         "megatron-core's local modules have no fp8 path, so the run would train in the base precision "
+         "while asking for fp8; use the TE spec (mixln_layer_spec, --transformer-impl transformer_engine) "
+         "on a GPU", _TRAIN, off=(None, False, ""), backend="local"),
     _row("use_te_activation_func", "use_te_activation_func (--use-te-activation-func)",
          "megatron's local MLP has no TE activation module and would apply the plain activation "
          "to the gated width; use the TE spec or drop the flag", _TRAIN, backend="local"),
