@@ -64,8 +64,13 @@ def test_precedence_arguments_env_default():
 
 
 def test_deep_model_without_setting_is_an_error():
-    with pytest.raises(MixLNConfigError, match="32 layers and no Mix-LN setting"):
+    with pytest.raises(MixLNConfigError, match="32 layers and no Mix-LN setting") as refused:
         resolve_placement(32, None)
+    message = str(refused.value)
+    assert "\n" not in message  # one line, naming every way to set it: alpha, P or a layout
+    assert all(name in message for name in ("--mixln-alpha", "--mixln-post-ln-layers", "--mixln-layout",
+                                            "MIXLN_LAYOUT", "layout="))
+    assert resolve_placement(32, MixLNSettings(layout="post:1-2,pre:3-")).post_ln_layers == 2
     assert resolve_placement(32, MixLNSettings.from_environ({"MIXLN_ALPHA": "0.0625"})).post_ln_layers == 2
 
 

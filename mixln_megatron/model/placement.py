@@ -189,9 +189,9 @@ def resolve_placement(num_layers: int, settings: Optional[MixLNSettings] = None)
             raise MixLNConfigError(
                 f"the model has {num_layers} layers and no Mix-LN setting was given; the default "
                 f"alpha = {DEFAULT_ALPHA} applies only up to {DEFAULT_ALPHA_MAX_LAYERS} layers (the "
-                f"paper needed alpha = 0.0625, i.e. 2 Post-LN layers, at 32 layers): set "
-                f"--mixln-alpha / --mixln-post-ln-layers, MIXLN_ALPHA / MIXLN_POST_LN_LAYERS, or the "
-                f"spec factory's alpha= / post_ln_layers= explicitly")
+                f"paper needed alpha = 0.0625, i.e. 2 Post-LN layers, at 32 layers): set alpha, P or a layout "
+                f"explicitly: --mixln-alpha / --mixln-post-ln-layers / --mixln-layout, MIXLN_ALPHA / "
+                f"MIXLN_POST_LN_LAYERS / MIXLN_LAYOUT, or the spec factory's alpha= / post_ln_layers= / layout=")
         s = MixLNSettings(alpha=DEFAULT_ALPHA, scheme=s.scheme, sources={"alpha": DEFAULT, "scheme": scheme_source})
     source = s.placement_source
     where = "the arguments" if source == ARGUMENT else source
