@@ -421,10 +421,7 @@ def test_the_version_check_can_fail():
 # ------------------------------------------------------------------------------------ dates
 DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
 # (page, date) -> why a user page may carry it
-DATE_ALLOWED = {
-    ("docs/moe.md", "2026-12-03"): "the export-memory figure of the MoE conversion section (another owner's "
-                                   "section); the same figure is in benchmarks/README.md, to be replaced by a link",
-}
+DATE_ALLOWED: dict = {}
 
 
 @pytest.mark.parametrize("doc", [d for d in DOCS if d != BENCHMARKS], ids=ids([d for d in DOCS if d != BENCHMARKS]))
