@@ -648,7 +648,8 @@ def _launches(where: str, lines: list) -> list:
             current += line[:-1] + " "
             continue
         line, current = current + line, ""
-        exported |= set(re.findall(r"\bexport\s+([A-Za-z_]\w*)=", line))
+        for names in re.findall(r"\bexport\s+((?:[A-Za-z_]\w*=\S*\s*)+)", line):  # export A=1 B=2 ...
+            exported |= set(re.findall(r"([A-Za-z_]\w*)=", names))
         m = re.search(r"(?:^|[\s;])((?:[A-Za-z_]\w*=\S*\s+)*)(?:bash|sbatch)\s+examples/(\S+)", line)
         if m:
             assigned = set(re.findall(r"([A-Za-z_]\w*)=", m.group(1)))
