@@ -16,8 +16,9 @@ convert to-hf` (the source folder again, bit for bit), and the TP2 one by `mixln
 
 Mix-LN MoE (bridge.moe; a dense first layer, 4 experts top-2, a gated shared expert; P = 1, and
 every kind with megatron's pre-softmax routing): a mixln_moe folder through AutoBridge gives HF's
-logits, exports bit for bit, and its Megatron-LM checkpoint converts back to the folder; a provider
-whose routing its HF config cannot describe (model.moe_fields) is refused in one line.
+logits, exports bit for bit, and its Megatron-LM checkpoint converts back to the folder; so does one
+with an fp32 router (router_dtype) or a q/k/v-only bias (qkv_bias); a provider whose routing or
+biases its HF config cannot describe (model.moe_fields) is refused in one line.
 
 `make test-bridge` runs these with Bridge laid over the venv (scripts/install_bridge.sh); without
 Bridge they skip, unless BRIDGE_TESTS_REQUIRED=1 (set by the make target), where they fail.
@@ -549,11 +550,9 @@ else:
 
         monkeypatch.setattr(moe_utils, "te_general_gemm", None)
 
-    @pytest.mark.parametrize("fields", MOE_LAYOUTS, ids=["P1", "arms-presoftmax"])
-    def test_moe_round_trip_local_backend(gloo, cpu_router, tmp_path, fields):
-        """A mixln_moe folder -> AutoBridge -> the Megatron MoE GPTModel: HF's logits, the provider's
-        routing, the HF tensors exported back bit for bit (per-expert names), the config's MoE fields
-        back from the provider (megatron_to_hf_config)."""
+    def moe_hf_folder(path, **fields):
+        """The tiny Mix-LN MoE model (a dense first layer, 4 experts top-2, a gated shared expert) with
+        `fields` on its config, random weights (biases too, norm weights far from 1), exported to `path`."""
         from mixln_megatron.hf import MixLNMoeConfig, MixLNMoeForCausalLM
 
         config = MixLNMoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -569,7 +568,14 @@ else:
         hf.eval()
         for key, value in TOKENIZER_IDS.items():  # those of the tokenizer beside it, as convert to-hf writes
             setattr(hf.config, key, value)
-        folder = export_folder(hf, str(tmp_path / "moe"))
+        return hf, config, export_folder(hf, str(path))
+
+    @pytest.mark.parametrize("fields", MOE_LAYOUTS, ids=["P1", "arms-presoftmax"])
+    def test_moe_round_trip_local_backend(gloo, cpu_router, tmp_path, fields):
+        """A mixln_moe folder -> AutoBridge -> the Megatron MoE GPTModel: HF's logits, the provider's
+        routing, the HF tensors exported back bit for bit (per-expert names), the config's MoE fields
+        back from the provider (megatron_to_hf_config)."""
+        hf, config, folder = moe_hf_folder(tmp_path / "moe", **fields)
         bridge, provider, models = bridge_models(folder)
         assert provider.num_moe_experts == 4 and provider.moe_router_topk == 2
         assert provider.moe_layer_freq == [0, 1, 1, 1]
@@ -594,10 +600,78 @@ else:
         _run(["-m", "mixln_megatron.cli", "convert", "to-hf", "--load", ckpt, "--save", again])
         assert_same_hf_folder(again, folder)
 
-    @pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped-gemm"])
-    def test_moe_te_backend_builds_loads_and_exports_exactly(gloo, tmp_path, grouped):
+    # The fp32 router (HF router_dtype "float32" <-> --moe-router-dtype fp32) and the q/k/v-only bias
+    # (HF qkv_bias <-> --add-qkv-bias), each on Mix-LN's first P and on every kind in one model.
+    MOE_CARRIED = {"router-fp32": dict(router_dtype="float32"), "qkv-bias": dict(qkv_bias=True)}
+
+    @pytest.mark.parametrize("layout", [0, 1], ids=["P1", "arms"])
+    @pytest.mark.parametrize("carried", sorted(MOE_CARRIED))
+    def test_moe_router_dtype_and_qkv_bias_are_carried(gloo, cpu_router, tmp_path, carried, layout):
+        """A mixln_moe folder with router_dtype "float32" (once refused) or qkv_bias (once dropped:
+        the provider had no q/k/v bias, so the logits were another model's) -> AutoBridge: the
+        provider routes in fp32 / has add_qkv_bias, megatron's linear_qkv.bias holds HF's q/k/v
+        biases, the logits equal HF's, the export gives the folder's tensors and config back
+        (megatron_to_hf_config: router_dtype / qkv_bias, no LLaMA attention_bias), and so does its
+        Megatron-LM checkpoint through `convert to-hf`."""
+        fields = {**MOE_LAYOUTS[layout], **MOE_CARRIED[carried]}
+        hf, config, folder = moe_hf_folder(tmp_path / "moe", **fields)
+        on_disk = folder_tensors(folder)
+        has_bias = carried == "qkv-bias"
+        assert any(name.endswith("q_proj.bias") for name in on_disk) is has_bias
+        bridge, provider, models = bridge_models(folder)
+        assert provider.moe_router_dtype == ("fp32" if carried == "router-fp32" else None)
+        assert provider.add_qkv_bias is has_bias and provider.add_bias_linear is False
+        model = models[0].eval()
+        for i, layer in enumerate(model.decoder.layers):
+            assert layer.mlp.config.moe_router_dtype == provider.moe_router_dtype
+            bias = layer.self_attention.linear_qkv.bias
+            assert (bias is not None) is has_bias, i
+            if has_bias:  # HF's q, k, v biases, interleaved per query group as megatron's qkv rows are
+                attn = hf.model.layers[i].self_attn
+                heads, groups, d = TINY["num_attention_heads"], TINY["num_key_value_heads"], 64 // 4
+                q, k, v = (getattr(attn, n).bias.detach().view(-1, d) for n in ("q_proj", "k_proj", "v_proj"))
+                per = heads // groups
+                want = torch.cat([torch.cat([q[g * per:(g + 1) * per], k[g:g + 1], v[g:g + 1]])
+                                  for g in range(groups)]).flatten()
+                assert torch.equal(bias.detach(), want), i
+                assert q.abs().max() > 0.01  # the biases are not zero: the logits below see them
+        ids = tokens()
+        with torch.no_grad():
+            diff = (megatron_logits(model, ids) - hf(input_ids=ids).logits).abs().max().item()
+        print(f"bridge MoE {carried} {('P1', 'arms')[layout]}: max |Megatron - HF| logit difference {diff:.3g}")
+        assert diff < 2e-5, diff
+
+        exported = dict(bridge.export_hf_weights(models, cpu=True, show_progress=False))
+        assert set(exported) == set(on_disk), sorted(set(exported) ^ set(on_disk))[:6]
+        for name, tensor in on_disk.items():
+            assert torch.equal(exported[name], tensor), name
+        out = str(tmp_path / "back")
+        bridge.save_hf_pretrained(models, out)
+        assert_same_hf_folder(out, folder)
+
+        hf_config = mixln_bridge.MixLNMoeBridge.megatron_to_hf_config(provider)
+        assert hf_config["model_type"] == "mixln_moe"
+        assert hf_config.get("router_dtype") == fields.get("router_dtype")
+        assert hf_config.get("qkv_bias", False) is has_bias
+        assert hf_config["attention_bias"] is False and hf_config["mlp_bias"] is False
+        # the provider's own config makes the same HF model (a qkv_bias model has the biases)
+        from mixln_megatron.hf import MixLNMoeConfig
+
+        again = MixLNMoeConfig(**{k: v for k, v in hf_config.items() if k not in ("architectures", "auto_map")})
+        assert (again.router_dtype, again.qkv_bias, again.attention_bias) == (
+            config.router_dtype, config.qkv_bias, False)
+        # its Megatron-LM checkpoint (args written from the provider's config) converts back to the folder
+        ckpt, via_ckpt = str(tmp_path / "ckpt"), str(tmp_path / "again")
+        mixln_bridge.save_megatron_checkpoint(models, ckpt, tokenizer_model=folder)
+        _run(["-m", "mixln_megatron.cli", "convert", "to-hf", "--load", ckpt, "--save", via_ckpt])
+        assert_same_hf_folder(via_ckpt, folder)
+
+    @pytest.mark.parametrize("grouped,qkv_bias", [(False, False), (True, False), (False, True)],
+                             ids=["sequential", "grouped-gemm", "sequential-qkv-bias"])
+    def test_moe_te_backend_builds_loads_and_exports_exactly(gloo, tmp_path, grouped, qkv_bias):
         """The TE backend's MoE layers (TE linears per expert, or TE's grouped GEMM: weight0..weightN-1)
-        load from and export to the folder bit for bit (TE's forward needs a GPU)."""
+        load from and export to the folder bit for bit (TE's forward needs a GPU); with qkv_bias the
+        Post-LN layer's and the Pre-LN layers' (fused norm) linear_qkv carry the q/k/v biases."""
         reason = cpu.te_unavailable_reason()
         if reason:
             pytest.fail(reason) if REQUIRED else pytest.skip(reason)
@@ -605,9 +679,14 @@ else:
 
         config = MixLNMoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                 shared_expert_intermediate_size=32, shared_expert_gate=True, mlp_only_layers=[0],
-                                post_ln_layers=1, **TINY)
+                                post_ln_layers=1, qkv_bias=qkv_bias, **TINY)
         torch.manual_seed(0)
         hf = MixLNMoeForCausalLM(config).eval()
+        if qkv_bias:  # HF initialises biases to zero; distinct values show the rows land where they belong
+            with torch.no_grad():
+                for name, p in hf.named_parameters():
+                    if name.endswith("_proj.bias"):
+                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
         folder = export_folder(hf, str(tmp_path / "moe"))
         bridge = AutoBridge.from_hf_pretrained(folder, trust_remote_code=True)
         provider = bridge.to_megatron_provider(load_weights=True)
@@ -619,6 +698,9 @@ else:
                 wrap_with_ddp=False, use_cpu_initialization=True, mixed_precision_wrapper=None)
         experts = models[0].decoder.layers[1].mlp.experts
         assert type(experts).__name__ == ("TEGroupedMLP" if grouped else "SequentialMLP"), type(experts)
+        for layer in models[0].decoder.layers:  # TE keeps an empty tensor where there is no bias
+            bias = layer.self_attention.linear_qkv.bias
+            assert (bias is not None and bias.numel() == 64 + 2 * 32) is qkv_bias, bias
         exported = dict(bridge.export_hf_weights(models, cpu=True, show_progress=False))
         on_disk = folder_tensors(folder)  # the per-expert names the folder holds (HF fuses them in memory)
         assert set(exported) == set(on_disk), sorted(set(exported) ^ set(on_disk))[:6]
@@ -627,9 +709,11 @@ else:
 
     def test_moe_routing_the_config_cannot_describe_is_refused_in_one_line(gloo, tmp_path):
         """A provider whose routing hf_moe_fields would describe as megatron's default one (a
-        scaling factor, sigmoid scores with expert bias, sinkhorn, fp32 routing, probabilities on
-        the input) is refused, naming the flag, by the config export and so by the checkpoint's
-        args; a folder with router_dtype is refused when the provider is made (model.moe_fields)."""
+        scaling factor, sigmoid scores with expert bias, sinkhorn, fp64 routing, probabilities on
+        the input) or with biases the Mix-LN MoE model lacks (add_bias_linear) is refused, naming
+        the flag, by the config export and so by the checkpoint's args (model.moe_fields); a folder
+        with LLaMA's attention_bias (o_proj's too, which no mapping carries) is refused when the
+        provider is made."""
         import json
 
         from mixln_megatron.bridge.moe import MoEBridgeError
@@ -645,8 +729,9 @@ else:
                               (dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
                                "--moe-router-score-function"),
                               (dict(moe_router_load_balancing_type="sinkhorn"), "--moe-router-load-balancing-type"),
-                              (dict(moe_router_dtype="fp32"), "--moe-router-dtype"),
-                              (dict(moe_apply_probs_on_input=True), "--moe-apply-probs-on-input")]:
+                              (dict(moe_router_dtype="fp64"), "--moe-router-dtype"),
+                              (dict(moe_apply_probs_on_input=True), "--moe-apply-probs-on-input"),
+                              (dict(add_bias_linear=True), "--disable-bias-linear")]:
             saved = {name: getattr(provider, name) for name in setting}
             for name, value in setting.items():
                 setattr(provider, name, value)
@@ -657,8 +742,9 @@ else:
                 setattr(provider, name, value)
         assert mixln_bridge.MixLNMoeBridge.megatron_to_hf_config(provider)["num_experts"] == 4
         edited = json.loads(open(os.path.join(folder, "config.json")).read())
-        edited["router_dtype"] = "float32"
+        edited["attention_bias"] = True
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(edited, f)
-        with pytest.raises(MoEBridgeError, match="router_dtype"):
+        with pytest.raises(MoEBridgeError, match="attention_bias") as info:
             AutoBridge.from_hf_pretrained(folder, trust_remote_code=True).to_megatron_provider(load_weights=False)
+        assert "\n" not in str(info.value)

@@ -91,7 +91,7 @@ def test_the_bridge_refuses_what_its_config_does_not_write():
     """A provider (a TransformerConfig) whose routing hf_moe_fields would describe as another one."""
     for setting, flag in [(dict(moe_router_load_balancing_type="sinkhorn"), "--moe-router-load-balancing-type"),
                           (dict(moe_router_topk_scaling_factor=2.0), "--moe-router-topk-scaling-factor"),
-                          (dict(moe_router_dtype="fp32"), "--moe-router-dtype"),
+                          (dict(moe_router_dtype="fp64"), "--moe-router-dtype"),
                           (dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"),
                            "--moe-router-enable-expert-bias"),
                           (dict(moe_apply_probs_on_input=True), "--moe-apply-probs-on-input"),
@@ -103,7 +103,8 @@ def test_the_bridge_refuses_what_its_config_does_not_write():
         problems = mf.bridge_problems(provider)
         assert any(flag in p for p in problems), (setting, problems)
     assert mf.bridge_problems(Namespace(num_moe_experts=8, moe_router_topk=2, moe_router_pre_softmax=True,
-                                        moe_router_topk_scaling_factor=1.0, moe_token_drop_policy="probs")) == []
+                                        moe_router_topk_scaling_factor=1.0, moe_token_drop_policy="probs",
+                                        moe_router_dtype="fp32")) == []  # router_dtype "float32"
 
 
 def test_docs_moe_table_is_current(tmp_path):

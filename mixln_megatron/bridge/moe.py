@@ -12,14 +12,18 @@ files):
       (TE grouped GEMM: experts.linear_fc2.weight<e>)
     shared_experts.linear_fc1.weight / linear_fc2.weight  shared_expert.{gate,up}_proj / down_proj
     shared_experts.gate_weight                            shared_expert_gate.weight
+    (decoder.layers.<i>.) self_attention.linear_qkv.bias  (model.layers.<i>.) self_attn.{q,k,v}_proj.bias
+      (qkv_bias <-> add_qkv_bias: Bridge's QKVMapping, the weight's interleaving)
 and the routing in the provider: experts, top-k, expert width, the dense layers (mlp_only_layers
 <-> moe_layer_freq), the shared expert and its gate, renormalised top-k (norm_topk_prob) or
-megatron's --moe-router-pre-softmax. A provider with any other routing (model.moe_fields.TABLE:
-score function, expert bias, groups, sinkhorn, scaling, fp32 routing, capacity, probabilities on
-the input, latent, GLU interleave...) is refused in one line when exported, as is a folder with
-router_dtype (the provider would route in the model's dtype). How the experts run (dispatcher, grouped GEMM, fusions) is
-megatron's default (allgather, sequential experts); on GPUs set the provider's
-moe_token_dispatcher_type / moe_grouped_gemm as for any Megatron MoE model.
+megatron's --moe-router-pre-softmax, and an fp32 router (router_dtype "float32" <->
+moe_router_dtype "fp32"). A provider with any other routing (model.moe_fields.TABLE: score
+function, expert bias, groups, sinkhorn, scaling, fp64 routing, capacity, probabilities on the
+input, latent, GLU interleave...) or with biases beyond q/k/v's (add_bias_linear) is refused in one
+line when exported, as is a folder with LLaMA's attention_bias / mlp_bias (on o_proj and the MLPs).
+How the experts run (dispatcher, grouped GEMM, fusions) is megatron's default (allgather,
+sequential experts); on GPUs set the provider's moe_token_dispatcher_type / moe_grouped_gemm as for
+any Megatron MoE model.
 
 Stock Mixtral / Qwen2-MoE folders (what an all-Pre-LN MoE model exports as) are not this bridge's:
 Bridge 0.6.2 has no bridge for them; `mixln-megatron convert from-hf` reads them.
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
 from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
-from megatron.bridge.models.conversion.param_mapping import AutoMapping, GatedMLPMapping
+from megatron.bridge.models.conversion.param_mapping import AutoMapping, GatedMLPMapping, QKVMapping
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from ..errors import MixLNError
@@ -41,6 +45,8 @@ MOE_ARCHITECTURE = "MixLNMoeForCausalLM"
 MOE_MODEL_TYPE = "mixln_moe"
 
 _MEG, _HF = "decoder.layers.*.mlp.", "model.layers.*.mlp."
+# HF router_dtype (hf.configuration_mixln_moe.ROUTER_DTYPES) <-> megatron's moe_router_dtype.
+ROUTER_DTYPES = {"float32": "fp32"}
 
 
 def moe_mappings() -> list:
@@ -61,8 +67,17 @@ def moe_mappings() -> list:
     ]
 
 
+def qkv_bias_mapping() -> QKVMapping:
+    """The q/k/v-only bias (HF qkv_bias, megatron add_qkv_bias): megatron's one interleaved linear_qkv
+    bias <-> HF's q_proj / k_proj / v_proj biases, interleaved as the weight's rows are."""
+    return QKVMapping(megatron_param="decoder.layers.*.self_attention.linear_qkv.bias",
+                      q="model.layers.*.self_attn.q_proj.bias", k="model.layers.*.self_attn.k_proj.bias",
+                      v="model.layers.*.self_attn.v_proj.bias")
+
+
 class MoEBridgeError(MixLNError, ValueError):
-    """A provider whose MoE routing the Mix-LN MoE HF config cannot describe; the message names the flag."""
+    """A provider (or folder) whose MoE routing or biases the Mix-LN MoE HF config cannot describe; the
+    message names the setting."""
 
 
 def check_provider_routing(provider) -> None:
@@ -77,11 +92,17 @@ def check_provider_routing(provider) -> None:
 
 
 def moe_provider_fields(hf_config) -> dict:
-    """The provider's MoE fields of a (validated) MixLNMoeConfig."""
+    """The provider's MoE fields of a (validated) MixLNMoeConfig, and its biases: q/k/v's only
+    (qkv_bias), LLaMA's attention_bias / mlp_bias refused (this bridge maps no o_proj or MLP bias)."""
     dense = set(hf_config.mlp_only_layers or ())
-    if getattr(hf_config, "router_dtype", None) is not None:
-        raise MoEBridgeError(f"router_dtype {hf_config.router_dtype!r:.20}: the Mix-LN MoE bridge routes in the "
-                             "model's dtype; convert the folder with `mixln-megatron convert from-hf` instead")
+    biases = [name for name in ("attention_bias", "mlp_bias") if getattr(hf_config, name, False)]
+    if biases:
+        raise MoEBridgeError(f"{' and '.join(biases)} true: the Mix-LN MoE bridge carries a bias on q, k and v only "
+                             "(qkv_bias), none on o_proj or the MLPs; convert a model without them")
+    router_dtype = getattr(hf_config, "router_dtype", None)
+    if router_dtype is not None and router_dtype not in ROUTER_DTYPES:  # the config class refuses it first
+        raise MoEBridgeError(f"router_dtype {router_dtype!r:.20}: the Mix-LN MoE bridge carries null or "
+                             f"{', '.join(map(repr, ROUTER_DTYPES))}; export the model with one of them")
     return dict(
         num_moe_experts=int(hf_config.num_experts), moe_router_topk=int(hf_config.num_experts_per_tok),
         moe_ffn_hidden_size=int(hf_config.moe_intermediate_size),
@@ -90,6 +111,8 @@ def moe_provider_fields(hf_config) -> dict:
         moe_shared_expert_gate=bool(hf_config.shared_expert_gate),
         moe_router_pre_softmax=not hf_config.norm_topk_prob,  # softmax, top-k, no renormalisation
         moe_router_score_function="softmax", moe_router_topk_scaling_factor=None,
+        moe_router_dtype=ROUTER_DTYPES.get(router_dtype),  # None: the model's dtype
+        add_qkv_bias=bool(getattr(hf_config, "qkv_bias", False)), add_bias_linear=False,
         moe_aux_loss_coeff=0.0,  # training-only; an inference-equal model (set it to train with it)
     )
 
@@ -98,6 +121,11 @@ def hf_moe_fields(provider) -> dict:
     """moe_export_config_fields' MoE keyword arguments of a provider (the inverse of moe_provider_fields);
     a routing they would not describe is refused (check_provider_routing)."""
     check_provider_routing(provider)
+    if getattr(provider, "add_bias_linear", False):
+        raise MoEBridgeError("add_bias_linear (megatron's default, off with --disable-bias-linear): the Mix-LN MoE "
+                             "model has no bias on o_proj, the MLPs or the experts; use a model without them "
+                             "(add_qkv_bias / --add-qkv-bias for a bias on q, k, v only)")
+    router_dtype = {fp: hf for hf, fp in ROUTER_DTYPES.items()}.get(getattr(provider, "moe_router_dtype", None))
     freq = provider.moe_layer_freq
     pattern = [bool(v) for v in freq] if isinstance(freq, (list, tuple)) else \
         [i % int(freq) == 0 for i in range(int(provider.num_layers))]
@@ -107,7 +135,8 @@ def hf_moe_fields(provider) -> dict:
                 shared_expert_intermediate_size=provider.moe_shared_expert_intermediate_size,
                 shared_expert_gate=bool(provider.moe_shared_expert_gate),
                 mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe],
-                num_hidden_layers=int(provider.num_layers))
+                num_hidden_layers=int(provider.num_layers), router_dtype=router_dtype,
+                qkv_bias=bool(getattr(provider, "add_qkv_bias", False)))
 
 
 @MegatronModelBridge.register_bridge(
@@ -132,6 +161,8 @@ class MixLNMoeBridge(MixLNLlamaBridge):
         from ..hf.export_code import export_config_fields, moe_export_config_fields
 
         hf_config = super().megatron_to_hf_config(provider)  # Llama's and the Mix-LN fields
+        # Bridge writes add_qkv_bias as LLaMA's attention_bias (q, k, v and o_proj): here it is qkv_bias
+        hf_config.update(attention_bias=False, mlp_bias=False)
         dense_keys = export_config_fields(int(getattr(provider, "post_ln_layers", 0)),
                                           getattr(provider, "mixln_scheme", "mixln"))
         for key in ("model_type", "architectures", "auto_map"):  # the dense class keys give way to the MoE ones
@@ -144,4 +175,4 @@ class MixLNMoeBridge(MixLNLlamaBridge):
         return hf_config
 
     def mapping_registry(self) -> MegatronMappingRegistry:
-        return MegatronMappingRegistry(*super().mapping_registry().mappings, *moe_mappings())
+        return MegatronMappingRegistry(*super().mapping_registry().mappings, *moe_mappings(), qkv_bias_mapping())

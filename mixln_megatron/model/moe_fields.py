@@ -266,7 +266,7 @@ TABLE: Tuple[MoEField, ...] = (
              "MoEShape.topk_scaling: multiplied into each routed expert's fc2 (down_proj)", check=_check_scaling,
              analysis=CARRY, off=(None, 0, 1)),
     MoEField("moe_router_dtype", CARRIED, "fp32: router_dtype float32 (MoEShape.router_fp32); refused: fp64",
-             check=_check_dtype, analysis=CARRY, off=(None,)),
+             check=_check_dtype, analysis=CARRY, bridge=True, off=(None,)),
     MoEField("moe_router_num_groups", CARRIED, "plain top-k when no group top-k is set or it equals the group "
              "count; refused: group-limited routing", check=_groups_by("moe_router_num_groups"), analysis=CARRY,
              changes=group_limited),
