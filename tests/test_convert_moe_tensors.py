@@ -152,8 +152,9 @@ def test_glu_interleaved_fc1_rows_export_the_plain_models_logits(interleaved):
 
 
 @pytest.mark.parametrize("parallel,flag", [
-    (dict(expert_tensor_parallel_size=2), "--moe-mlp-glu-interleave-size"),
-    (dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1), "moe_shared_expert_glu_interleave_size"),
+    (dict(expert_tensor_parallel_size=2), f"--moe-mlp-glu-interleave-size={EXPERT_BLOCK}"),
+    (dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1),
+     f"--moe-shared-expert-glu-interleave-size={SHARED_BLOCK}"),
 ])
 def test_interleaved_rows_saved_over_tensor_parallel_ranks_are_refused(interleaved, tmp_path, capsys, parallel, flag):
     from mixln_megatron.convert.cli import main

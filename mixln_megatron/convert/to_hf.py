@@ -46,6 +46,7 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 
 from ..errors import ConversionError, UnsupportedModelError
+from ..model import moe_fields
 from .staging import prepare_output, staged_output_dir
 from . import mapping as M
 from .facts import TOKENIZER_FILES, CheckpointFacts, read_checkpoint_facts
@@ -365,24 +366,14 @@ def convert_to_hf(
 
 
 def check_glu_interleave_saved_layout(moe: Optional[MoEShape], args) -> None:
-    """GLU-interleaved fc1 rows are read as [gate s; up s] blocks of the whole tensor, which is what
-    torch_dist holds when one rank held the whole fc1: megatron saves each tensor-parallel rank's
-    interleaved rows cut in two halves (the [gate; up] split of a plain fc1), so with more ranks the
-    saved rows depend on that rank count. One line refusing those saves."""
+    """GLU-interleaved fc1 rows are read as [gate s; up s] blocks of the whole tensor, which torch_dist
+    holds only when one (expert) tensor-parallel rank held the whole fc1: model.moe_fields'
+    interleave_rank_problem is the rule (the analysis loader reads it too). One line refusing other saves."""
     if moe is None:
         return
-    tp = getattr(args, "tensor_model_parallel_size", None) or 1
-    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
-    problems = []
-    if moe.expert_glu_interleave is not None and etp > 1:
-        problems.append(f"the experts' GLU-interleaved fc1 (--moe-mlp-glu-interleave-size) saved at expert tensor "
-                        f"parallel size {etp}")
-    if moe.shared_glu_interleave is not None and tp > 1:
-        problems.append(f"the shared expert's GLU-interleaved fc1 (moe_shared_expert_glu_interleave_size) saved at "
-                        f"tensor parallel size {tp}")
-    if problems:
-        raise UnsupportedModelError("this checkpoint's MoE layers cannot be converted: " + "; ".join(problems)
-                                    + " (rank-dependent row order); convert a save at (expert) tensor parallel size 1")
+    problem = moe_fields.interleave_rank_problem(moe_fields.getter(args))
+    if problem:
+        raise UnsupportedModelError(f"this checkpoint's MoE layers cannot be converted: {problem}")
 
 
 def _glu_interleave(role: str, moe: Optional[MoEShape]) -> Optional[int]:
