@@ -52,8 +52,14 @@ RENAMED = [
     ("analyze layer-drop", analyze_cli.build_parser, "--scheme", "--mixln-scheme", ["layer-drop", "--hf", "a"]),
     ("analyze grad-norms", analyze_cli.build_parser, "--alpha", "--mixln-alpha", ["grad-norms"]),
     ("analyze train-health", train_health.build_parser, "--out", "--out-dir", ["run"]),
+    # Megatron-LM names the checkpoint step to load --ckpt-step
+    ("convert to-hf", convert_cli.build_parser, "--iteration", "--ckpt-step", ["to-hf", "--load", "a", "--save", "b"]),
+    ("convert inspect", convert_cli.build_parser, "--iteration", "--ckpt-step", ["inspect", "--load", "a"]),
+    ("convert gpt-to-hybrid", convert_cli.build_parser, "--iteration", "--ckpt-step",
+     ["gpt-to-hybrid", "--load", "a", "--save", "b"]),
+    ("analyze layer-drop", analyze_cli.build_parser, "--iteration", "--ckpt-step", ["layer-drop", "--load", "a"]),
 ]
-VALUES = {"--mixln-scheme": "lns", "--num-layers": "8", "--mixln-post-ln-layers": "2", "--mixln-alpha": "0.25"}
+VALUES = {"--ckpt-step": "3", "--mixln-scheme": "lns", "--num-layers": "8", "--mixln-post-ln-layers": "2", "--mixln-alpha": "0.25"}
 
 
 def one_error_line(err: str, command: str) -> str:

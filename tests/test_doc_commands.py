@@ -65,8 +65,8 @@ NOT_RUN = {
     ("docs/data.md", "mixln-megatron preprocess -i corpus.jsonl -o data/corpus --append-eod --overwrite --split-sentences --workers 4"): "a minute of worker start-up on 2 cores; the block above runs",
     ("docs/spike-scaler-and-telemetry.md", "export MIXLN_SPIKE_SCALER=1"): GPU,
     ("docs/spike-scaler-and-telemetry.md", "mixln-megatron pretrain <flags> --mixln-telemetry-interval 10 --save runs/mixln"): GPU,
-    ("docs/hf-conversion.md", "mixln-megatron convert to-hf --load CKPT_DIR [--iteration N] --save HF_DIR [--dtype bfloat16] [--tokenizer-model TOK_DIR]"): DATA,
-    ("docs/untrusted-input.md", "mixln-megatron convert inspect --check --load DIR [--iteration N]"): DATA,
+    ("docs/hf-conversion.md", "mixln-megatron convert to-hf --load CKPT_DIR [--ckpt-step N] --save HF_DIR [--dtype bfloat16] [--tokenizer-model TOK_DIR]"): DATA,
+    ("docs/untrusted-input.md", "mixln-megatron convert inspect --check --load DIR [--ckpt-step N]"): DATA,
     ("docs/analysis.md", "mixln-megatron analyze grad-norms --num-layers 12 --mixln-alpha 0.25 [--embedding-std megatron|reference]"): DATA + " (and minutes)",
 }
 RUN_TIMEOUT_S = 600  # generous: a loaded 2-core machine

@@ -6,7 +6,7 @@ an attacker would: a storage entry naming an absolute path or `../../` (pointing
 secret outside the checkpoint), a `.distcp` that is a symlink out, `.metadata` a FIFO or a link to
 /dev/zero, a 9-byte memo prefix on `.metadata`, a deflate bomb as common.pt, a byte item longer
 than any real one (a sparse file), a tensor whose size its chunks do not hold, overlapping or
-negative storage offsets, metadata.json a list or a string, `--iteration ../../etc` / `1/../../x`,
+negative storage offsets, metadata.json a list or a string, `--ckpt-step ../../etc` / `1/../../x`,
 a settings record / common state / args of allowed classes but the wrong shape, a legacy rank file
 holding a list, and pickles naming `posix.getcwd` then `posix.system`.
 
@@ -289,10 +289,10 @@ CASES = {
     "negative-offset": (TD, negative_offset, ("inspect",), ()),
     "metadata.json-list": (TD, metadata_json_list, ("to-hf", "inspect"), ()),
     "metadata.json-string": (TD, metadata_json_string, ("to-hf", "inspect"), ()),
-    "iteration-../../etc": (TD, nothing, ("to-hf", "inspect", "gpt-to-hybrid"), ("--iteration", "../../etc")),
-    "iteration-1/../../x": (TD, nothing, ("to-hf", "inspect", "gpt-to-hybrid"), ("--iteration", "1/../../x")),
-    "iteration-negative": (TD, nothing, ("inspect",), ("--iteration", "-3")),
-    "iteration-huge": (TD, nothing, ("inspect",), ("--iteration", "99999999999")),
+    "iteration-../../etc": (TD, nothing, ("to-hf", "inspect", "gpt-to-hybrid"), ("--ckpt-step", "../../etc")),
+    "iteration-1/../../x": (TD, nothing, ("to-hf", "inspect", "gpt-to-hybrid"), ("--ckpt-step", "1/../../x")),
+    "iteration-negative": (TD, nothing, ("inspect",), ("--ckpt-step", "-3")),
+    "iteration-huge": (TD, nothing, ("inspect",), ("--ckpt-step", "99999999999")),
     "record-wrong-shape": (TD, record_wrong_shape, ("to-hf", "inspect", "gpt-to-hybrid"), ()),
     "common-state-a-list": (TD, common_state_a_list, ("inspect",), ()),
     "args-wrong-shape": (TD, args_wrong_shape, ("inspect", "to-hf"), ()),

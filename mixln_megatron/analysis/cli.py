@@ -78,7 +78,8 @@ def _add_model_source_args(p):
     add_flag(src, "--load", "--megatron", metavar="DIR",
              help="Megatron-LM torch_dist checkpoint: the --save directory or one iter_* directory")
     src.add_argument("--hf", metavar="DIR", help="Hugging Face folder (LLaMA or our mixln_llama export)")
-    p.add_argument("--iteration", type=int, default=None, help="Megatron checkpoint iteration (default: latest)")
+    add_flag(p, "--ckpt-step", "--iteration", dest="iteration", type=int, default=None, metavar="N",
+             help="Megatron checkpoint step (default: latest)")
     add_flag(p, "--mixln-post-ln-layers", "--post-ln-layers", type=int, default=None,
              help="override P for a Megatron checkpoint (default: the checkpoint's record)")
     add_flag(p, "--mixln-scheme", "--scheme", default=None, choices=("mixln", "lns", "mixln+lns"),

@@ -1,6 +1,6 @@
 """Checkpoint conversion: Megatron-LM (torch_dist or legacy per-rank torch) <-> Hugging Face.
 
-    mixln-megatron convert to-hf   --load CKPT_DIR [--iteration N] --save HF_DIR [--dtype ...]
+    mixln-megatron convert to-hf   --load CKPT_DIR [--ckpt-step N] --save HF_DIR [--dtype ...]
     mixln-megatron convert from-hf --load HF_DIR --save CKPT_DIR --tp N --pp M [--ckpt-format ...]
     mixln-megatron convert gpt-to-hybrid | hybrid-to-gpt --load CKPT --save CKPT  (torch_dist, model weights)
     mixln-megatron convert inspect CKPT_DIR

@@ -1,7 +1,7 @@
 """`mixln-megatron convert to-hf | from-hf | gpt-to-hybrid | hybrid-to-gpt | inspect`: the command line of
 mixln_megatron.convert.
 
-    mixln-megatron convert to-hf --load CKPT_DIR [--iteration N] --save HF_DIR
+    mixln-megatron convert to-hf --load CKPT_DIR [--ckpt-step N] --save HF_DIR
         [--dtype auto|bfloat16|float16|float32] [--tokenizer-model DIR] [--vocab-size N]
         [--max-shard-size 5GB] [--overwrite] [--no-progress]
 
@@ -11,13 +11,13 @@ mixln_megatron.convert.
         [--mixln-post-ln-layers P | --mixln-alpha A] [--mixln-scheme S] [--tokenizer-model PATH]
         [--overwrite] [--no-progress]
 
-    mixln-megatron convert gpt-to-hybrid --load CKPT_DIR --save CKPT_DIR [--iteration N] [--overwrite]
-    mixln-megatron convert hybrid-to-gpt --load CKPT_DIR --save CKPT_DIR [--iteration N] [--overwrite]
+    mixln-megatron convert gpt-to-hybrid --load CKPT_DIR --save CKPT_DIR [--ckpt-step N] [--overwrite]
+    mixln-megatron convert hybrid-to-gpt --load CKPT_DIR --save CKPT_DIR [--ckpt-step N] [--overwrite]
         (torch_dist model weights, Mix-LN norms and settings record kept; optimizer / RNG state
         are not converted: resume with --no-load-optim --no-load-rng, or --finetune)
 
-    mixln-megatron convert inspect --load CKPT_DIR [--iteration N] [--json]
-    mixln-megatron convert inspect --check --load CKPT_DIR [--iteration N]
+    mixln-megatron convert inspect --load CKPT_DIR [--ckpt-step N] [--json]
+    mixln-megatron convert inspect --check --load CKPT_DIR [--ckpt-step N]
         (vets the checkpoint before a stock `pretrain_gpt.py --load`: every pickle Megatron-LM's load
         would read, through the allow-list (convert.vet); exit 0 and one line saying it is clean, or
         the refusal line and exit 2)
@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         save="output Hugging Face folder (must not exist or be empty)",
         dtype="dtype of the exported weights (auto: the checkpoint's)",
     )
-    to.add_argument("--iteration", default=None,
-                    help="iteration to export (default: latest_checkpointed_iteration.txt); 'release' allowed")
+    add_flag(to, "--ckpt-step", "--iteration", dest="iteration", default=None, metavar="N",
+             help="checkpoint step to export (default: latest_checkpointed_iteration.txt); 'release' allowed")
     add_flag(to, "--tokenizer-model", "--tokenizer", default=None, metavar="DIR",
              help="tokenizer directory to copy into the output (also gives the true vocabulary size and "
                     "the special token ids)")
@@ -107,14 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
         kind.add_argument("--load", required=True, help="Megatron-LM --save directory (or one iter_*/release dir in it)")
         kind.add_argument("--save", required=True,
                           help="output Megatron-LM checkpoint directory (must not exist or be empty)")
-        kind.add_argument("--iteration", default=None, help="iteration to convert (default: the latest)")
+        add_flag(kind, "--ckpt-step", "--iteration", dest="iteration", default=None, metavar="N",
+                 help="checkpoint step to convert (default: the latest)")
         kind.add_argument("--overwrite", action="store_true", help="replace a non-empty --save directory")
         kind.add_argument("--no-progress", action="store_true", help="no progress bar")
     show = sub.add_parser("inspect", help="describe a Megatron-LM checkpoint",
                           description="What a checkpoint holds: format, model kind (GPTModel / HybridModel and "
                           "its pattern), transformer blocks, the Mix-LN settings and where they come from, the shape.")
     show.add_argument("--load", required=True, help="Megatron-LM --save directory (or one iter_*/release dir in it)")
-    show.add_argument("--iteration", default=None, help="iteration to inspect (default: the latest)")
+    add_flag(show, "--ckpt-step", "--iteration", dest="iteration", default=None, metavar="N",
+             help="checkpoint step to inspect (default: the latest)")
     show.add_argument("--json", action="store_true", help="print one JSON object")
     show.add_argument("--check", action="store_true",
                       help="vet the checkpoint before a stock Megatron-LM --load: read every pickle the load would "

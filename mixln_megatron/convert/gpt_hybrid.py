@@ -1,7 +1,7 @@
 """GPTModel <-> HybridModel torch_dist checkpoints of one Mix-LN network, every norm kept.
 
-    mixln-megatron convert gpt-to-hybrid --load SRC --save DST [--iteration N] [--overwrite]
-    mixln-megatron convert hybrid-to-gpt --load SRC --save DST [--iteration N] [--overwrite]
+    mixln-megatron convert gpt-to-hybrid --load SRC --save DST [--ckpt-step N] [--overwrite]
+    mixln-megatron convert hybrid-to-gpt --load SRC --save DST [--ckpt-step N] [--overwrite]
 
 A GPTModel of L Mix-LN blocks and a HybridModel of the pattern `*-` * L with the same weights are
 the same network (mixln_megatron.model.hybrid), so converting is renaming keys: GPT's stacked

@@ -2,7 +2,7 @@
 
 The --load folder is untrusted input (mixln_megatron.input_root): the folder is resolved once,
 every directory stepped into (iter_XXXXXXX, release) stays inside it, the tracker and
-metadata.json are read as bounded regular files, and `--iteration` is a number or 'release',
+metadata.json are read as bounded regular files, and `--ckpt-step` is a number or 'release',
 never a path (`../../etc`, `1/../../x` are refused with one line).
 """
 
@@ -21,7 +21,7 @@ MAX_ITERATION = 10 ** 9  # iter_XXXXXXX: Megatron-LM pads to 7 digits; far beyon
 _ITERATION = re.compile(r"[0-9]{1,10}")
 
 
-def iteration_name(iteration, source: str = "--iteration") -> str:
+def iteration_name(iteration, source: str = "--ckpt-step") -> str:
     """`iter_0000010` / `release` for an iteration given as an int, a digits string or 'release';
     one ConversionError for anything else (a path, a negative or huge number)."""
     if isinstance(iteration, str) and iteration.strip() == "release":
@@ -53,7 +53,7 @@ def resolve_checkpoint_dir(load: str, iteration: Optional[int] = None) -> Tuple[
         if not root.exists(name):
             found = _iteration_dirs(root)
             raise ConversionError(
-                f"{load} has no {name}/ directory for --iteration {iteration}"
+                f"{load} has no {name}/ directory for --ckpt-step {iteration}"
                 + (f" (found: {', '.join(found[-8:])})" if found else "")
             )
         root.sub(name)  # a directory inside the folder (not a link out of it)
@@ -78,7 +78,7 @@ def resolve_checkpoint_dir(load: str, iteration: Optional[int] = None) -> Tuple[
     found = [d for d in _iteration_dirs(root) if d.startswith("iter_")]
     if found:
         raise ConversionError(
-            f"{load} has no {TRACKER}; pass --iteration N (found: {', '.join(found[-8:])})"
+            f"{load} has no {TRACKER}; pass --ckpt-step N (found: {', '.join(found[-8:])})"
         )
     raise ConversionError(
         f"not a Megatron-LM checkpoint: {load} has no {TRACKER}, no iter_*/release directory, and no "
