@@ -7,11 +7,9 @@ Rank 0 writes DIR/deepnorm_init.json: {mode: [per rank: [per layer: {name: [std,
 tests/test_deepnorm_init.py compares with DeepNet's formula.
 """
 
-import argparse
 import json
 import os
 import sys
-import traceback
 
 import torch
 
@@ -45,13 +43,6 @@ def main(workdir):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--workdir", required=True)
-    args = parser.parse_args()
-    try:
-        main(args.workdir)
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
-    finally:
-        testing.shutdown()
+    from workdir_main import run_workdir_main
+
+    run_workdir_main(main)

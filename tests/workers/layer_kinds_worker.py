@@ -8,11 +8,8 @@ on both PP2 stages, so their rows of mixln_norm_c / _d come from two stages). Ra
 DIR/layer_kinds.json with what tests/test_layer_kinds_parallel.py asserts on.
 """
 
-import argparse
 import json
 import os
-import sys
-import traceback
 
 import torch
 
@@ -167,13 +164,6 @@ def main(workdir):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--workdir", required=True)
-    args = parser.parse_args()
-    try:
-        main(args.workdir)
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
-    finally:
-        testing.shutdown()
+    from workdir_main import run_workdir_main
+
+    run_workdir_main(main)

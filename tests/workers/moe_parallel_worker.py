@@ -9,11 +9,8 @@ sandwich and pre MoE layers of 4 experts (top-2) with a shared expert. Rank 0 wr
 DIR/moe_parallel.json with what tests/test_moe_parallel.py asserts on.
 """
 
-import argparse
 import json
 import os
-import sys
-import traceback
 
 import torch
 
@@ -139,13 +136,6 @@ def main(workdir):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--workdir", required=True)
-    args = parser.parse_args()
-    try:
-        main(args.workdir)
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
-    finally:
-        testing.shutdown()
+    from workdir_main import run_workdir_main
+
+    run_workdir_main(main)
