@@ -38,20 +38,9 @@ from mixln_megatron.hf import (  # noqa: E402
 )
 from mixln_megatron.hf.modeling_mixln_llama import MixLNLlamaPreTrainedModel  # noqa: E402
 
-TINY = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,  # GQA
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+# the dense model's tiny config and weight draw (norm weights far from 1, distinct per norm)
+from test_hf_model import TINY, randomize_  # noqa: E402
+
 MIXED = ["deepnorm", "sandwich", "post", "pre"]
 DN_ALPHA = (2 * 4) ** 0.25  # DeepNet's alpha for 4 layers
 DN_BETA = (8 * 4) ** -0.25
@@ -77,18 +66,6 @@ def kinds_config(kinds=MIXED, scheme="mixln", alpha=DN_ALPHA, beta=DN_BETA, **ov
     return MixLNLlamaConfig(layer_kinds=list(kinds), post_ln_layers=sum(k in ("post", "deepnorm") for k in kinds),
                             mixln_scheme=scheme, deepnorm_alpha=alpha if deep else None,
                             deepnorm_beta=beta if deep else None, **kw)
-
-
-def randomize_(model, seed=0):
-    """Random weights, norm weights far from 1 and distinct per norm (so swapped norms would show)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.08 * torch.randn(p.shape, generator=g))
-    return model.eval()
 
 
 def build(kinds=MIXED, scheme="mixln", seed=0, **over):
