@@ -23,6 +23,18 @@ def mcore_single():
     cpu.disable()
 
 
+@pytest.fixture(scope="module")
+def te_single():
+    """A single-process gloo group with megatron's parallel state, for the TE tests (built with
+    cpu.te_modules()): torn down after, the CPU patches undone."""
+    from mixln_megatron.dev import cpu, testing
+
+    testing.init_distributed()
+    yield
+    testing.shutdown()
+    cpu.disable()
+
+
 @pytest.fixture(scope="session")
 def mixln_checkpoints(tmp_path_factory):
     """Real checkpoints of one tiny Mix-LN model (P = 2 of 4: test_convert.make_mixln_folder), built

@@ -38,14 +38,6 @@ def build(cfg, layout=LAYOUT, seed=3, **settings):
         return mu.build_gpt(cfg, spec)
 
 
-@pytest.fixture(scope="module")
-def te_single():
-    mu.init_distributed()
-    yield
-    mu.shutdown()
-    cpu.disable()
-
-
 @pytest.mark.usefixtures("te_single")
 def test_every_kind_builds_grouped_gemm_experts_with_its_norms():
     from megatron.core.extensions.transformer_engine import TEColumnParallelGroupedLinear

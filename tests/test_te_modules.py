@@ -42,14 +42,6 @@ def mixln_model(cfg, p):
     return model
 
 
-@pytest.fixture(scope="module")
-def te_single():
-    mu.init_distributed()
-    yield
-    mu.shutdown()
-    cpu.disable()
-
-
 @pytest.mark.usefixtures("te_single")
 @pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
 @pytest.mark.parametrize("p", [0, 2, L])
