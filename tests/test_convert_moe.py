@@ -43,17 +43,24 @@ def moe_settings(freq=MIXED, shared=SHARED_FFN, gate=False, pre_softmax=False):
                 moe_router_pre_softmax=pre_softmax, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather")
 
 
-def build_moe_gpt(layout, seed=3, scheme="mixln", **moe):
-    """GPTModel of `layout` (model.layout) with MoE layers, weights drawn so that routing has no near ties."""
-    from mixln_megatron.model.settings import MixLNSettings
-    from mixln_megatron.model.specs import get_mixln_decoder_block_spec
+def local_gpt(cfg, seed, **settings):
+    """GPTModel of `cfg` on the local Mix-LN spec of MixLNSettings(**settings), untied, seeded as the
+    MoE conversion tests build theirs (torch: `seed`, megatron's model-parallel RNG: `seed + 100`)."""
     from megatron.core import tensor_parallel
 
-    cfg = mu.tiny_config(num_layers=LAYERS, query_groups=2, **moe_settings(**moe))
-    spec = get_mixln_decoder_block_spec(cfg, backend="local", settings=MixLNSettings(layout=layout, scheme=scheme))
+    from mixln_megatron.model.settings import MixLNSettings
+    from mixln_megatron.model.specs import get_mixln_decoder_block_spec
+
+    spec = get_mixln_decoder_block_spec(cfg, backend="local", settings=MixLNSettings(**settings))
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed + 100)
-    model = mu.build_gpt(cfg, spec, untie=True)
+    return mu.build_gpt(cfg, spec, untie=True)
+
+
+def build_moe_gpt(layout, seed=3, scheme="mixln", **moe):
+    """GPTModel of `layout` (model.layout) with MoE layers, weights drawn so that routing has no near ties."""
+    cfg = mu.tiny_config(num_layers=LAYERS, query_groups=2, **moe_settings(**moe))
+    model = local_gpt(cfg, seed, layout=layout, scheme=scheme)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -24,7 +24,8 @@ pytest.importorskip("transformers")
 from mixln_megatron.convert.moe_shape import moe_shape_of_args  # noqa: E402
 from mixln_megatron.dev import testing as mu  # noqa: E402
 
-from test_convert_moe import EXPERTS, LAYERS, hf_logits, megatron_logits, save_megatron  # noqa: E402
+from test_convert_moe import (  # noqa: E402
+    EXPERTS, LAYERS, hf_logits, local_gpt, megatron_logits, save_megatron)
 
 pytestmark = pytest.mark.usefixtures("mcore_single")
 
@@ -34,19 +35,11 @@ LAYOUT = "post:1,pre:2-4"  # a Post-LN layer: the Mix-LN MoE class, whatever the
 def build(seed=5, **routing):
     """A 4-layer, 4-expert MoE GPTModel (every layer MoE, no shared expert) with `routing` in its
     config, router weights drawn far apart (no top-k ties), large experts, in eval()."""
-    from megatron.core import tensor_parallel
-
-    from mixln_megatron.model.settings import MixLNSettings
-    from mixln_megatron.model.specs import get_mixln_decoder_block_spec
-
     moe = dict(num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=48, moe_layer_freq=1,
                moe_grouped_gemm=False, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0)
     moe.update(routing)
     cfg = mu.tiny_config(num_layers=LAYERS, query_groups=2, **moe)
-    spec = get_mixln_decoder_block_spec(cfg, backend="local", settings=MixLNSettings(layout=LAYOUT))
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed + 100)
-    model = mu.build_gpt(cfg, spec, untie=True)
+    model = local_gpt(cfg, seed, layout=LAYOUT)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

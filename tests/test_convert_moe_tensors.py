@@ -32,7 +32,7 @@ from mixln_megatron.dev import testing as mu  # noqa: E402
 
 from test_convert import tensors  # noqa: E402
 from test_convert_moe import (  # noqa: E402
-    EXPERT_FFN, LAYERS, SHARED_FFN, hf_logits, megatron_logits, moe_settings, save_megatron)
+    EXPERT_FFN, LAYERS, SHARED_FFN, hf_logits, local_gpt, megatron_logits, moe_settings, save_megatron)
 
 pytestmark = pytest.mark.usefixtures("mcore_single")
 
@@ -42,15 +42,8 @@ EXPERT_BLOCK, SHARED_BLOCK = 8, 4  # interleave sizes: 48 = 3 x 2 x 8 expert row
 def build(layout, seed=3, moe=None, **config):
     """test_convert_moe's MoE GPTModel of `layout` with more TransformerConfig fields (`config`);
     every bias drawn too (megatron starts them at zero)."""
-    from megatron.core import tensor_parallel
-    from mixln_megatron.model.settings import MixLNSettings
-    from mixln_megatron.model.specs import get_mixln_decoder_block_spec
-
     cfg = mu.tiny_config(num_layers=LAYERS, query_groups=2, **moe_settings(**(moe or {})), **config)
-    spec = get_mixln_decoder_block_spec(cfg, backend="local", settings=MixLNSettings(layout=layout))
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed + 100)
-    model = mu.build_gpt(cfg, spec, untie=True)
+    model = local_gpt(cfg, seed, layout=layout)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
