@@ -20,7 +20,6 @@ Megatron-LM's args, then:
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 
@@ -28,12 +27,13 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file  # noqa: E402
 
 from mixln_megatron.convert import ConversionError  # noqa: E402
 from mixln_megatron.convert import convert_from_hf as from_hf  # noqa: E402
 from mixln_megatron.convert import convert_to_hf as to_hf  # noqa: E402
 from mixln_megatron.dev import testing as mu  # noqa: E402
+
+from test_convert import assert_same_tensors, tensors  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("mcore_single")
 
@@ -121,20 +121,6 @@ def megatron_logits(model):
     model.eval()
     with torch.no_grad():
         return ids, model(ids, pos, mask)
-
-
-def tensors(folder):
-    out = {}
-    for f in sorted(glob.glob(os.path.join(str(folder), "*.safetensors"))):
-        out.update(load_file(f))
-    return out
-
-
-def assert_same_tensors(a, b):
-    ta, tb = tensors(a), tensors(b)
-    assert sorted(ta) == sorted(tb)
-    for name in ta:
-        assert ta[name].dtype == tb[name].dtype and torch.equal(ta[name], tb[name]), name
 
 
 def one_line_error(fn, *args, error=ConversionError, match=None, **kwargs):
