@@ -5,7 +5,8 @@ An exported Mix-LN folder (the project's HF model code + save_hf_folder, a token
 package's block spec (local backend, CPU harness) -> logits equal HF's, the HF weights exported
 back exactly, save_hf_pretrained -> reloads equal; the model Bridge builds has the state-dict keys
 of the model this package builds itself; every layout untied and tied (tie_word_embeddings). A
-parameter the load would leave unwritten (its mapping or its HF tensor gone) is refused. The TE backend builds, loads and exports exactly, and its
+parameter the load would leave unwritten (its mapping or its HF tensor gone) is refused, and so is
+exporting a provider with biases the dense HF model cannot hold (add_qkv_bias, add_bias_linear). The TE backend builds, loads and exports exactly, and its
 checkpoint converts back to the source folder (TE's forward needs a GPU). TP2, PP2 and PP2 x VPP2 (torchrun jobs of 2 gloo processes,
 tests/workers/bridge_parallel_worker.py): the same logits through megatron's pipeline schedule and
 exact export (TP2: P = 1, lns and tied lns sandwich layers; PP2 / VPP: Mix-LN + LNS with P = 3, so
@@ -286,6 +287,43 @@ else:
             "mixln_llama", 2, "mixln+lns")
         assert config["auto_map"]["AutoModelForCausalLM"].endswith(mixln_bridge.MIXLN_ARCHITECTURE)
         assert config["num_hidden_layers"] == LAYERS
+
+    # Megatron bias flags the dense Mix-LN Llama model cannot hold exactly: a q/k/v-only bias (LLaMA's
+    # attention_bias is on o_proj too; the mixln_llama config has no qkv_bias), and biases on every
+    # linear (no mapping carries them); each flag with the text its refusal names.
+    DENSE_BIASES = {"qkv-bias": (dict(add_qkv_bias=True), "--add-qkv-bias"),
+                    "bias-linear": (dict(add_bias_linear=True), "--disable-bias-linear"),
+                    "both": (dict(add_qkv_bias=True, add_bias_linear=True), "--disable-bias-linear")}
+
+    @pytest.mark.parametrize("bias", list(DENSE_BIASES))
+    def test_dense_biases_the_hf_model_cannot_hold_are_refused_in_one_line(gloo, tmp_path, bias):
+        """A dense Mix-LN provider (and so a model built from it) with add_qkv_bias or add_bias_linear
+        is refused, one line naming the flag, by megatron_to_hf_config, save_hf_pretrained (no weights
+        written) and save_megatron_checkpoint (nothing written), instead of exporting Bridge's
+        attention_bias / mlp_bias (LLaMA's o_proj bias included, whose tensor the folder would lack)."""
+        from mixln_megatron.bridge.llama import MixLNBridgeError
+
+        setting, flag = DENSE_BIASES[bias]
+        folder = export_folder(hf_model(1, "mixln"), str(tmp_path / "exported"))
+        bridge = AutoBridge.from_hf_pretrained(folder, trust_remote_code=True)
+        provider = bridge.to_megatron_provider(load_weights=False)
+        assert mixln_bridge.MixLNLlamaBridge.megatron_to_hf_config(provider)["attention_bias"] is False
+        for name, value in setting.items():
+            setattr(provider, name, value)
+        mixln_bridge.use_local_backend(provider, cpu=True)
+        provider.finalize()
+        models = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True,
+                                                    mixed_precision_wrapper=None)
+        assert models[0].decoder.layers[0].self_attention.linear_qkv.bias is not None  # the model has them
+        out, ckpt = tmp_path / "back", tmp_path / "ckpt"
+        for export in (lambda: mixln_bridge.MixLNLlamaBridge.megatron_to_hf_config(provider),
+                       lambda: bridge.save_hf_pretrained(models, str(out), show_progress=False),
+                       lambda: mixln_bridge.save_megatron_checkpoint(models, str(ckpt))):
+            with pytest.raises(MixLNBridgeError) as info:
+                export()
+            line = str(info.value)
+            assert "\n" not in line and flag in line and line.split(" ")[0] in setting, line
+        assert not list(out.glob("*.safetensors")) and not ckpt.exists()
 
     def test_an_invalid_layout_is_refused_in_one_line(gloo, tmp_path):
         """An HF config whose layer_kinds the model code would refuse is refused by the bridge too."""

@@ -23,7 +23,7 @@ Nothing else in mixln_megatron imports this package: megatron.bridge is imported
 """
 
 from .provider import MixLNModelProvider, mixln_block_spec, use_local_backend  # noqa: F401
-from .llama import MIXLN_ARCHITECTURE, MixLNLlamaBridge, post_ln_mappings  # noqa: F401
+from .llama import MIXLN_ARCHITECTURE, MixLNBridgeError, MixLNLlamaBridge, post_ln_mappings  # noqa: F401
 from .checkpoint import save_megatron_checkpoint  # noqa: F401
 from .moe import MOE_ARCHITECTURE, MixLNMoeBridge, moe_mappings  # noqa: F401
 
@@ -32,6 +32,7 @@ __all__ = [
     "MOE_ARCHITECTURE",
     "MixLNMoeBridge",
     "moe_mappings",
+    "MixLNBridgeError",
     "MixLNLlamaBridge",
     "MixLNModelProvider",
     "mixln_block_spec",

@@ -28,6 +28,7 @@ from megatron.bridge.models.conversion.param_mapping import AutoMapping
 from megatron.bridge.models.llama.llama_bridge import LlamaBridge
 from megatron.core.models.gpt.gpt_model import GPTModel
 
+from ..errors import MixLNError
 from ..hf.export_code import MIXLN_ARCHITECTURES, export_config_fields
 from ..model.layout import KINDS, POST, POST_LN_KINDS, SANDWICH
 from ..model.hf_norm_names import NORM_A, NORM_B, NORM_C, NORM_D, hf_norm_module
@@ -57,6 +58,11 @@ MLP_PRE_NORMS = ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")
 # The parallel type of this package's own module classes, for AutoMapping: the Post-LN qkv / fc1
 # linear of the TE backend (mixln_megatron.model.backends) and the local backend's norm.
 MODULE_TYPES = {"MixLNPostLNColumnParallelLinear": "column", "MixLNNorm": "replicated"}
+
+
+class MixLNBridgeError(MixLNError, ValueError):
+    """A provider (or folder) whose settings a Mix-LN bridge's HF config or mappings cannot carry
+    exactly; the message names the setting and what to do."""
 
 
 def post_ln_mappings(with_bias: bool = False) -> list:
@@ -126,7 +132,34 @@ class MixLNLlamaBridge(LlamaBridge):
         >>> import mixln_megatron.bridge
         >>> bridge = AutoBridge.from_hf_pretrained(folder, trust_remote_code=True)
         >>> provider = bridge.to_megatron_provider()   # MixLNModelProvider
+
+    Biases: this bridge maps none (Bridge's Llama mappings are weights only), and the mixln_llama
+    config cannot hold megatron's q/k/v-only bias (add_qkv_bias; LLaMA's attention_bias is on o_proj
+    too). A provider with add_bias_linear or add_qkv_bias is refused when exported
+    (check_provider_biases), never written as LLaMA's attention_bias / mlp_bias.
     """
+
+    # What check_provider_biases says and raises (the MoE bridge has its own).
+    NO_BIAS = "the Mix-LN Llama bridge maps no bias (on q, k, v, o_proj or the MLP)"
+    QKV_BIAS_FIELD = None  # the HF config field of a q/k/v-only bias; None: the config has none
+    BRIDGE_ERROR = MixLNBridgeError
+
+    @classmethod
+    def check_provider_biases(cls, provider) -> None:
+        """Refuse, in one line naming the megatron flag, a provider with biases this bridge's HF
+        model cannot carry: add_bias_linear (biases on qkv, proj, fc1, fc2: none is mapped), and
+        add_qkv_bias unless the HF config has a q/k/v-only bias field (QKV_BIAS_FIELD). Bridge's
+        generic config mapping would write add_qkv_bias as LLaMA's attention_bias, a bias on
+        o_proj too, so the HF model would be another one."""
+        if getattr(provider, "add_bias_linear", False):
+            raise cls.BRIDGE_ERROR(
+                f"add_bias_linear (megatron's default, off with --disable-bias-linear): {cls.NO_BIAS}; use a "
+                "model without them" + (" (add_qkv_bias / --add-qkv-bias for a bias on q, k, v only)"
+                                        if cls.QKV_BIAS_FIELD else ""))
+        if getattr(provider, "add_qkv_bias", False) and not cls.QKV_BIAS_FIELD:
+            raise cls.BRIDGE_ERROR(
+                "add_qkv_bias (--add-qkv-bias): a bias on q, k and v only, which the Mix-LN Llama model cannot "
+                "hold (LLaMA's attention_bias puts one on o_proj too); use a model without --add-qkv-bias")
 
     def provider_bridge(self, hf_pretrained) -> MixLNModelProvider:
         provider = super().provider_bridge(hf_pretrained)  # Llama's, built as a MixLNModelProvider
@@ -139,7 +172,11 @@ class MixLNLlamaBridge(LlamaBridge):
         from ..model.placement import resolve_placement
         from .provider import mixln_settings
 
+        cls.check_provider_biases(provider)
         hf_config = super().megatron_to_hf_config(provider)
+        # Bridge writes add_qkv_bias / add_bias_linear as LLaMA's attention_bias / mlp_bias; neither
+        # is carried (a q/k/v-only bias is the MoE config's qkv_bias)
+        hf_config.update(attention_bias=False, mlp_bias=False)
         layout = {}
         if getattr(provider, "mixln_layout", None) is not None:
             placement = resolve_placement(int(provider.num_layers), mixln_settings(provider))
@@ -159,6 +196,16 @@ class MixLNLlamaBridge(LlamaBridge):
         dropped, added = layout_mappings(_kinds_of(self.hf_config) if self.hf_config is not None else [])
         kept = [m for m in llama.mappings if getattr(m, "megatron_param", None) not in dropped]
         return MegatronMappingRegistry(*kept, *post_ln_mappings(), *added)
+
+    def stream_weights_megatron_to_hf(self, megatron_model, *args, **kwargs):
+        """Bridge's export (export_hf_weights, save_hf_pretrained), after check_provider_biases on
+        the model's config: a bias no mapping carries is refused naming its flag."""
+        from megatron.bridge.models.conversion.utils import unwrap_model
+        from megatron.core.utils import get_model_config
+
+        models = unwrap_model(megatron_model if isinstance(megatron_model, list) else [megatron_model])
+        self.check_provider_biases(get_model_config(models[0]))
+        return super().stream_weights_megatron_to_hf(megatron_model, *args, **kwargs)
 
     # Bridge's task builders, corrected (conversion_tasks): tied embeddings keep the sandwich output
     # norms, and a parameter no task writes is refused instead of left at its initial value.

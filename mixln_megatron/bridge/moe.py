@@ -36,9 +36,8 @@ from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
 from megatron.bridge.models.conversion.param_mapping import AutoMapping, GatedMLPMapping, QKVMapping
 from megatron.core.models.gpt.gpt_model import GPTModel
 
-from ..errors import MixLNError
 from ..model import moe_fields
-from .llama import MixLNLlamaBridge
+from .llama import MixLNBridgeError, MixLNLlamaBridge
 from .provider import MixLNModelProvider
 
 MOE_ARCHITECTURE = "MixLNMoeForCausalLM"
@@ -75,7 +74,7 @@ def qkv_bias_mapping() -> QKVMapping:
                       v="model.layers.*.self_attn.v_proj.bias")
 
 
-class MoEBridgeError(MixLNError, ValueError):
+class MoEBridgeError(MixLNBridgeError):
     """A provider (or folder) whose MoE routing or biases the Mix-LN MoE HF config cannot describe; the
     message names the setting."""
 
@@ -119,12 +118,9 @@ def moe_provider_fields(hf_config) -> dict:
 
 def hf_moe_fields(provider) -> dict:
     """moe_export_config_fields' MoE keyword arguments of a provider (the inverse of moe_provider_fields);
-    a routing they would not describe is refused (check_provider_routing)."""
+    a routing they would not describe is refused (check_provider_routing), and biases they would not
+    (add_bias_linear) by MixLNMoeBridge.check_provider_biases, which megatron_to_hf_config runs first."""
     check_provider_routing(provider)
-    if getattr(provider, "add_bias_linear", False):
-        raise MoEBridgeError("add_bias_linear (megatron's default, off with --disable-bias-linear): the Mix-LN MoE "
-                             "model has no bias on o_proj, the MLPs or the experts; use a model without them "
-                             "(add_qkv_bias / --add-qkv-bias for a bias on q, k, v only)")
     router_dtype = {fp: hf for hf, fp in ROUTER_DTYPES.items()}.get(getattr(provider, "moe_router_dtype", None))
     freq = provider.moe_layer_freq
     pattern = [bool(v) for v in freq] if isinstance(freq, (list, tuple)) else \
@@ -150,6 +146,11 @@ class MixLNMoeBridge(MixLNLlamaBridge):
         >>> provider = bridge.to_megatron_provider()   # MixLNModelProvider with num_moe_experts
     """
 
+    # check_provider_biases (the dense bridge's): add_qkv_bias is carried as qkv_bias
+    NO_BIAS = "the Mix-LN MoE model has no bias on o_proj, the MLPs or the experts"
+    QKV_BIAS_FIELD = "qkv_bias"
+    BRIDGE_ERROR = MoEBridgeError
+
     def provider_bridge(self, hf_pretrained) -> MixLNModelProvider:
         provider = super().provider_bridge(hf_pretrained)  # Llama's fields and the Mix-LN layout
         for name, value in moe_provider_fields(hf_pretrained.config).items():
@@ -160,9 +161,8 @@ class MixLNMoeBridge(MixLNLlamaBridge):
     def megatron_to_hf_config(cls, provider) -> dict:
         from ..hf.export_code import export_config_fields, moe_export_config_fields
 
-        hf_config = super().megatron_to_hf_config(provider)  # Llama's and the Mix-LN fields
-        # Bridge writes add_qkv_bias as LLaMA's attention_bias (q, k, v and o_proj): here it is qkv_bias
-        hf_config.update(attention_bias=False, mlp_bias=False)
+        # Llama's and the Mix-LN fields, biases checked (no attention_bias / mlp_bias: add_qkv_bias is qkv_bias)
+        hf_config = super().megatron_to_hf_config(provider)
         dense_keys = export_config_fields(int(getattr(provider, "post_ln_layers", 0)),
                                           getattr(provider, "mixln_scheme", "mixln"))
         for key in ("model_type", "architectures", "auto_map"):  # the dense class keys give way to the MoE ones
