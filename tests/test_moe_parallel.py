@@ -10,16 +10,15 @@ import pytest
 
 from mixln_megatron.dev.testing import torchrun
 
+from test_layer_kinds_parallel import assert_close as assert_same_figures  # eval and losses within its REL (1e-5)
+
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "moe_parallel_worker.py")
 pytestmark = [pytest.mark.mp, pytest.mark.scale, pytest.mark.slow]
-REL = 1e-5
 
 
 def assert_close(got, ref, what):
     assert "error" not in got, (what, got)
-    assert abs(got["eval"] - ref["eval"]) <= REL * abs(ref["eval"]), (what, got["eval"], ref["eval"])
-    for a, b in zip(got["losses"], ref["losses"]):
-        assert abs(a - b) <= REL * abs(b), (what, got["losses"], ref["losses"])
+    assert_same_figures(got, ref, what)
 
 
 @pytest.fixture(scope="module")
