@@ -35,6 +35,19 @@ def te_single():
     cpu.disable()
 
 
+@pytest.fixture(scope="module")
+def analysis_process():
+    """The analysis command sets up a one-rank gloo group and parallel state in the test's own
+    process (test_untrusted_*): whatever it leaves is torn down after."""
+    yield
+    import torch
+
+    from mixln_megatron.dev import testing
+
+    if torch.distributed.is_initialized():
+        testing.shutdown()
+
+
 @pytest.fixture(scope="session")
 def mixln_checkpoints(tmp_path_factory):
     """Real checkpoints of one tiny Mix-LN model (P = 2 of 4: test_convert.make_mixln_folder), built

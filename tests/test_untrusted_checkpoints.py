@@ -267,16 +267,7 @@ def test_inspect_refuses_damaged_file(bases, tmp_path, kind, damage):
 
 
 # ------------------------------------------------------------------------------ analyze
-@pytest.fixture(scope="module")
-def analysis_process():
-    """The analysis command sets up a one-rank gloo group and parallel state in this process: torn down after."""
-    yield
-    from mixln_megatron.dev import testing
-
-    if torch.distributed.is_initialized():
-        testing.shutdown()
-
-
+# analysis_process (conftest): the one-rank gloo group analyze leaves in this process, torn down after
 ANALYZE_CASES = ([(k, "os.system") for k in TORCH_DIST_PICKLE_KINDS]
                  + [(k, "nested-os.system") for k in TORCH_DIST_PICKLE_KINDS]
                  + [(k, "garbage") for k in TORCH_DIST_PICKLE_KINDS + ["torch_dist-metadata.json", "torch_dist-tracker"]])

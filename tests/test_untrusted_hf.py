@@ -190,16 +190,6 @@ def assert_refused(case, rc, output, err, names, says=()):
     return lines[0]
 
 
-@pytest.fixture(scope="module")
-def analysis_process():
-    """analyze enters the CPU harness in this process: anything it leaves is torn down after."""
-    yield
-    from mixln_megatron.dev import testing
-
-    if torch.distributed.is_initialized():
-        testing.shutdown()
-
-
 # ------------------------------------------------------------------------------ the fixtures are real
 def test_untouched_copy_converts_and_the_secret_would(base, tmp_path, capsys):
     """A copy converts (exit 0); so does one whose index sends a shard's tensors to the secret copied
