@@ -403,6 +403,16 @@ def randomize(chunks, seed=5):
                 p.copy_((1.0 if norm else 0.0) + (0.3 if norm else 0.02) * torch.randn(p.shape, generator=g))
 
 
+def perturb_norms(model, seed=3):
+    """Norm weights moved by 0.3 N(0, 1) (a CPU generator of `seed`: the same on every rank), so that
+    a checkpoint's norms are away from their init and a wrong or missing load of them shows."""
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+
+
 # ------------------------------------------------------------------ subprocess launchers
 def benchmark_parser(doc: str, quick: dict, **defaults):
     """A benchmark's parser: integer size flags with their defaults, and --quick, which

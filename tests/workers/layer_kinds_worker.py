@@ -102,11 +102,7 @@ def main(workdir):
     # DP2 (TP1 PP1): train, perturb the norms (same on both ranks), save; the reference figures.
     ref = Run(seed=1)
     ref.train(steps=2, seed=7)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(3)
-        for name, p in ref.models[0].named_parameters():
-            if "norm" in name:
-                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    testing.perturb_norms(ref.models[0])
     ref.save(base)
     out["kinds"] = ref.kinds()
     out["dp2"] = figures(Run(load=base))

@@ -64,11 +64,7 @@ def phase_reference(workdir):
     base = os.path.join(workdir, "base")
     trainer = Run(seed=1)
     trainer.train(steps=3, seed=7)  # weights that are not the initialisation
-    with torch.no_grad():  # norms away from 1 so that a wrong load would show
-        g = torch.Generator().manual_seed(3)
-        for name, p in trainer.models[0].named_parameters():
-            if "norm" in name:
-                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    testing.perturb_norms(trainer.models[0])  # norms away from 1 so that a wrong load would show
     trainer.save(base)
     out["tp1pp1"] = figures(Run(load=base))
     out["tp1pp1_rerun"] = figures(Run(load=base))
