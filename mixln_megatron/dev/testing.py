@@ -403,6 +403,16 @@ def randomize(chunks, seed=5):
                 p.copy_((1.0 if norm else 0.0) + (0.3 if norm else 0.02) * torch.randn(p.shape, generator=g))
 
 
+def gathered_by_layer(local: dict) -> dict:
+    """{global layer number: value}, sorted, from every rank's {layer number: value} of its own layers."""
+    parts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, local)
+    merged = {}
+    for part in parts:
+        merged.update(part)
+    return dict(sorted(merged.items()))
+
+
 def perturb_norms(model, seed=3):
     """Norm weights moved by 0.3 N(0, 1) (a CPU generator of `seed`: the same on every rank), so that
     a checkpoint's norms are away from their init and a wrong or missing load of them shows."""

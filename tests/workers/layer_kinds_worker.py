@@ -55,13 +55,7 @@ class Run(testing.TinyTrainer):
         return [layer for m in self.models for layer in m.decoder.layers]
 
     def kinds(self):
-        local = {l.layer_number: l.kind for l in self.layers()}
-        gathered = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, local)
-        merged = {}
-        for part in gathered:
-            merged.update(part)
-        return [merged[k] for k in sorted(merged)]
+        return list(testing.gathered_by_layer({l.layer_number: l.kind for l in self.layers()}).values())
 
     def gathered_qkv(self):
         """{layer: full linear_qkv weight} gathered over TP (TP shards are whole query groups)."""

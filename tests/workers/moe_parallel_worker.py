@@ -47,14 +47,8 @@ class Run(testing.TinyTrainer):
         return list(self.models[0].decoder.layers)
 
     def gathered(self, fn):
-        """{global layer number: fn(layer)} over every rank's layers."""
-        local = {l.layer_number: fn(l) for l in self.layers()}
-        parts = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(parts, local)
-        merged = {}
-        for part in parts:
-            merged.update(part)
-        return [merged[k] for k in sorted(merged)]
+        """[fn(layer) for every layer of the model], in layer order, over every rank's layers."""
+        return list(testing.gathered_by_layer({l.layer_number: fn(l) for l in self.layers()}).values())
 
 
 def local_experts(layer):

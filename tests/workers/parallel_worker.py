@@ -27,13 +27,9 @@ class Run(testing.MixLNRun):
     """One parallel layout (the harness's MixLNRun), with what the parallel tests check on it."""
 
     def layer_kinds(self):
-        local = {l.layer_number: bool(l.is_post_ln) for m in self.models for l in m.decoder.layers}
-        gathered = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, local)
-        merged = {}
-        for part in gathered:
-            merged.update(part)
-        return [merged[k] for k in sorted(merged)], sorted(merged)
+        merged = testing.gathered_by_layer({l.layer_number: bool(l.is_post_ln) for m in self.models
+                                            for l in m.decoder.layers})
+        return list(merged.values()), list(merged)
 
     def post_ln_norms_identical_across_tp(self):
         """After SP steps, every Post-LN norm weight must be the same on every TP rank."""
