@@ -41,7 +41,7 @@ REFUSED = tuple(row for row in moe_fields.TABLE if row.analysis == "refuse")
 
 
 def is_moe(args) -> bool:
-    return bool(getattr(args, "num_experts", None))
+    return bool(moe_fields.num_experts(args))
 
 
 def _refusal(row, value) -> str:

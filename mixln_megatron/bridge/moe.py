@@ -44,8 +44,6 @@ MOE_ARCHITECTURE = "MixLNMoeForCausalLM"
 MOE_MODEL_TYPE = "mixln_moe"
 
 _MEG, _HF = "decoder.layers.*.mlp.", "model.layers.*.mlp."
-# HF router_dtype (hf.configuration_mixln_moe.ROUTER_DTYPES) <-> megatron's moe_router_dtype.
-ROUTER_DTYPES = {"float32": "fp32"}
 
 
 def moe_mappings() -> list:
@@ -99,9 +97,9 @@ def moe_provider_fields(hf_config) -> dict:
         raise MoEBridgeError(f"{' and '.join(biases)} true: the Mix-LN MoE bridge carries a bias on q, k and v only "
                              "(qkv_bias), none on o_proj or the MLPs; convert a model without them")
     router_dtype = getattr(hf_config, "router_dtype", None)
-    if router_dtype is not None and router_dtype not in ROUTER_DTYPES:  # the config class refuses it first
+    if router_dtype is not None and router_dtype not in moe_fields.MEGATRON_ROUTER_DTYPE:  # the config class refuses it first
         raise MoEBridgeError(f"router_dtype {router_dtype!r:.20}: the Mix-LN MoE bridge carries null or "
-                             f"{', '.join(map(repr, ROUTER_DTYPES))}; export the model with one of them")
+                             f"{', '.join(map(repr, moe_fields.MEGATRON_ROUTER_DTYPE))}; export the model with one of them")
     return dict(
         num_moe_experts=int(hf_config.num_experts), moe_router_topk=int(hf_config.num_experts_per_tok),
         moe_ffn_hidden_size=int(hf_config.moe_intermediate_size),
@@ -110,7 +108,7 @@ def moe_provider_fields(hf_config) -> dict:
         moe_shared_expert_gate=bool(hf_config.shared_expert_gate),
         moe_router_pre_softmax=not hf_config.norm_topk_prob,  # softmax, top-k, no renormalisation
         moe_router_score_function="softmax", moe_router_topk_scaling_factor=None,
-        moe_router_dtype=ROUTER_DTYPES.get(router_dtype),  # None: the model's dtype
+        moe_router_dtype=moe_fields.MEGATRON_ROUTER_DTYPE.get(router_dtype),  # None: the model's dtype
         add_qkv_bias=bool(getattr(hf_config, "qkv_bias", False)), add_bias_linear=False,
         moe_aux_loss_coeff=0.0,  # training-only; an inference-equal model (set it to train with it)
     )
@@ -121,7 +119,7 @@ def hf_moe_fields(provider) -> dict:
     a routing they would not describe is refused (check_provider_routing), and biases they would not
     (add_bias_linear) by MixLNMoeBridge.check_provider_biases, which megatron_to_hf_config runs first."""
     check_provider_routing(provider)
-    router_dtype = {fp: hf for hf, fp in ROUTER_DTYPES.items()}.get(getattr(provider, "moe_router_dtype", None))
+    router_dtype = moe_fields.HF_ROUTER_DTYPE.get(getattr(provider, "moe_router_dtype", None))
     freq = provider.moe_layer_freq
     pattern = [bool(v) for v in freq] if isinstance(freq, (list, tuple)) else \
         [i % int(freq) == 0 for i in range(int(provider.num_layers))]

@@ -89,9 +89,7 @@ def _interleave(where: str, name: str, value, ffn: Optional[int]) -> Optional[in
 def moe_shape_of_args(args, num_layers: int, add_bias_linear: bool, where: str) -> Optional[MoEShape]:
     """The MoEShape of saved Megatron-LM args (None for a dense model), every field checked; one
     UnsupportedModelError naming each flag a conversion cannot carry (model.moe_fields.TABLE)."""
-    experts = getattr(args, "num_experts", None)
-    if experts is None:
-        experts = getattr(args, "num_moe_experts", None)
+    experts = moe_fields.num_experts(args)
     if experts is None or experts == 0:
         return None
     experts = _int(where, "num_experts", experts, EXPERTS_BOUND)
@@ -172,7 +170,7 @@ def moe_shape_of_hf_config(config: dict, model_type: str, num_layers: int, where
             raise ConversionError(f"{where}: shared_expert_gate is true without a shared expert")
     router_fp32 = False
     if model_type == "mixln_moe":
-        router_fp32 = _router_dtype(config, where) == "float32"
+        router_fp32 = moe_fields.MEGATRON_ROUTER_DTYPE.get(_router_dtype(config, where)) == "fp32"
         problems += _mixln_moe_bias_problems(config, where)
     layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
     if not any(layers):
@@ -183,10 +181,12 @@ def moe_shape_of_hf_config(config: dict, model_type: str, num_layers: int, where
 
 
 def _router_dtype(config: dict, where: str) -> Optional[str]:
-    """mixln_moe's router_dtype (hf.configuration_mixln_moe): null (the model's dtype) or "float32"."""
+    """mixln_moe's router_dtype (hf.configuration_mixln_moe): null (the model's dtype) or a name of
+    model.moe_fields.MEGATRON_ROUTER_DTYPE ("float32")."""
     value = config.get("router_dtype")
-    if value not in (None, "float32"):
-        raise ConversionError(f"{where}: router_dtype must be null or \"float32\", got {_shown(value)}")
+    if value is not None and (not isinstance(value, str) or value not in moe_fields.MEGATRON_ROUTER_DTYPE):
+        names = " or ".join(f'"{name}"' for name in moe_fields.MEGATRON_ROUTER_DTYPE)
+        raise ConversionError(f"{where}: router_dtype must be null or {names}, got {_shown(value)}")
     return value
 
 

@@ -324,8 +324,9 @@ def check_megatron_args_supported(args) -> None:
 
 def _is_moe(args) -> bool:
     """Whether saved args describe an MoE model (convert.moe_shape reads the rest)."""
-    experts = _arg(args, "num_experts")
-    return bool(experts if experts is not None else _arg(args, "num_moe_experts"))
+    from ..model import moe_fields
+
+    return bool(moe_fields.num_experts(args))
 
 
 def shape_from_megatron_args(args, vocab_size: int) -> ModelShape:

@@ -54,7 +54,7 @@ from .layouts import deinterleave_rope_rows, split_glu_rows, split_qkv
 from .moe_shape import MoEShape, split_expert_role
 from .shape import ModelShape
 
-TRANSFORMERS_RANGE = ("4.56", "6")  # >= 4.56, < 6 (tested with 5.24)
+TRANSFORMERS_RANGE = ("4.56", "6")  # >= 4.56, < 6, as setup.py's extras require
 _ST_DTYPES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -264,7 +264,7 @@ def moe_config_fields(shape: ModelShape, post_ln, scheme, alpha, layer_kinds=Non
         shared_expert_intermediate_size=moe.shared_ffn, shared_expert_gate=moe.shared_gate,
         mlp_only_layers=list(moe.dense_layers), attention_bias=shape.add_bias_linear, mlp_bias=shape.add_bias_linear,
         qkv_bias=shape.add_qkv_bias and not shape.add_bias_linear, num_hidden_layers=shape.num_layers,
-        router_dtype="float32" if moe.router_fp32 else None, dtype=dtype_name)
+        router_dtype=moe_fields.HF_ROUTER_DTYPE["fp32"] if moe.router_fp32 else None, dtype=dtype_name)
 
 
 def v4_rope_keys(shape: ModelShape) -> dict:

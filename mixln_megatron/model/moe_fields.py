@@ -109,8 +109,19 @@ def topk_scaling(get) -> float:
     return 1.0 if _sinkhorn(get) or not factor else factor
 
 
+# The router dtype's names: Megatron-LM's --moe-router-dtype value -> the HF config's router_dtype
+# (hf.configuration_mixln_moe.ROUTER_DTYPES; None on both sides: the model's dtype).
+HF_ROUTER_DTYPE = {"fp32": "float32"}
+MEGATRON_ROUTER_DTYPE = {hf: megatron for megatron, hf in HF_ROUTER_DTYPE.items()}
+
+
 def router_fp32(get) -> bool:
     return get("moe_router_dtype") == "fp32"
+
+
+def num_experts(source):
+    """The routed experts of saved args, a config or a provider (None or 0: a dense model)."""
+    return getter(source)("num_moe_experts")
 
 
 def expert_glu_interleave(get) -> Optional[int]:
