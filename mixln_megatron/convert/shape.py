@@ -25,6 +25,7 @@ from typing import Dict, Optional, Tuple
 
 from ..model import hybrid_pattern, support
 from ..errors import ConversionError, UnsupportedModelError
+from .forward_scalars import ForwardScalars, forward_scalars, mup_record
 from .moe_shape import MoEShape, moe_role_shapes, moe_shape_of_args
 
 # Upper bounds of what a checkpoint or config.json may say. Real models for comparison: Llama 3.1
@@ -148,6 +149,29 @@ class ArgsShape:
     rotary_seq_len_interpolation_factor: Optional[float]
     use_rope_scaling: bool
     rope_scaling_factor: float
+    forward: ForwardScalars = ForwardScalars()  # muP's and the GLU offset's, as megatron uses them
+    mup: Optional[dict] = None  # the muP flags as saved (None without --use-mup)
+
+
+def _checked_getter(read, where: str = ARGS):
+    """forward_scalars' `get` over `read(name)` (saved args, an HF muP record), each value checked
+    (one ConversionError naming it): use_mup a flag, mup_base_hidden_size a positive integer, the
+    offset and the attention power finite numbers, the other muP values positive numbers; None
+    reads as the default."""
+    def get(name, default):
+        value = read(name)
+        if value is None:
+            return default
+        if name == "use_mup":
+            return _bool_value(where, name, value)
+        if name == "mup_base_hidden_size":
+            return _int_value(where, name, value, BOUNDS["hidden"])
+        if name in ("glu_linear_offset", "mup_attn_scale_power"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConversionError(f"{where}: {name} must be a finite number, got {_shown(value)}")
+            return float(value)
+        return _float_value(where, name, value)
+    return get
 
 
 args_hybrid_pattern = hybrid_pattern.pattern_of_args  # Megatron-LM's saved args -> the pattern, if any
@@ -188,12 +212,14 @@ def args_shape(args) -> ArgsShape:
         add_bias = False
     padded = _arg(args, "padded_vocab_size")
     factor = _arg(args, "rotary_seq_len_interpolation_factor")
+    kv_channels = _int_arg(args, "kv_channels", BOUNDS["head_dim"], hidden // heads)
+    get = _checked_getter(lambda name: getattr(args, name, None))
     return ArgsShape(
         num_layers=args_num_blocks(args),
         hidden_size=hidden,
         num_attention_heads=heads,
         num_query_groups=groups,
-        kv_channels=_int_arg(args, "kv_channels", BOUNDS["head_dim"], hidden // heads),
+        kv_channels=kv_channels,
         ffn_hidden_size=_int_arg(args, "ffn_hidden_size", BOUNDS["ffn"], 4 * hidden),
         padded_vocab_size=None if padded is None else _int_value(ARGS, "padded_vocab_size", padded,
                                                                   BOUNDS["padded_vocab"]),
@@ -214,6 +240,8 @@ def args_shape(args) -> ArgsShape:
             ARGS, "rotary_seq_len_interpolation_factor", factor),
         use_rope_scaling=_flag(args, "use_rope_scaling"),
         rope_scaling_factor=_float_arg(args, "rope_scaling_factor", 8.0),
+        forward=forward_scalars(get, hidden, kv_channels),
+        mup=mup_record(get),
     )
 
 
@@ -239,6 +267,16 @@ class ModelShape:
     # a bias on q, k, v only (--add-qkv-bias without add_bias_linear; HF: Qwen2's qkv_bias); MoE models only
     add_qkv_bias: bool = False
     moe: Optional[MoEShape] = None  # the MoE layers, experts and routing (convert.moe_shape); None: dense
+    # muP's softmax scale and multipliers and the GLU offset (convert.forward_scalars): LLaMA's by default
+    forward: ForwardScalars = ForwardScalars()
+    mup: Optional[dict] = None  # Megatron's muP flags, recorded for the way back (informational in HF)
+
+    def forward_fields(self) -> dict:
+        """The HF config fields of the forward scalars that are not LLaMA's (+ the muP record)."""
+        fields = self.forward.hf_fields()
+        if self.mup is not None:
+            fields["megatron_mup"] = dict(self.mup)
+        return fields
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_query_groups:
@@ -374,6 +412,8 @@ def _model_shape(a: ArgsShape, vocab_size: int, moe: Optional[MoEShape] = None) 
         rotary_interleaved=a.rotary_interleaved,
         add_qkv_bias=a.add_qkv_bias and not a.add_bias_linear and moe is not None,
         moe=moe,
+        forward=a.forward,
+        mup=a.mup,
     )
 
 
@@ -472,6 +512,9 @@ def hf_config_shape(config: dict, source: str = "config.json", megatron: bool = 
     sliding = config.get("use_sliding_window") if model_type == "qwen2_moe" else config.get("sliding_window")
     if sliding:  # Qwen2-MoE keeps a window size it does not use unless use_sliding_window
         problems.append("sliding-window attention")
+    forward, mup = ForwardScalars(), None
+    if model_type in ("mixln_llama", "mixln_moe"):  # the Mix-LN classes' forward scalars (muP, GLU offset)
+        forward, mup = _hf_forward_scalars(config, where, hidden, head_dim)
     moe, qkv_bias = None, False
     if model_type in ("qwen2_moe", "mixln_moe"):  # q, k, v biases without o_proj's (Qwen2-MoE's default: true)
         qkv_bias = _cfg_bool(config, where, "qkv_bias", model_type == "qwen2_moe") and not attention_bias
@@ -500,7 +543,43 @@ def hf_config_shape(config: dict, source: str = "config.json", megatron: bool = 
         tie_embeddings=tie,
         add_qkv_bias=qkv_bias,
         moe=moe,
+        forward=forward,
+        mup=mup,
     )
+
+
+def _hf_forward_scalars(config: dict, where: str, hidden: int, head_dim: int):
+    """(ForwardScalars, muP record or None) of a Mix-LN config.json, checked: attention_scale null or
+    > 0, the multipliers > 0, the offset finite; a megatron_mup record must give the same softmax
+    scale and multipliers by megatron's rule (forward_scalars), or the folder is refused."""
+    def number(name, default, positive=True):
+        value = config.get(name)
+        if value is None:
+            return default
+        if positive:
+            return _float_value(where, name, value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConversionError(f"{where}: {name} must be a finite number, got {_shown(value)}")
+        return float(value)
+
+    forward = ForwardScalars(attention_scale=number("attention_scale", None),
+                             embedding_multiplier=number("embedding_multiplier", 1.0),
+                             logits_multiplier=number("logits_multiplier", 1.0),
+                             glu_linear_offset=number("glu_linear_offset", 0.0, positive=False))
+    record = config.get("megatron_mup")
+    if record is None:
+        return forward, None
+    if not isinstance(record, dict):
+        raise ConversionError(f"{where}: megatron_mup must be an object or null, got {_shown(record)}")
+    get = _checked_getter(record.get, f"{where}: megatron_mup")
+    mup = mup_record(get)
+    implied = dataclasses.replace(forward_scalars(get, hidden, head_dim), glu_linear_offset=forward.glu_linear_offset)
+    if implied != forward:
+        raise ConversionError(f"{where}: megatron_mup gives attention_scale {implied.attention_scale}, "
+                              f"embedding_multiplier {implied.embedding_multiplier} and logits_multiplier "
+                              f"{implied.logits_multiplier}, but the config says {forward.attention_scale}, "
+                              f"{forward.embedding_multiplier} and {forward.logits_multiplier}: the fields disagree")
+    return forward, mup
 
 
 def shape_from_hf_config(config: dict, source: str = "config.json") -> ModelShape:

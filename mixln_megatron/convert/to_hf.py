@@ -6,7 +6,9 @@ What is written (into a temporary directory renamed to --save at the end):
                              layer_kinds and DeepNorm's alpha for a layout other than Mix-LN's
                              first P: post, deepnorm and sandwich layers anywhere);
                              rope keys in both the transformers 5 (rope_parameters) and 4
-                             (rope_theta / rope_scaling) spellings.
+                             (rope_theta / rope_scaling) spellings; muP's softmax scale and
+                             multipliers and the GLU offset as megatron uses them
+                             (convert.forward_scalars: the Mix-LN class, never the stock one).
   configuration_mixln_llama.py, modeling_mixln_llama.py   the model code (Mix-LN / LNS only).
   MoE checkpoints (convert.moe_shape): config.json of a stock MixtralForCausalLM or
   Qwen2MoeForCausalLM where one is the network (every layer pre, scheme mixln:
@@ -241,7 +243,8 @@ def hf_config_dict(shape: ModelShape, post_ln: int, scheme: str, alpha, dtype_na
     cfg.update(v4_rope_keys(shape))
     try:
         if shape.moe is None:
-            cfg.update(export_config_fields(int(post_ln), scheme, alpha, layer_kinds, deepnorm_alpha, deepnorm_beta))
+            cfg.update(export_config_fields(int(post_ln), scheme, alpha, layer_kinds, deepnorm_alpha, deepnorm_beta,
+                                            shape.forward_fields()))
         else:  # Mixtral, Qwen2-MoE or the Mix-LN MoE class: hf.export_code decides (stock_moe_model_type)
             cfg.update(moe_config_fields(shape, post_ln, scheme, alpha, layer_kinds, deepnorm_alpha, deepnorm_beta,
                                          dtype_name))
@@ -264,7 +267,8 @@ def moe_config_fields(shape: ModelShape, post_ln, scheme, alpha, layer_kinds=Non
         shared_expert_intermediate_size=moe.shared_ffn, shared_expert_gate=moe.shared_gate,
         mlp_only_layers=list(moe.dense_layers), attention_bias=shape.add_bias_linear, mlp_bias=shape.add_bias_linear,
         qkv_bias=shape.add_qkv_bias and not shape.add_bias_linear, num_hidden_layers=shape.num_layers,
-        router_dtype=moe_fields.HF_ROUTER_DTYPE["fp32"] if moe.router_fp32 else None, dtype=dtype_name)
+        router_dtype=moe_fields.HF_ROUTER_DTYPE["fp32"] if moe.router_fp32 else None, dtype=dtype_name,
+        forward=shape.forward_fields())
 
 
 def v4_rope_keys(shape: ModelShape) -> dict:
@@ -323,7 +327,7 @@ def convert_to_hf(
     out_dtype = facts.dtype if dtype in (None, "auto") else DTYPES[dtype]
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise UnsupportedModelError(f"the checkpoint's weights are {out_dtype}; pass --dtype bfloat16/float32")
-    from ..hf.export_code import is_stock_llama, placement_export_fields, write_model_code
+    from ..hf.export_code import placement_export_fields, write_model_code
 
     post_ln, scheme, alpha = facts.post_ln_layers, facts.scheme, facts.alpha
     fields = placement_export_fields(facts.placement)  # layer_kinds only off Mix-LN's first-P layout
@@ -331,8 +335,7 @@ def convert_to_hf(
     config = hf_config_dict(facts.shape, post_ln, scheme, alpha, dtype_name, facts.token_ids,
                             fields["layer_kinds"], fields["deepnorm_alpha"], fields["deepnorm_beta"])
     model_type = config["model_type"]  # llama / mixln_llama; MoE: mixtral / qwen2_moe / mixln_moe
-    stock = model_type in ("llama", "mixtral", "qwen2_moe") if facts.shape.moe is not None else \
-        is_stock_llama(post_ln, scheme, fields["layer_kinds"])
+    stock = model_type in ("llama", "mixtral", "qwen2_moe")  # hf.export_code decided: no code files
     roles = M.map_roles(facts.shape, facts.placement.kinds,  # 2. map (3. write below)
                         "mixtral" if model_type == "mixtral" else "qwen2_moe")
     plan = [(name, shp, out_dtype) for name, shp in roles.plan]

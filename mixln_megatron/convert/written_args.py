@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
+from .forward_scalars import mup_flags_for
 from .mapping import uses_mixln_layout
 from .shape import ModelShape
 
@@ -57,6 +58,7 @@ def megatron_args_namespace(
     scaling = shape.rope_scaling or {}
     return argparse.Namespace(
         **moe_args(shape),
+        **forward_args(shape),
         **{name: getattr(shape, name) for name in SHAPE_ARGS},
         **{k: v for k, v in LLAMA_FIXED_ARGS.items() if shape.moe is None or k not in ("num_experts", "moe_layer_freq")},
         **FRESH_START_ARGS,
@@ -116,6 +118,31 @@ def moe_args(shape: ModelShape) -> dict:
                 moe_router_topk_scaling_factor=None, moe_router_enable_expert_bias=False,
                 moe_expert_capacity_factor=None, moe_mlp_glu_interleave_size=None,
                 moe_shared_expert_glu_interleave_size=None)
+
+
+def forward_args(shape: ModelShape) -> dict:
+    """Megatron-LM's args for the shape's forward scalars: --glu-linear-offset (the fused SwiGLU
+    kernel has no offset, so megatron needs it off) and the muP flags (the export's record, else
+    flags that give the same scalars: convert.forward_scalars.mup_flags_for)."""
+    out = {}
+    if shape.forward.glu_linear_offset != 0.0:
+        out.update(glu_linear_offset=shape.forward.glu_linear_offset, bias_swiglu_fusion=False)
+    out.update(mup_flags_for(shape.forward, shape.hidden_size, shape.kv_channels, shape.mup))
+    return out
+
+
+def forward_flags(ns: argparse.Namespace) -> List[str]:
+    """The flags of forward_args (none for LLaMA's forward)."""
+    flags = []
+    if getattr(ns, "glu_linear_offset", 0.0):
+        flags += ["--glu-linear-offset", repr(float(ns.glu_linear_offset)), "--no-bias-swiglu-fusion"]
+    if getattr(ns, "use_mup", False):
+        flags.append("--use-mup")
+        for name in ("mup_base_hidden_size", "mup_width_mult", "mup_embedding_mult", "mup_output_mult",
+                     "mup_base_head_dim", "mup_attn_scale_power"):
+            if getattr(ns, name, None) is not None:
+                flags += ["--" + name.replace("_", "-"), repr(getattr(ns, name))]
+    return flags
 
 
 def moe_flags(ns: argparse.Namespace) -> List[str]:
@@ -187,7 +214,8 @@ def launch_flags(ns: argparse.Namespace) -> List[str]:
         flags += ["--use-rope-scaling", "--rope-scaling-factor", f"{ns.rope_scaling_factor:g}"]
     if ns.untie_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
-    flags += ["--make-vocab-size-divisible-by", ns.make_vocab_size_divisible_by, *placement_flags(ns), *moe_flags(ns)]
+    flags += ["--make-vocab-size-divisible-by", ns.make_vocab_size_divisible_by, *placement_flags(ns), *moe_flags(ns),
+              *forward_flags(ns)]
     if ns.ckpt_format == "torch":
         flags += ["--ckpt-format", "torch", "--tensor-model-parallel-size", ns.tensor_model_parallel_size,
                   "--pipeline-model-parallel-size", ns.pipeline_model_parallel_size]

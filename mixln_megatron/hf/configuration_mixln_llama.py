@@ -21,6 +21,13 @@ Extra fields on top of `LlamaConfig`:
   deepnorm_alpha  the residual scale of the "deepnorm" layers: set exactly when there is one (float > 0).
   deepnorm_beta   informational only: the init factor of the "deepnorm" layers in training, or None.
 
+Scalars of the forward pass (Megatron's muP and GLU offset), each in config.json only when not its default:
+  attention_scale       the softmax scale of q.k; None: LLaMA's 1/sqrt(head_dim) (muP: 1/head_dim by default)
+  embedding_multiplier  the token embeddings times this (Megatron's mup_embedding_mult)
+  logits_multiplier     the output logits times this (Megatron's mup_output_mult, 1/width_mult by default)
+  glu_linear_offset     the MLP is down(silu(gate(x)) * (up(x) + offset)) (Megatron's --glu-linear-offset)
+  megatron_mup          informational only: Megatron's muP flags the model was trained with (for the way back)
+
 Tested with transformers 5.24; written for transformers >= 4.56, < 6 (the legacy `__init__` style
 works with both the v4 configs and the v5 dataclass configs).
 """
@@ -34,6 +41,10 @@ LAYER_KINDS = ("pre", "post", "deepnorm", "sandwich")
 POST_LN_KINDS = ("post", "deepnorm")  # the residual stream goes through the norm
 # Present in config.json only when layer_kinds is given, so that Mix-LN's own layout keeps its config.json.
 LAYOUT_FIELDS = ("layer_kinds", "deepnorm_alpha", "deepnorm_beta")
+# The forward scalars and their defaults (the default is LLaMA's network): written only when set.
+FORWARD_SCALAR_DEFAULTS = {"attention_scale": None, "embedding_multiplier": 1.0, "logits_multiplier": 1.0,
+                           "glu_linear_offset": 0.0}
+OPTIONAL_FIELDS = dict(FORWARD_SCALAR_DEFAULTS, megatron_mup=None)
 
 
 class MixLNConfigValueError(ValueError):
@@ -111,6 +122,27 @@ def _check_mixln_fields(post_ln_layers, mixln_scheme, num_hidden_layers, layer_k
         raise MixLNConfigValueError(f"{name} is set but no layer is deepnorm (layer_kinds = {layer_kinds!r:.120})")
 
 
+def _finite_float(name, value, positive=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+            positive and value <= 0):
+        raise MixLNConfigValueError(f"{name} must be a finite number{' > 0' if positive else ''}, got {value!r:.60}")
+    return float(value)
+
+
+def check_forward_scalars(attention_scale=None, embedding_multiplier=1.0, logits_multiplier=1.0,
+                          glu_linear_offset=0.0, megatron_mup=None) -> dict:
+    """The forward scalars as floats (attention_scale None or > 0, the multipliers > 0, the offset finite)."""
+    if megatron_mup is not None and not isinstance(megatron_mup, dict):
+        raise MixLNConfigValueError(f"megatron_mup must be an object or None, got {megatron_mup!r:.60}")
+    return {
+        "attention_scale": None if attention_scale is None else _finite_float("attention_scale", attention_scale, True),
+        "embedding_multiplier": _finite_float("embedding_multiplier", embedding_multiplier, True),
+        "logits_multiplier": _finite_float("logits_multiplier", logits_multiplier, True),
+        "glu_linear_offset": _finite_float("glu_linear_offset", glu_linear_offset),
+        "megatron_mup": megatron_mup,
+    }
+
+
 class MixLNLlamaConfig(LlamaConfig):
     r"""LLaMA configuration with Mix-LN / LayerNorm Scaling norm placement, and any per-layer kind.
 
@@ -123,13 +155,19 @@ class MixLNLlamaConfig(LlamaConfig):
             None means the first P layers `"post"`, the rest `"pre"`.
         deepnorm_alpha (`float`, *optional*): residual scale of the `"deepnorm"` layers (required iff one exists).
         deepnorm_beta (`float`, *optional*): informational record of their init factor in training.
+        attention_scale (`float`, *optional*): softmax scale of q.k; None means 1/sqrt(head_dim).
+        embedding_multiplier (`float`, defaults to 1.0): factor on the token embeddings.
+        logits_multiplier (`float`, defaults to 1.0): factor on the output logits.
+        glu_linear_offset (`float`, defaults to 0.0): the MLP computes silu(gate) * (up + offset).
+        megatron_mup (`dict`, *optional*): informational record of Megatron's muP flags.
         kwargs: every `LlamaConfig` argument.
     """
 
     model_type = "mixln_llama"
 
     def __init__(self, post_ln_layers: int = 0, mixln_scheme: str = "mixln", mixln_alpha=None, layer_kinds=None,
-                 deepnorm_alpha=None, deepnorm_beta=None, **kwargs):
+                 deepnorm_alpha=None, deepnorm_beta=None, attention_scale=None, embedding_multiplier=1.0,
+                 logits_multiplier=1.0, glu_linear_offset=0.0, megatron_mup=None, **kwargs):
         # Set before the parent init so that validation hooks running inside it can see them.
         if isinstance(mixln_alpha, (int, float)) and not isinstance(mixln_alpha, bool):
             mixln_alpha = repr(mixln_alpha) if isinstance(mixln_alpha, float) else str(mixln_alpha)
@@ -141,6 +179,9 @@ class MixLNLlamaConfig(LlamaConfig):
         self.layer_kinds = _check_layer_kinds(layer_kinds, None)  # a list (JSON), the length checked below
         self.deepnorm_alpha = _positive_float("deepnorm_alpha", deepnorm_alpha, "the residual scale of the deepnorm layers")
         self.deepnorm_beta = _positive_float("deepnorm_beta", deepnorm_beta, "the init factor of the deepnorm layers")
+        for name, value in check_forward_scalars(attention_scale, embedding_multiplier, logits_multiplier,
+                                                 glu_linear_offset, megatron_mup).items():
+            setattr(self, name, value)
         super().__init__(**kwargs)
         self.validate_mixln()
 
@@ -169,6 +210,9 @@ class MixLNLlamaConfig(LlamaConfig):
             for key in LAYOUT_FIELDS:
                 if out.get(key) is None:
                     out.pop(key, None)
+        for key, default in OPTIONAL_FIELDS.items():  # LLaMA's forward: config.json as before these fields
+            if key in out and out[key] == default:
+                out.pop(key)
         return out
 
     def layer_kind(self, layer_idx: int) -> str:
@@ -194,4 +238,4 @@ class MixLNLlamaConfig(LlamaConfig):
         return 1.0 / math.sqrt(layer_idx + 1)
 
 
-__all__ = ["LAYER_KINDS", "MIXLN_SCHEMES", "MixLNConfigValueError", "MixLNLlamaConfig", "POST_LN_KINDS"]
+__all__ = ["FORWARD_SCALAR_DEFAULTS", "LAYER_KINDS", "MIXLN_SCHEMES", "check_forward_scalars", "MixLNConfigValueError", "MixLNLlamaConfig", "POST_LN_KINDS"]

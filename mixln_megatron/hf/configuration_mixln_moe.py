@@ -135,6 +135,9 @@ class MixLNMoeConfig(MixLNLlamaConfig):
     def validate_mixln(self) -> None:
         """The Mix-LN fields (MixLNLlamaConfig's rules) and the MoE fields; MixLNConfigValueError if invalid."""
         super().validate_mixln()
+        if getattr(self, "glu_linear_offset", 0.0) != 0.0:  # the fused experts compute silu(gate) * up
+            raise MixLNConfigValueError(f"glu_linear_offset = {self.glu_linear_offset!r} is not supported by the "
+                                        "MoE model (its experts have no GLU offset)")
         self.mlp_only_layers = check_moe_fields(
             self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size, self.norm_topk_prob,
             self.shared_expert_intermediate_size, self.shared_expert_gate, self.mlp_only_layers,

@@ -6,6 +6,11 @@ files copied next to config.json, and loads with
 A model whose layers are all "pre" (P = 0, no layer_kinds or all of them "pre") with scheme "mixln" is exactly
 LLaMA and is exported as a stock `LlamaForCausalLM` (model_type "llama", no auto_map, no code files).
 
+Forward scalars (Megatron's muP and GLU offset: attention_scale, embedding_multiplier, logits_multiplier,
+glu_linear_offset, and the informational megatron_mup record) go in the `forward` argument, a dict of the
+non-default ones: any of them makes the model other than LLaMA's (no stock class), and they are written to
+config.json only when set.
+
 Per-layer kinds: a placement is written as `layer_kinds` (+ `deepnorm_alpha` / `deepnorm_beta`) only
 when it is not Mix-LN's own "first P layers post, the rest pre" layout, so those configs stay as they were.
 `placement_export_fields(placement)` turns mixln_megatron's Placement into the keyword arguments of
@@ -66,13 +71,28 @@ def _first_p(layer_kinds) -> bool:
     return all(k == "pre" for k in kinds[p:])
 
 
-def is_stock_llama(post_ln_layers: int, mixln_scheme: str, layer_kinds=None) -> bool:
-    """True when the network is exactly LLaMA (every layer "pre", no scaling): export as LlamaForCausalLM.
+def forward_export_fields(forward: Optional[dict]) -> Dict[str, Any]:
+    """The forward scalars of `forward` that differ from LLaMA's (validated as MixLNLlamaConfig does), for
+    config.json; {} for LLaMA's network."""
+    from .configuration_mixln_llama import OPTIONAL_FIELDS, check_forward_scalars
 
-    Pass `layer_kinds` whenever the placement has them: a layout of "sandwich" layers has P = 0 too.
+    unknown = sorted(set(forward or {}) - set(OPTIONAL_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown forward scalar {unknown[0]!r}; one of {', '.join(OPTIONAL_FIELDS)}")
+    checked = check_forward_scalars(**(forward or {}))
+    return {k: v for k, v in checked.items() if v != OPTIONAL_FIELDS[k]}
+
+
+def is_stock_llama(post_ln_layers: int, mixln_scheme: str, layer_kinds=None, forward: Optional[dict] = None) -> bool:
+    """True when the network is exactly LLaMA (every layer "pre", no scaling, LLaMA's forward scalars): export
+    as LlamaForCausalLM.
+
+    Pass `layer_kinds` whenever the placement has them: a layout of "sandwich" layers has P = 0 too; and
+    `forward` whenever the model has forward scalars (muP, GLU offset).
     """
     return (int(post_ln_layers) == 0 and mixln_scheme == "mixln"
-            and (layer_kinds is None or all(k == "pre" for k in layer_kinds)))
+            and (layer_kinds is None or all(k == "pre" for k in layer_kinds))
+            and not forward_export_fields(forward))
 
 
 def placement_export_fields(placement) -> Dict[str, Any]:
@@ -94,15 +114,16 @@ def placement_export_fields(placement) -> Dict[str, Any]:
 
 
 def export_config_fields(post_ln_layers: int, mixln_scheme: str, mixln_alpha: Optional[str] = None, layer_kinds=None,
-                         deepnorm_alpha: Optional[float] = None, deepnorm_beta: Optional[float] = None
-                         ) -> Dict[str, Any]:
+                         deepnorm_alpha: Optional[float] = None, deepnorm_beta: Optional[float] = None,
+                         forward: Optional[dict] = None) -> Dict[str, Any]:
     """The config.json keys that select the architecture, for writers that build the JSON dict themselves.
 
     Stock:  {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
     Mix-LN: {"model_type": "mixln_llama", "architectures": ["MixLNLlamaForCausalLM"], "auto_map": {...},
              "post_ln_layers": P, "mixln_scheme": scheme, "mixln_alpha": alpha}
     plus, for a layout other than Mix-LN's first P (layer_kinds given and not "post"* "pre"*):
-             "layer_kinds": [...], and "deepnorm_alpha" / "deepnorm_beta" when a layer is deepnorm.
+             "layer_kinds": [...], and "deepnorm_alpha" / "deepnorm_beta" when a layer is deepnorm;
+    plus the forward scalars of `forward` that are not LLaMA's (forward_export_fields).
     All fields are validated as MixLNLlamaConfig does (MixLNConfigValueError, a ValueError).
     """
     from .configuration_mixln_llama import _check_mixln_fields
@@ -111,7 +132,8 @@ def export_config_fields(post_ln_layers: int, mixln_scheme: str, mixln_alpha: Op
     _check_mixln_fields(post_ln_layers, mixln_scheme, num_layers, layer_kinds, deepnorm_alpha, deepnorm_beta)
     if layer_kinds is not None and _first_p(layer_kinds):
         layer_kinds = None  # P alone says it (validated: P counts the post layers); deepnorm fields are None
-    if is_stock_llama(post_ln_layers, mixln_scheme, layer_kinds):
+    scalars = forward_export_fields(forward)
+    if is_stock_llama(post_ln_layers, mixln_scheme, layer_kinds, scalars):
         return {"model_type": "llama", "architectures": list(LLAMA_ARCHITECTURES)}
     fields = {
         "model_type": "mixln_llama",
@@ -126,11 +148,13 @@ def export_config_fields(post_ln_layers: int, mixln_scheme: str, mixln_alpha: Op
         if deepnorm_alpha is not None:
             fields["deepnorm_alpha"] = float(deepnorm_alpha)
             fields["deepnorm_beta"] = None if deepnorm_beta is None else float(deepnorm_beta)
+    fields.update(scalars)
     return fields
 
 
 def config_for_export(post_ln_layers: int, mixln_scheme: str, mixln_alpha: Optional[str] = None, layer_kinds=None,
-                      deepnorm_alpha: Optional[float] = None, deepnorm_beta: Optional[float] = None, **llama_kwargs):
+                      deepnorm_alpha: Optional[float] = None, deepnorm_beta: Optional[float] = None,
+                      forward: Optional[dict] = None, **llama_kwargs):
     """The config to save: a `LlamaConfig` when stock, else a `MixLNLlamaConfig` with auto_map and architectures.
 
     `llama_kwargs` are LlamaConfig arguments (hidden_size, num_hidden_layers, rope_theta / rope_parameters,
@@ -144,7 +168,7 @@ def config_for_export(post_ln_layers: int, mixln_scheme: str, mixln_alpha: Optio
 
     kwargs = {k: v for k, v in llama_kwargs.items() if k not in _CLASS_KEYS}
     fields = export_config_fields(post_ln_layers, mixln_scheme, mixln_alpha, layer_kinds, deepnorm_alpha,
-                                  deepnorm_beta)
+                                  deepnorm_beta, forward)
     cls = LlamaConfig if fields["model_type"] == "llama" else MixLNLlamaConfig
     config = cls(**kwargs, **{k: v for k, v in fields.items() if k not in _CLASS_KEYS})
     for key in ("architectures", "auto_map"):
@@ -162,7 +186,7 @@ def stock_moe_model_type(post_ln_layers: int, mixln_scheme: str, layer_kinds=Non
                          shared_expert_intermediate_size: Optional[int] = None, shared_expert_gate: bool = False,
                          mlp_only_layers=None, norm_topk_prob: bool = True, attention_bias: bool = False,
                          qkv_bias: bool = False, mlp_bias: bool = False, router_dtype: Optional[str] = None,
-                         dtype=None, **_other_fields) -> Optional[str]:
+                         dtype=None, forward: Optional[dict] = None, **_other_fields) -> Optional[str]:
     """"mixtral" or "qwen2_moe" when that stock class is exactly the MoE network, else None ("mixln_moe").
 
     Only an all-"pre" "mixln" model (`is_stock_llama`) qualifies, without LLaMA's attention / MLP biases:
@@ -173,7 +197,7 @@ def stock_moe_model_type(post_ln_layers: int, mixln_scheme: str, layer_kinds=Non
     they are exact only for an export `dtype` of float32 (a bf16 router picks other experts on near ties).
     Every other field of `moe_export_config_fields` may be passed too (ignored), so one dict serves both.
     """
-    if not is_stock_llama(post_ln_layers, mixln_scheme, layer_kinds) or attention_bias or mlp_bias:
+    if not is_stock_llama(post_ln_layers, mixln_scheme, layer_kinds, forward) or attention_bias or mlp_bias:
         return None
     if router_dtype is not None and _dtype_name(dtype) != router_dtype:
         return None
@@ -192,7 +216,8 @@ def moe_export_config_fields(post_ln_layers: int, mixln_scheme: str, mixln_alpha
                              shared_expert_intermediate_size: Optional[int] = None, shared_expert_gate: bool = False,
                              mlp_only_layers=None, attention_bias: bool = False, qkv_bias: bool = False,
                              mlp_bias: bool = False, num_hidden_layers: Optional[int] = None,
-                             router_dtype: Optional[str] = None, dtype=None) -> Dict[str, Any]:
+                             router_dtype: Optional[str] = None, dtype=None,
+                             forward: Optional[dict] = None) -> Dict[str, Any]:
     """The config.json keys of an MoE export: class keys, Mix-LN fields and MoE fields, spelled for the class
     `stock_moe_model_type` picks. attention_bias / mlp_bias are LLaMA's (they only decide the class; they are
     LlamaConfig arguments of `moe_config_for_export`); qkv_bias is a bias on q, k, v only; router_dtype
@@ -215,7 +240,10 @@ def moe_export_config_fields(post_ln_layers: int, mixln_scheme: str, mixln_alpha
     if layer_kinds is not None and not isinstance(layer_kinds, str) and num_hidden_layers is None:
         num_hidden_layers = len(layer_kinds)
     dense_fields = export_config_fields(post_ln_layers, mixln_scheme, mixln_alpha, layer_kinds, deepnorm_alpha,
-                                        deepnorm_beta)
+                                        deepnorm_beta, forward)
+    if dense_fields.get("glu_linear_offset", 0.0) != 0.0:
+        raise ValueError(f"glu_linear_offset = {dense_fields['glu_linear_offset']!r} is not supported by the MoE "
+                         "model (its experts have no GLU offset)")
     mlp_only_layers = check_moe_fields(num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
                                        shared_expert_intermediate_size, shared_expert_gate, mlp_only_layers,
                                        num_hidden_layers, qkv_bias, router_dtype)
@@ -223,7 +251,7 @@ def moe_export_config_fields(post_ln_layers: int, mixln_scheme: str, mixln_alpha
                                  shared_expert_intermediate_size=shared_expert_intermediate_size,
                                  shared_expert_gate=shared_expert_gate, mlp_only_layers=mlp_only_layers,
                                  norm_topk_prob=norm_topk_prob, attention_bias=attention_bias, qkv_bias=qkv_bias,
-                                 mlp_bias=mlp_bias, router_dtype=router_dtype, dtype=dtype)
+                                 mlp_bias=mlp_bias, router_dtype=router_dtype, dtype=dtype, forward=forward)
     if stock == "mixtral":
         return {"model_type": "mixtral", "architectures": list(STOCK_MOE_ARCHITECTURES["mixtral"]),
                 "num_local_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
@@ -261,7 +289,7 @@ def moe_config_for_export(post_ln_layers: int, mixln_scheme: str, mixln_alpha: O
                           moe_intermediate_size: int, norm_topk_prob: bool = True,
                           shared_expert_intermediate_size: Optional[int] = None, shared_expert_gate: bool = False,
                           mlp_only_layers=None, qkv_bias: bool = False, router_dtype: Optional[str] = None,
-                          **llama_kwargs):
+                          forward: Optional[dict] = None, **llama_kwargs):
     """The MoE config to save: a `MixtralConfig`, `Qwen2MoeConfig` or `MixLNMoeConfig` (with auto_map), as
     `moe_export_config_fields` chooses. `llama_kwargs` are LlamaConfig arguments as for `config_for_export`
     (the dense layers' intermediate_size among them); LLaMA-only ones (attention_bias, mlp_bias, pretraining_tp)
@@ -275,7 +303,7 @@ def moe_config_for_export(post_ln_layers: int, mixln_scheme: str, mixln_alpha: O
         shared_expert_gate=shared_expert_gate, mlp_only_layers=mlp_only_layers,
         attention_bias=bool(kwargs.get("attention_bias", False)), qkv_bias=qkv_bias,
         mlp_bias=bool(kwargs.get("mlp_bias", False)), num_hidden_layers=kwargs.get("num_hidden_layers"),
-        router_dtype=router_dtype, dtype=kwargs.get("dtype", kwargs.get("torch_dtype")))
+        router_dtype=router_dtype, dtype=kwargs.get("dtype", kwargs.get("torch_dtype")), forward=forward)
     model_type = fields["model_type"]
     if model_type == "mixln_moe":
         from .configuration_mixln_moe import MixLNMoeConfig as cls
@@ -345,6 +373,7 @@ __all__ = [
     "MOE_CODE_FILES",
     "config_for_export",
     "export_config_fields",
+    "forward_export_fields",
     "is_stock_llama",
     "mark_for_remote_code",
     "moe_config_for_export",

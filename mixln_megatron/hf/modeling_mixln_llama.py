@@ -15,7 +15,12 @@ config.layer_kinds the first P layers are "post", the rest "pre"):
       y = h + post_feedforward_layernorm(MLP(s * pre_feedforward_layernorm(h)))
 
 s = 1/sqrt(index + 1) on "pre" and "sandwich" layers under the "lns" and "mixln+lns" schemes, else 1. The
-final model norm is always applied. Attention, MLP, norms, rotary embeddings, the model loop, caching and generation
+final model norm is always applied.
+
+The forward scalars of the config (Megatron's muP and GLU offset; LLaMA's values by default): attention's softmax
+scale `attention_scale`, the embeddings times `embedding_multiplier` (MixLNScaledEmbedding), the logits times
+`logits_multiplier` (MixLNScaledLMHead), the MLP as down(silu(gate(x)) * (up(x) + glu_linear_offset))
+(MixLNLlamaOffsetMLP). Parameter names stay LLaMA's. Attention, MLP, norms, rotary embeddings, the model loop, caching and generation
 are transformers' LLaMA components, reused by subclassing.
 
 This file is copied verbatim next to config.json in exported checkpoints (remote code): it imports only
@@ -32,6 +37,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
+    LlamaMLP,
     LlamaModel,
     LlamaPreTrainedModel,
     LlamaRMSNorm,
@@ -41,8 +47,64 @@ from transformers.models.llama.modeling_llama import (
 from .configuration_mixln_llama import MixLNLlamaConfig
 
 
+class MixLNLlamaOffsetMLP(LlamaMLP):
+    """LLaMA's MLP with Megatron's GLU offset: down(act(gate(x)) * (up(x) + offset)); same parameters."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.glu_linear_offset = float(config.glu_linear_offset)
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * (self.up_proj(x) + self.glu_linear_offset))
+
+
+class MixLNScaledEmbedding(nn.Embedding):
+    """nn.Embedding whose output is multiplied by `multiplier` (muP's embedding multiplier), so that
+    `get_input_embeddings()(ids)` is the model's own input; the parameter stays `weight`."""
+
+    def __init__(self, num_embeddings, embedding_dim, padding_idx=None, multiplier: float = 1.0):
+        super().__init__(num_embeddings, embedding_dim, padding_idx)
+        self.multiplier = float(multiplier)
+
+    def forward(self, input_ids):
+        return super().forward(input_ids) * self.multiplier
+
+
+class MixLNScaledLMHead(nn.Linear):
+    """The output projection (no bias) with its logits multiplied by `multiplier` (muP's output multiplier)."""
+
+    def __init__(self, in_features, out_features, multiplier: float = 1.0):
+        super().__init__(in_features, out_features, bias=False)
+        self.multiplier = float(multiplier)
+
+    def forward(self, hidden_states):
+        return super().forward(hidden_states) * self.multiplier
+
+
+def _embedding(config) -> nn.Embedding:
+    multiplier = getattr(config, "embedding_multiplier", 1.0)
+    if multiplier == 1.0:
+        return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+    return MixLNScaledEmbedding(config.vocab_size, config.hidden_size, config.pad_token_id, multiplier)
+
+
+def _lm_head(config) -> nn.Linear:
+    multiplier = getattr(config, "logits_multiplier", 1.0)
+    if multiplier == 1.0:
+        return nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    return MixLNScaledLMHead(config.hidden_size, config.vocab_size, multiplier)
+
+
 class _MixLNDecoderLayer(LlamaDecoderLayer):
     """LLaMA's attention and MLP; the subclasses say where the norms sit around them."""
+
+    def __init__(self, config: MixLNLlamaConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        scale = getattr(config, "attention_scale", None)
+        if scale is not None:  # read by every attention implementation LlamaAttention calls
+            self.self_attn.scaling = float(scale)
+        if getattr(config, "glu_linear_offset", 0.0) != 0.0:
+            self.mlp = MixLNLlamaOffsetMLP(config)
 
     def forward(
         self,
@@ -212,7 +274,7 @@ class MixLNLlamaModel(MixLNLlamaPreTrainedModel, LlamaModel):
         super(LlamaModel, self).__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.embed_tokens = _embedding(config)
         self.layers = nn.ModuleList([self.decoder_layer_classes[config.layer_kind(i)](config, i)
                                      for i in range(config.num_hidden_layers)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -231,7 +293,7 @@ class MixLNLlamaForCausalLM(MixLNLlamaPreTrainedModel, LlamaForCausalLM):
         super(LlamaForCausalLM, self).__init__(config)
         self.model = self.base_model_class(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = _lm_head(config)
         self.post_init()
 
 
@@ -240,9 +302,12 @@ __all__ = [
     "MixLNLlamaDeepNormDecoderLayer",
     "MixLNLlamaForCausalLM",
     "MixLNLlamaModel",
+    "MixLNLlamaOffsetMLP",
     "MixLNLlamaPostLNDecoderLayer",
     "MixLNLlamaPreLNDecoderLayer",
     "MixLNLlamaPreTrainedModel",
     "MixLNLlamaSandwichDecoderLayer",
+    "MixLNScaledEmbedding",
+    "MixLNScaledLMHead",
     "mixln_decoder_layer",
 ]

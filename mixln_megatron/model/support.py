@@ -108,7 +108,6 @@ TABLE: tuple = (
     _row("mrope_section", "multimodal RoPE (--mrope-section)", _LLAMA, {CONVERT}, off=(None,)),
     _row("squared_relu", "a squared-ReLU MLP (--squared-relu)", "Llama uses SwiGLU", {CONVERT}),
     _row("quick_geglu", "a quick-GeGLU MLP", "Llama uses SwiGLU", {CONVERT}),
-    _row("mup_base_hidden_size", "muP scaling (--mup-base-hidden-size)", _LLAMA, {CONVERT}, off=(None,)),
     _row("activation_func_clamp_value", "a clamped activation", _LLAMA, {CONVERT}, off=(None,)),
     _row("apply_residual_connection_post_layernorm",
          "apply_residual_connection_post_layernorm (BERT-style residual)", _LLAMA, {CONVERT}),
