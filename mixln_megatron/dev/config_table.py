@@ -25,7 +25,8 @@ def _defaults() -> dict:
     spike = SpikeSettings().resolved()
     return {
         "alpha": f"{placement.DEFAULT_ALPHA} for models of at most {placement.DEFAULT_ALPHA_MAX_LAYERS} "
-                 "layers; deeper models must set one of alpha / post_ln_layers / layout",
+                 "layers; deeper models must set one of alpha / post_ln_layers / layout (scheme lns: none, "
+                 "P = 0)",
         "post_ln_layers": "from alpha",
         "layout": "Mix-LN's: layers 1..P post, the rest pre",
         "deepnorm_alpha": "(2L)^(1/4)",
@@ -37,7 +38,7 @@ def _defaults() -> dict:
         "spike.warmup_steps": str(spike.warmup_steps),
         "spike.targets": str(spike.targets),
         "telemetry.interval": "0 (off)",
-        "telemetry.path": "<save>/mixln_telemetry.jsonl",
+        "telemetry.path": "<save>/mixln_telemetry.jsonl; without --save, runs/mixln_telemetry.jsonl",
     }
 
 

@@ -67,9 +67,10 @@ FIELDS = (
     ("telemetry.interval", "--mixln-telemetry-interval", "MIXLN_TELEMETRY_INTERVAL", int,
      "Log per-layer gradient norms every N steps (0 = off, the default; see "
      "mixln_megatron.training.telemetry). Written to TensorBoard/W&B when configured and to "
-     "<save>/mixln_telemetry.jsonl."),
+     "a JSONL file (--mixln-telemetry-path)."),
     ("telemetry.path", "--mixln-telemetry-path", "MIXLN_TELEMETRY_PATH", str,
-     "Write the telemetry JSONL here instead of <save>/mixln_telemetry.jsonl."),
+     "Write the telemetry JSONL here instead of <save>/mixln_telemetry.jsonl (runs/mixln_telemetry.jsonl "
+     "without --save)."),
 )
 CPU, ANALYSIS_CACHE = "MIXLN_CPU", "MIXLN_ANALYSIS_CACHE"  # the harness; the analysis text cache
 
