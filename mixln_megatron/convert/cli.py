@@ -51,10 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     to = _direction(
         sub, "to-hf", "Megatron-LM checkpoint -> Hugging Face folder",
-        "Export a Megatron-LM checkpoint (any TP/PP/VPP, torch_dist or legacy torch format) as a "
-        "Hugging Face folder: config.json (auto_map + model code when Post-LN layers or LNS are used; a stock "
-        "LlamaForCausalLM otherwise), safetensors shards + index, generation_config.json. The model shape and "
-        "the Mix-LN settings are read from the checkpoint.",
+        "Export a Megatron-LM checkpoint (GPTModel, dense or MoE, or a dense HybridModel; any TP/PP/VPP/EP, "
+        "torch_dist or legacy torch format) as a Hugging Face folder: config.json, safetensors shards + index, "
+        "generation_config.json. The class is a stock one (LlamaForCausalLM, MixtralForCausalLM, "
+        "Qwen2MoeForCausalLM) only where it is the same network, else the Mix-LN class with its code files and "
+        "auto_map (load with trust_remote_code=True). The model shape and the Mix-LN settings are read from the "
+        "checkpoint.",
         load="Megatron-LM --save directory (or one iter_*/release dir in it)",
         save="output Hugging Face folder (must not exist or be empty)",
         dtype="dtype of the exported weights (auto: the checkpoint's)",
@@ -71,9 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     fr = _direction(
         sub, "from-hf", "Hugging Face folder -> Megatron-LM checkpoint",
         "Write a Megatron-LM checkpoint (iteration 'release': loaded as iteration 0, no optimizer "
-        "state) from a Mix-LN or stock Llama Hugging Face folder. torch_dist (default) is layout-free: it loads "
+        "state) from a Hugging Face folder: a Mix-LN export (dense or MoE), a stock Llama, Mixtral or Qwen2-MoE. "
+        "torch_dist (default) is layout-free: it loads "
         "at any TP/PP/VPP whose padded vocabulary matches; --tp sets that padding (make-vocab-size-divisible-by "
-        "x TP) and is recorded in the args. The legacy torch format is written for exactly --tp x --pp ranks.",
+        "x TP) and is recorded in the args. The legacy torch format (dense models) is written for exactly --tp x --pp "
+        "ranks.",
         load="Hugging Face folder (config.json + safetensors or .bin)",
         save="output Megatron-LM checkpoint directory (for --load)",
         dtype="dtype of the written weights (auto: the folder's)",
