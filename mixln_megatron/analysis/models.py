@@ -477,6 +477,10 @@ def _config_from_shape(a, embedding_rows: Optional[int] = None, args=None):
     if a.qk_layernorm:
         overrides["qk_layernorm"] = True
     overrides.update(moe_config_fields(args))  # {} for a dense model
+    # muP's flags and the GLU offset as saved: megatron's own __post_init__ derives what the model uses
+    overrides.update(a.mup or {})
+    if a.forward.glu_linear_offset:
+        overrides["glu_linear_offset"] = a.forward.glu_linear_offset
     return shape, megatron_config(
         shape, normalization=a.normalization, layernorm_epsilon=a.norm_epsilon,
         gated_linear_unit=a.swiglu, activation_func=F.silu if a.swiglu else F.gelu,

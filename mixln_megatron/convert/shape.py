@@ -26,6 +26,7 @@ from typing import Dict, Optional, Tuple
 from ..model import hybrid_pattern, support
 from ..errors import ConversionError, UnsupportedModelError
 from .forward_scalars import ForwardScalars, forward_scalars, mup_record
+from . import hf_config_fields
 from .moe_shape import MoEShape, moe_role_shapes, moe_shape_of_args
 
 # Upper bounds of what a checkpoint or config.json may say. Real models for comparison: Llama 3.1
@@ -477,10 +478,10 @@ def hf_config_shape(config: dict, source: str = "config.json", megatron: bool = 
     eps = config.get("rms_norm_eps")
     eps = 1e-6 if eps is None else _float_value(where, "rms_norm_eps", eps, hi=1.0)
     attention_bias = _cfg_bool(config, where, "attention_bias")
-    mlp_bias = _cfg_bool(config, where, "mlp_bias")
+    _cfg_bool(config, where, "mlp_bias")  # type-checked here; its rule is hf_config_fields'
     tie = _cfg_bool(config, where, "tie_word_embeddings")
-    act = config.get("hidden_act")
-    act = "silu" if act is None else _str_value(where, "hidden_act", act)
+    if config.get("hidden_act") is not None:
+        _str_value(where, "hidden_act", config["hidden_act"])
     theta, scaling = _hf_rope(config, where)
     rope_type = "default"
     if scaling is not None:
@@ -500,18 +501,7 @@ def hf_config_shape(config: dict, source: str = "config.json", megatron: bool = 
         rope_scaling = want
     elif rope_type != "default":
         problems.append(f"rope type {rope_type!r}: Megatron supports default, linear and llama3 RoPE")
-    if config.get("quantization_config"):
-        problems.append("a quantized checkpoint (quantization_config): convert the full-precision weights")
-    if act != "silu":
-        problems.append(f"hidden_act {act!r}: Megatron's --swiglu is SiLU-gated")
-    if attention_bias != mlp_bias:
-        problems.append(
-            f"attention_bias={attention_bias} with mlp_bias={mlp_bias}: Megatron's add_bias_linear puts "
-            "biases on all linears or none"
-        )
-    sliding = config.get("use_sliding_window") if model_type == "qwen2_moe" else config.get("sliding_window")
-    if sliding:  # Qwen2-MoE keeps a window size it does not use unless use_sliding_window
-        problems.append("sliding-window attention")
+    problems += hf_config_fields.problems(config, model_type)  # the one-field rules (activation, biases, window, ...)
     forward, mup = ForwardScalars(), None
     if model_type in ("mixln_llama", "mixln_moe"):  # the Mix-LN classes' forward scalars (muP, GLU offset)
         forward, mup = _hf_forward_scalars(config, where, hidden, head_dim)
