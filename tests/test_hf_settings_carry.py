@@ -173,3 +173,20 @@ def test_megatron_hf_parity_of_forward_scalars(tmp_path, extra, want):
     assert cfg["model_type"] == "mixln_llama" and cfg["head_dim"] == D_HEAD
     assert {k: cfg.get(k) for k in want} == want and cfg["megatron_mup"]["use_mup"] is True
     assert _roundtrip_scalars(tmp_path) == ForwardScalars(**want)  # from-hf's args give them back
+
+
+def test_paths_that_cannot_carry_the_scalars_refuse_them_in_one_line():
+    """The Megatron-Bridge bridges refuse muP / a softmax scale / a GLU offset of a built
+    TransformerConfig (their provider) with convert.forward_scalars.config_problem."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mixln_megatron.convert.forward_scalars import config_problem
+
+    def config(**flags):
+        return TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, **flags)
+
+    assert config_problem(config()) is None
+    assert config_problem(config(use_mup=True)).startswith("muP (use_mup=True")
+    assert "softmax_scale=0.25" in config_problem(config(softmax_scale=0.25))
+    line = config_problem(config(use_mup=True, glu_linear_offset=1.0))
+    assert "glu_linear_offset=1.0" in line and "\n" not in line and "convert to-hf" in line

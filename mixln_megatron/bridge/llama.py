@@ -28,7 +28,9 @@ from megatron.bridge.models.conversion.param_mapping import AutoMapping
 from megatron.bridge.models.llama.llama_bridge import LlamaBridge
 from megatron.core.models.gpt.gpt_model import GPTModel
 
+from ..convert.forward_scalars import config_problem
 from ..errors import MixLNError
+from ..hf.configuration_mixln_llama import FORWARD_SCALAR_DEFAULTS as FORWARD_FIELDS  # refused by this path
 from ..hf.export_code import MIXLN_ARCHITECTURES, export_config_fields
 from ..model.layout import KINDS, POST, POST_LN_KINDS, SANDWICH
 from ..model.hf_norm_names import NORM_A, NORM_B, NORM_C, NORM_D, hf_norm_module
@@ -161,7 +163,20 @@ class MixLNLlamaBridge(LlamaBridge):
                 "add_qkv_bias (--add-qkv-bias): a bias on q, k and v only, which the Mix-LN Llama model cannot "
                 "hold (LLaMA's attention_bias puts one on o_proj too); use a model without --add-qkv-bias")
 
+    @classmethod
+    def check_forward_scalars(cls, config) -> None:
+        """Refuse, in one line, muP / a softmax scale / a GLU offset (convert.forward_scalars): the
+        Bridge's config mapping would drop them, and the HF model would be another one."""
+        problem = config_problem(config)
+        if problem:
+            raise cls.BRIDGE_ERROR(problem)
+
     def provider_bridge(self, hf_pretrained) -> MixLNModelProvider:
+        forward = {k: getattr(hf_pretrained.config, k, None) for k in FORWARD_FIELDS}
+        if any(forward[k] not in (None, default) for k, default in FORWARD_FIELDS.items()):
+            shown = ", ".join(f"{k}={v!r}" for k, v in forward.items() if v not in (None, FORWARD_FIELDS[k]))
+            raise self.BRIDGE_ERROR(f"{shown}: the Megatron-Bridge path does not carry them; import with "
+                                    "`mixln-megatron convert from-hf`, which does")
         provider = super().provider_bridge(hf_pretrained)  # Llama's, built as a MixLNModelProvider
         for name, value in _layout_of(hf_pretrained.config).items():
             setattr(provider, name, value)
@@ -173,6 +188,7 @@ class MixLNLlamaBridge(LlamaBridge):
         from .provider import mixln_settings
 
         cls.check_provider_biases(provider)
+        cls.check_forward_scalars(provider)
         hf_config = super().megatron_to_hf_config(provider)
         # Bridge writes add_qkv_bias / add_bias_linear as LLaMA's attention_bias / mlp_bias; neither
         # is carried (a q/k/v-only bias is the MoE config's qkv_bias)
@@ -205,6 +221,7 @@ class MixLNLlamaBridge(LlamaBridge):
 
         models = unwrap_model(megatron_model if isinstance(megatron_model, list) else [megatron_model])
         self.check_provider_biases(get_model_config(models[0]))
+        self.check_forward_scalars(get_model_config(models[0]))
         return super().stream_weights_megatron_to_hf(megatron_model, *args, **kwargs)
 
     # Bridge's task builders, corrected (conversion_tasks): tied embeddings keep the sandwich output

@@ -90,6 +90,22 @@ def mup_flags_for(scalars: ForwardScalars, hidden_size: int, kv_channels: int, r
                 mup_base_head_dim=scale * scale, mup_attn_scale_power=0.0)
 
 
+def config_problem(config) -> Optional[str]:
+    """One line naming the forward scalars a built TransformerConfig (a Bridge provider, after its
+    __post_init__) has, for code that cannot carry them; None when it has none."""
+    found = []
+    if getattr(config, "use_mup", False):
+        found.append("muP (use_mup=True: softmax scale, embedding and output multipliers)")
+    elif getattr(config, "softmax_scale", None) is not None:
+        found.append(f"softmax_scale={config.softmax_scale!r}")
+    if getattr(config, "glu_linear_offset", 0.0):
+        found.append(f"glu_linear_offset={config.glu_linear_offset!r}")
+    if not found:
+        return None
+    return (f"{' and '.join(found)}: the Megatron-Bridge path does not carry them; export with "
+            "`mixln-megatron convert to-hf`, which does")
+
+
 def args_getter(args) -> Callable[[str, object], object]:
     """`get(name, default)` over saved args: a None or missing value reads as the default."""
     def get(name, default):
@@ -98,5 +114,5 @@ def args_getter(args) -> Callable[[str, object], object]:
     return get
 
 
-__all__ = ["ForwardScalars", "MUP_ARGS", "MUP_DEFAULTS", "args_getter", "forward_scalars", "mup_flags_for",
-           "mup_record"]
+__all__ = ["ForwardScalars", "MUP_ARGS", "MUP_DEFAULTS", "args_getter", "config_problem", "forward_scalars",
+           "mup_flags_for", "mup_record"]
