@@ -15,6 +15,9 @@ Modules (one way each: reader -> role mapping -> writer)
   mapping           tensor names on both sides (torch_dist keys, legacy module names, HF names);
                     the roles of a layer and the HF tensors each becomes (map_roles: once per export)
   shape             the model shape from Megatron args / HF config; what Llama cannot express
+  forward_scalars   muP's softmax scale and multipliers and the GLU offset as megatron uses them
+                    (its __post_init__ of the saved flags), and the flags that give them back
+  hf_config_fields  every config.json field from-hf meets: carried, refused or of no effect, and why
   layouts           QKV (per query group), fc1 ([gate; up]) and TP-shard layouts; import row chunks
   inspect           what a checkpoint says about its model (args, shape, epsilon, Mix-LN record)
   facts             an export's CheckpointFacts, read once: reader, vocabulary, inspect, reader checks
