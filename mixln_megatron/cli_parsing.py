@@ -7,7 +7,8 @@
   refused              print a refusal (a MixLNError, or a file the command cannot read) as one
                        line; returns the exit status, errors.EXIT_STATUS
   one_line_usage_errors  the same one-line usage errors for a parser this project does not own
-                       (Megatron-LM's, whose usage message is hundreds of flags long)
+                       (Megatron-LM's, whose usage message is hundreds of flags long), once
+                       per job: every rank parses the same command line
 
 Flag names follow Megatron-LM where it has one (--load, --tokenizer-model, --mixln-*), so a
 setting is spelled the same in every command.
@@ -23,7 +24,7 @@ import functools
 import sys
 from typing import Iterator
 
-from .errors import EXIT_STATUS, one_line, reported
+from .errors import EXIT_STATUS, one_line, print_once, reported
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -33,18 +34,26 @@ class CommandParser(argparse.ArgumentParser):
         _usage_error(self, message)
 
 
-def _usage_error(parser: argparse.ArgumentParser, message: str):
+def _usage_error(parser: argparse.ArgumentParser, message: str, once_per_job: bool = False):
     text = " ".join(str(message).split())
-    print(f"{parser.prog}: error: {text} (see {parser.prog} --help)", file=sys.stderr, flush=True)
+    line = f"{parser.prog}: error: {text} (see {parser.prog} --help)"
+    if once_per_job:
+        print_once(line, alike_on_every_rank=True)
+    else:
+        print(line, file=sys.stderr, flush=True)
     sys.exit(EXIT_STATUS)
+
+
+def _usage_error_once_per_job(parser: argparse.ArgumentParser, message: str):
+    _usage_error(parser, message, once_per_job=True)
 
 
 @contextlib.contextmanager
 def one_line_usage_errors() -> Iterator[None]:
-    """While inside, every argparse parser's usage error is one line and exit 2 (for parsers built
-    by code this project does not own)."""
+    """While inside, every argparse parser's usage error is one line and exit 2, printed once
+    per job (for parsers built by code this project does not own, which every rank runs alike)."""
     saved = argparse.ArgumentParser.error
-    argparse.ArgumentParser.error = _usage_error
+    argparse.ArgumentParser.error = _usage_error_once_per_job
     try:
         yield
     finally:

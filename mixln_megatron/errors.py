@@ -19,6 +19,13 @@ nodes' copies); a process without a launcher (WORLD_SIZE unset or 1, or one rank
 prints without claiming. Any trouble with the claim file prints the line anyway: a duplicate
 line, never a lost one.
 
+Once per job (`alike_on_every_rank=True`): a refusal that depends only on the command line is met
+by every rank of the job alike, so global rank 0 prints it and every other rank leaves quietly
+with the same status. Rank 0's local peers still wait for its line (or for rank 0 to be gone,
+when they print it themselves) before they leave, for the launcher's sake; ranks on other nodes
+leave at once. A refusal that reads files (a checkpoint) stays once per node: a node may see
+other files than rank 0's.
+
 Dedup inside a process is per error, not a latch: `report` marks the exception it printed, and an
 error whose chain (__cause__ / __context__, e.g. megatron's build_module re-raising it with its own
 suffix) holds a printed one is not printed again. Another error still gets its line.
@@ -85,21 +92,31 @@ def reported(error: BaseException) -> Optional[BaseException]:
     return next((e for e in _chain(error) if getattr(e, _MARK, False)), None)
 
 
-def report(error: BaseException, file=None) -> bool:
+def report(error: BaseException, file=None, *, alike_on_every_rank: bool = False) -> bool:
     """Print `[mixln_megatron] ERROR: <message>` unless this error (or one in its chain) was
-    reported already; with several local ranks, once per node (module docstring). Returns
-    whether this process printed it."""
+    reported already; with several local ranks, once per node, or once per job with
+    alike_on_every_rank (module docstring). Returns whether this process printed it."""
     if reported(error) is not None:
         return False
     try:
         setattr(error, _MARK, True)
     except AttributeError:  # an exception type with __slots__: nothing to mark, still print
         pass
-    line = f"{PREFIX} {one_line(error)}"
-    if not _claim_for_this_node(line):
+    return print_once(f"{PREFIX} {one_line(error)}", file, alike_on_every_rank=alike_on_every_rank)
+
+
+def print_once(line: str, file=None, *, alike_on_every_rank: bool = False) -> bool:
+    """Print a refusal's line once per node, or once per job (on global rank 0) for a line every
+    rank of the job prints alike; returns whether this process printed it."""
+    role = _job_role() if alike_on_every_rank else None
+    if role == "quiet" or (role == "wait" and not _rank_0_is_gone_without(line)):
+        return False
+    if role is None and not _claim_for_this_node(line):
         return False
     print(line, file=file or sys.stderr, flush=True)
     _mark_printed(line)
+    if role is None:
+        _mark_printed("")  # "rank 0 printed a refusal": its peers stop waiting even for another line
     return True
 
 
@@ -210,6 +227,45 @@ def _wait_for_claimer(claim: str, printed: str) -> bool:
             text = ""
         if text.isdigit() and not _alive(int(text)) and not os.path.exists(printed):
             return True  # the claimer died before printing: print it here
+        time.sleep(_POLL_S)
+    return True
+
+
+# ------------------------------------------------------------------ once per job
+def _job_role() -> Optional[str]:
+    """For a line every rank prints alike: None (print it as once per node: rank 0, a process
+    alone, or a layout this cannot tell), "wait" (a peer of rank 0 on its node) or "quiet"
+    (a rank on another node). Launchers number a node's ranks from RANK - LOCAL_RANK on."""
+    try:
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    except (KeyError, ValueError):
+        return None
+    if rank == 0:
+        return None
+    return "wait" if rank - local_rank == 0 else "quiet"
+
+
+def _rank_0_is_gone_without(line: str) -> bool:
+    """A peer of rank 0 waits for rank 0 to print `line` (False), or for a sign that it never
+    will: rank 0 gone without it, or rank 0 printed another refusal (True: print it here)."""
+    try:
+        _, claim, printed = _paths(line)
+        any_printed = _paths("")[2]
+    except OSError:
+        return True
+    deadline = time.monotonic() + CLAIM_WAIT_BOUND_S
+    while time.monotonic() < deadline:
+        if os.path.exists(printed):
+            return False
+        if os.path.exists(any_printed):
+            return True
+        try:
+            with open(claim) as f:
+                text = f.read().strip()
+        except OSError:
+            text = ""  # rank 0 has not got there yet
+        if text.isdigit() and not _alive(int(text)) and not os.path.exists(printed):
+            return True
         time.sleep(_POLL_S)
     return True
 

@@ -110,8 +110,8 @@ def test_pretrain_bad_flag_is_one_line_and_exit_2():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
-    errors_ = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert errors_ == ["mixln-megatron pretrain: error: alpha from --mixln-alpha must lie in [0, 1] "
+    errors_ = [line for line in proc.stderr.splitlines() if "error:" in line.lower()]
+    assert errors_ == ["[mixln_megatron] ERROR: alpha from --mixln-alpha must lie in [0, 1] "
                        "(0 = all Pre-LN, 1 = all Post-LN), got '2'"], proc.stderr[-2000:]
 
 

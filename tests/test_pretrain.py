@@ -200,7 +200,7 @@ def test_entry_point_rejects_megatron_fsdp_and_local_cp_before_starting():
     for proc, what in ((fsdp, "Megatron-FSDP (--use-megatron-fsdp) is not supported"),
                        (cp, "context parallelism (--context-parallel-size > 1) is not supported")):
         out = finish(proc, timeout=200, expect_rc=2)
-        assert f"mixln-megatron pretrain: error: {what}" in out
+        assert f"[mixln_megatron] ERROR: {what}" in out
         assert "initializing torch distributed" not in out
 
 

@@ -121,7 +121,7 @@ KINDS = ["torch_dist-.metadata", "torch_dist-common.pt", "torch_dist-mixln_setti
 def test_pretrain_refuses_payload_before_megatron_reads(bases, tmp_path, kind):
     ckpt, marker, target = plant(bases, tmp_path, kind)
     proc = pretrain(ckpt, save=tmp_path / "trained")
-    assert_refused(proc, marker, target, "mixln-megatron pretrain: error: ")
+    assert_refused(proc, marker, target, "[mixln_megatron] ERROR: ")
     assert not (tmp_path / "trained").exists()
 
 

@@ -42,8 +42,9 @@ import time
 from functools import partial
 from typing import Optional, Sequence
 
-from ..cli_parsing import one_line_usage_errors, refused
-from ..errors import MixLNError, report
+from ..cli_parsing import one_line_usage_errors
+from ..errors import EXIT_STATUS, MixLNError, report
+from ..known_warnings import quiet_known_warnings
 from ..megatron_args import add_mixln_args, backend_from_args, run_settings  # noqa: F401  (run_settings: part of this entry point's API)
 from ..model import hybrid_pattern, settings as mixln_settings, support
 from ..model.placement import resolve_placement
@@ -147,12 +148,20 @@ def check_hybrid_args(args) -> None:
 
 
 
-def _report_on_rank_0(error: BaseException) -> None:
-    """The stock path's one line (errors.PREFIX) for a refusal every rank meets alike, before any
-    process group exists: errors.report prints it once per node, by whichever local rank gets
-    there first, before any rank can leave (so a launcher that stops the job at the first exit
-    cannot cut it off). The caller returns 2."""
-    report(error)
+def check_command_line(args) -> MixLNSettings:
+    """Every refusal that depends on the command line alone (`args` as parsed, before Megatron-LM
+    validates them and prints its argument table): the support table, the hybrid pattern, the
+    --mixln-* values, their placement on the model's depth when the depth is on the command line
+    (not with --use-checkpoint-args), and the hooks against full-iteration CUDA graphs. Every rank
+    meets these alike, so the job prints them once. Returns the flags' settings."""
+    check_supported_args(args)
+    check_hybrid_args(args)
+    settings = MixLNSettings.from_args(args)
+    blocks = hybrid_pattern.blocks_of_args(args)
+    if blocks is not None and not getattr(args, "use_checkpoint_args", False):  # no depth: Megatron-LM says so
+        resolve_placement(blocks, settings)
+    check_hooks_against_cuda_graphs(args, settings)
+    return settings
 
 
 def _single_process_defaults(environ=None) -> None:
@@ -246,9 +255,10 @@ def help_parser():
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run pretraining with Megatron-LM's command-line flags (argv without the program name).
 
-    Returns 0 on success and 2 for a configuration Mix-LN does not support (the message goes to
-    stderr on every rank, before any process group exists; a HybridModel pattern or release
-    Mix-LN does not support: one `[mixln_megatron] ERROR:` line on rank 0).
+    Returns 0 on success and 2 for a refusal: one `[mixln_megatron] ERROR:` line (errors.report),
+    on every rank before any process group exists. A refusal of the command line alone
+    (check_command_line, a usage error) comes before Megatron-LM's argument table and is printed
+    once per job, by global rank 0; one that reads the checkpoint, once per node.
     With --load (or --pretrained-checkpoint) every pickle the load will read is vetted first
     (convert.vet.vet_load_args, on every release): a checkpoint carrying code is refused, exit 2,
     before Megatron-LM unpickles anything.
@@ -258,6 +268,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "-h" in argv or "--help" in argv:
         print_help()
         return 0
+    quiet_known_warnings()  # every rank imports megatron-core below: its CPU-machine warnings stay off
     if cpu_requested(argv):
         from ..dev import cpu
 
@@ -282,11 +293,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # The unsupported configurations get a clear message before Megatron validates anything.
         with one_line_usage_errors():  # Megatron-LM's parser: a bad flag is one line, not its whole usage
             given = parse_args(add_pretrain_args)
+        try:
+            check_command_line(given)
+        except MixLNError as error:
+            report(error, alike_on_every_rank=True)
+            return EXIT_STATUS
         # Every pickle Megatron-LM's load will touch (--use-checkpoint-args reads the args next),
         # read through the allow-list first: a payload is refused here, before Megatron sees it.
         vet_load_args(given)
-        check_supported_args(given)
-        check_hybrid_args(given)
         with one_line_usage_errors():
             args = compat.parse_and_validate_args(add_pretrain_args)
         check_supported_args(args, spec_from_checkpoint=True)
@@ -298,11 +312,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         settings = run_settings(args, checkpoint_args)
         resolve_placement(hybrid_pattern.blocks_of_args(args), settings)  # a bad setting stops here, in one line
         check_hooks_against_cuda_graphs(args, settings)
-    except MixLNHybridUnsupported as error:
-        _report_on_rank_0(error)
-        return 2
-    except MixLNError as error:
-        return refused("mixln-megatron pretrain", error)
+    except MixLNError as error:  # the checkpoint's: a node may read other files than rank 0's
+        report(error)
+        return EXIT_STATUS
     finally:
         sys.argv = saved_argv
         cache.__exit__(None, None, None)

@@ -1,0 +1,46 @@
+"""The warnings a CPU machine's heavy imports print, which the commands keep off the user's screen.
+
+Importing megatron-core on a machine without TransformerEngine, Apex or absl prints about a dozen
+warnings (each once per process, twice its line count: the message and the source line), and
+torch logs that no CUDA runtime is found; megatron-core's TransformerConfig warns about its own
+default CUDA-graph scope. None of them is about the user's input or can be acted on, and under a
+launcher every rank prints them again, burying a one-line refusal.
+
+`quiet_known_warnings()` (called first by the commands' main functions, never at import) ignores
+exactly these, each by category, message and the module that issues it, so every other warning
+(the user's data, a deprecated flag, megatron's own advice) still shows. A user who sets warning
+options (-W, PYTHONWARNINGS) keeps them as given. Pure Python: importing this imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+
+# (message regex at the start of the text, module regex of the code that warns); UserWarning.
+KNOWN = (
+    (r"(Transformer Engine and )?Apex (is|are) not installed", r"megatron\."),
+    (r"absl\.logging is not installed", r"megatron\.core\.hyper_comm_grid"),
+    (r"Only transformer-engine>=[\d.]+ supports MoE experts", r"megatron\.core\.extensions\."),
+    (r"full scope is deprecated", r"megatron\.core\.transformer\.transformer_config"),
+)
+# torch.utils.cpp_extension logs this when CUDA_HOME exists but no GPU does (a CUDA build of torch on a CPU).
+TORCH_LOGGER, TORCH_MESSAGE = "torch.utils.cpp_extension", "No CUDA runtime is found"
+
+
+class _DropNoCudaRuntime(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(TORCH_MESSAGE)
+
+
+def quiet_known_warnings() -> None:
+    """Ignore the known import-time warnings of torch / megatron-core / TE and Apex absence / absl
+    for the rest of this process (a command's). Idempotent."""
+    logger = logging.getLogger(TORCH_LOGGER)  # the same object torch's module logs through, made now
+    if not any(isinstance(f, _DropNoCudaRuntime) for f in logger.filters):
+        logger.addFilter(_DropNoCudaRuntime())
+    if sys.warnoptions:
+        return  # the user chose what to see
+    for message, module in KNOWN:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning, module=module)
