@@ -24,6 +24,7 @@ import sys
 
 from .cli_parsing import CommandParser, add_flag, refused
 from .errors import EXIT_STATUS, MixLNError
+from .known_warnings import quiet_known_warnings
 
 COMMANDS = {
     "pretrain": ("mixln_megatron.training.pretrain", "Pretrain with Megatron-LM's training loop (Mix-LN spec, --mixln-* flags)."),
@@ -101,6 +102,7 @@ def main(argv=None) -> int:
         print(f"mixln-megatron {version()}")
         return 0
     command, rest = argv[0], argv[1:]
+    quiet_known_warnings()  # before any sub-command imports torch or megatron-core
     if command not in COMMANDS:
         print(f"mixln-megatron: error: unknown command {command!r} (one of {', '.join(COMMANDS)}; see "
               "mixln-megatron --help)", file=sys.stderr)

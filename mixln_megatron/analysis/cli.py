@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 
 from ..cli_parsing import CommandParser, add_flag, refused
 from ..errors import MixLNError
+from ..known_warnings import quiet_known_warnings
 from .grad_norms import DEFAULT_VARIANTS, VARIANTS
 
 
@@ -286,10 +287,7 @@ def _megatron_on_this_machine():
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-    warnings.filterwarnings("ignore", message=".*absl.logging is not installed.*")
+    quiet_known_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = prog or "mixln-megatron analyze"
     where = f"{prog} {argv[0]}" if argv and not argv[0].startswith("-") else prog  # the refusal line's command

@@ -37,6 +37,7 @@ from typing import Optional, Sequence
 
 from ..cli_parsing import CommandParser, add_flag, refused
 from ..errors import MixLNError
+from ..known_warnings import quiet_known_warnings
 from ..safe_output import Interrupted, signals_as_interrupt
 from .announce import announce_checkpoint_read
 
@@ -142,6 +143,7 @@ def _direction(sub, name: str, summary: str, description: str, *, load: str, sav
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    quiet_known_warnings()  # reading a Megatron-LM checkpoint's args imports megatron-core
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         with signals_as_interrupt():
