@@ -31,7 +31,7 @@ HANDLINGS = (CARRIED, REFUSED, NO_EFFECT)
 # Where a refusal applies (model.support documents each).
 LAYER, PRETRAIN, CONVERT, ANALYSIS, STOCK, DEEPNORM_INIT = (
     "layer", "pretrain", "convert", "analysis", "stock", "deepnorm_init")
-BUILD = frozenset({LAYER, PRETRAIN, ANALYSIS})  # + CONVERT from the row's handling
+BUILD = frozenset({LAYER, PRETRAIN})  # + CONVERT and ANALYSIS from the row's handling
 TRAIN = frozenset({LAYER, PRETRAIN})
 
 # What a "no effect" row is, so that the claim can be checked.
@@ -85,6 +85,7 @@ class Setting:
     also: Tuple[Refusal, ...] = ()  # other refusals of the field (other scopes, other reasons)
     releases: Tuple[str, ...] = RELEASES
     kind: str = FIELD
+    analysis_carries: bool = False  # a refused row the analysis loader's CPU model builds anyway (not refused there)
 
     @property
     def names(self) -> tuple:
@@ -95,8 +96,10 @@ class Setting:
         """Every refusal of the row: the export's (when refused) first, then the others."""
         own = ()
         if self.handling == REFUSED:
-            own = (Refusal(self.names, self.where, self.why, frozenset({CONVERT}) | self.refused_in, self.off,
-                           changes=self.changes),)
+            # the analysis loader builds its CPU model from the same saved args, so what the export
+            # cannot carry, it cannot either (unless it builds it: analysis_carries)
+            scopes = frozenset({CONVERT} if self.analysis_carries else {CONVERT, ANALYSIS}) | self.refused_in
+            own = (Refusal(self.names, self.where, self.why, scopes, self.off, changes=self.changes),)
         elif self.refused_in:
             raise ValueError(f"{self.name}: refused_in without a refusal")
         return own + self.also
@@ -162,7 +165,8 @@ TABLE: Tuple[Setting, ...] = (
             args=("heterogeneous_layers_config_path", "heterogeneous_layers_config_encoded_json"), refused_in=BUILD),
     Setting("mtp_num_layers", REFUSED, "multi-token prediction (--mtp-num-layers)",
             why="the entry point and the converter build and map the decoder only", refused_in=frozenset({PRETRAIN})),
-    Setting("qk_layernorm", REFUSED, "QK layernorm (--qk-layernorm)", why="Llama has no q/k norms"),
+    Setting("qk_layernorm", REFUSED, "QK layernorm (--qk-layernorm)", why="Llama has no q/k norms",
+            analysis_carries=True),
     Setting("qk_l2_norm", REFUSED, "QK L2 norm (--qk-l2-norm)", why="Llama has no q/k norms"),
     Setting("attention_output_gate", REFUSED, "a gated attention output (--attention-output-gate)", why=_LLAMA,
             also=(Refusal(("attention_output_gate",), "a gated attention output (--attention-output-gate)",
