@@ -71,6 +71,8 @@ def plot_loss_curves(
     fig.tight_layout()
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    tmp = f"{path}.tmp{os.getpid()}"  # a reader never sees half a PNG
+    fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
+    os.replace(tmp, path)
     return path
