@@ -77,16 +77,13 @@ def test_support_is_a_view_of_the_table():
     assert convert == {row.name for row in cf.TABLE if row.handling == cf.REFUSED}
 
 
-# One value per refused row that turns it on (the muP values with use_mup, which megatron needs to
-# read them at all); a new refused row needs one here.
+# One value per refused row that turns it on; a new refused row needs one here.
 REFUSED_VALUES = {
     "multi_latent_attention": True, "experimental_attention_variant": "gated_delta_net",
     "heterogeneous_block_specs": True, "mtp_num_layers": 1, "qk_layernorm": True, "qk_l2_norm": True,
     "attention_output_gate": True, "softmax_type": "off_by_one", "softmax_scale": 0.5, "window_size": [8, 0],
     "no_rope_freq": 2, "mrope_section": [4, 2, 2], "activation_func_clamp_value": 7.0,
-    "apply_residual_connection_post_layernorm": True, "glu_linear_offset": 1.0, "linear_attention_freq": 2,
-    "enable_mhc_connections": True, "use_mup": True, "mup_base_hidden_size": 32, "mup_width_mult": 2.0,
-    "mup_embedding_mult": 10.0, "mup_output_mult": 0.5, "mup_base_head_dim": 16, "mup_attn_scale_power": 0.5,
+    "apply_residual_connection_post_layernorm": True, "linear_attention_freq": 2, "enable_mhc_connections": True,
     "squared_relu": True, "quick_geglu": True,
 }
 
@@ -96,16 +93,12 @@ def _refused_rows():
 
 
 def _arm(row) -> dict:
-    arm = {row.name: REFUSED_VALUES[row.name]}
-    if row.name.startswith("mup_"):
-        arm["use_mup"] = True
-    return arm
+    return {row.name: REFUSED_VALUES[row.name]}
 
 
 def test_each_refused_row_is_refused_on_saved_args_and_its_off_value_is_not():
-    plain = Namespace(use_mup=False, mup_base_hidden_size=64, mup_attn_scale_power=0.5, glu_linear_offset=0.0,
-                      softmax_type="vanilla", window_size=None)
-    assert support.problems(plain, support.CONVERT) == []  # muP values are inert without use_mup
+    plain = Namespace(softmax_type="vanilla", window_size=None, qk_layernorm=False, no_rope_freq=None)
+    assert support.problems(plain, support.CONVERT) == []
     for row in _refused_rows():
         assert row.name in REFUSED_VALUES, f"add a value that turns {row.name} on to REFUSED_VALUES"
         found = support.problems(Namespace(**_arm(row)), support.CONVERT)
@@ -154,21 +147,21 @@ def test_a_refusal_through_the_console_command_is_its_last_stderr_line(mixln_che
     ckpt = tmp_path / "ckpt"
     shutil.copytree(mixln_checkpoints["torch"], ckpt)
     base = torch.load(ckpt / "release" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)["args"]
-    _write_args(ckpt, base, {"glu_linear_offset": 1.0, "use_mup": True})
+    _write_args(ckpt, base, {"window_size": [8, 0], "qk_layernorm": True})
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
     command = Path(sys.executable).parent / "mixln-megatron"  # the console script the venv installed
     proc = subprocess.run([str(command), "convert", "to-hf", "--load", str(ckpt), "--save", str(tmp_path / "hf"), "--no-progress"],
                           capture_output=True, text=True, timeout=300, env=env)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr
-    assert "[glu_linear_offset=1.0]" in lines[-1] and "[use_mup=True]" in lines[-1], proc.stderr
-    assert sum("glu_linear_offset" in line for line in lines) == 1, proc.stderr
+    assert "[window_size=[8, 0]]" in lines[-1] and "[qk_layernorm=True]" in lines[-1], proc.stderr
+    assert sum("window_size" in line for line in lines) == 1, proc.stderr
     assert not (tmp_path / "hf").exists()
 
 
 # --------------------------------------------------------------------------- the audit, by running
 # Each arm changes "no effect" rows (model.config_fields.AUDITED, all of them) of a tiny Mix-LN GPT
-# (2 Post-LN of 4 layers, local spec, fp32); CONTROL changes refused rows, which must show.
+# (2 Post-LN of 4 layers, local spec, fp32); CONTROL changes carried rows, which must show.
 ARMS = {
     "attention": dict(attention_softmax_in_fp32=False, masked_softmax_fusion=True, attention_backend="unfused"),
     "query-key layer scaling": dict(apply_query_key_layer_scaling=True),
@@ -191,7 +184,7 @@ ARMS = {
                   dsa_indexer_loss_coeff=0.1, mamba_state_dim=16, mamba_head_dim=8, mamba_num_groups=2,
                   mamba_num_heads=4, use_mamba_mem_eff_path=False),
 }
-CONTROL = {"glu offset": dict(glu_linear_offset=1.0), "muP alone": dict(use_mup=True)}
+CONTROL = {"glu offset": dict(glu_linear_offset=1.0), "muP alone": dict(use_mup=True)}  # carried, not no effect
 
 
 def _logits(ids, pos, mask, state=None, **overrides):
@@ -235,7 +228,7 @@ def test_no_effect_rows_leave_the_logits_unchanged(mcore_single):
         got, _ = _logits(ids, pos, mask, state, **overrides)
         diff = (got - want).abs().max().item()
         assert diff <= tol, f"{arm} {sorted(overrides)}: logits differ by {diff:.3g}: not 'no effect'"
-    for arm, overrides in CONTROL.items():  # the harness sees a refused setting's change
+    for arm, overrides in CONTROL.items():  # the harness sees a change in the function
         got, _ = _logits(ids, pos, mask, state, **overrides)
         assert (got - want).abs().max().item() > 1e3 * tol, arm
 
@@ -252,6 +245,6 @@ def test_docs_table_is_current(tmp_path):
     for row in cf.TABLE:
         assert f"| `{row.name}`" in rendered
     stale = tmp_path / "megatron-settings.md"
-    stale.write_text(doc.read_text().replace("`glu_linear_offset`", "`glu_offset`"))
+    stale.write_text(doc.read_text().replace("`window_size`", "`window_sizes`"))
     assert table.main(["--check", str(stale)]) == 1
     assert table.main(["--write", str(stale)]) == 0 and stale.read_text() == doc.read_text()

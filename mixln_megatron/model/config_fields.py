@@ -114,19 +114,7 @@ def _since(release: str) -> Tuple[str, ...]:
     return RELEASES[RELEASES.index(release):]
 
 
-def _mup_on(get) -> bool:
-    # megatron-core reads every muP field only under use_mup (TransformerConfig.__post_init__, the
-    # embedding and the output layer); use_mup alone already makes the softmax scale 1/d_head
-    return bool(get("use_mup"))
-
-
-def _mup_row(name: str, what: str, off: tuple) -> Setting:
-    return Setting(name, REFUSED, what, why=_NOT_CARRIED_YET, off=off,
-                   changes=lambda get, name=name, off=off: _mup_on(get) and _is_on(get(name), off))
-
-
 _LLAMA = "the Hugging Face Llama export cannot express it"
-_NOT_CARRIED_YET = "the Hugging Face export does not carry it yet; train without it to convert"
 _NOT_DDP = ("the spike scaler and the telemetry read Megatron DDP's per-parameter main_grad, and the "
             "Mix-LN layers have not been trained under it; use Megatron's DDP, optionally with "
             "--use-distributed-optimizer")
@@ -174,27 +162,23 @@ TABLE: Tuple[Setting, ...] = (
                           "megatron's [q, k, v] layout only", frozenset({DEEPNORM_INIT})),)),
     Setting("softmax_type", REFUSED, "a non-vanilla softmax (--softmax-type)", why=_LLAMA, off=(None, "vanilla")),
     Setting("softmax_scale", REFUSED, "a softmax scale other than 1/sqrt(kv_channels) (TransformerConfig.softmax_scale)",
-            why=_NOT_CARRIED_YET, off=(None,)),
+            why="Megatron-LM has no flag for it (muP's flags set it, and are carried)", off=(None,)),
     Setting("window_size", REFUSED, "sliding-window attention (--window-size)", why=_LLAMA, off=(None,)),
     Setting("no_rope_freq", REFUSED, "NoPE layers (--no-rope-freq)", why=_LLAMA, off=(None,)),
     Setting("mrope_section", REFUSED, "multimodal RoPE (--mrope-section)", why=_LLAMA, off=(None,)),
     Setting("activation_func_clamp_value", REFUSED, "a clamped activation", why=_LLAMA, off=(None,)),
     Setting("apply_residual_connection_post_layernorm", REFUSED,
             "apply_residual_connection_post_layernorm (BERT-style residual)", why=_LLAMA),
-    Setting("glu_linear_offset", REFUSED, "a GLU offset, silu(gate) * (up + offset) (--glu-linear-offset)",
-            why=_NOT_CARRIED_YET, off=(None, 0)),
+    Setting("glu_linear_offset", CARRIED, "glu_linear_offset (Mix-LN classes: silu(gate) * (up + offset))"),
     Setting("linear_attention_freq", REFUSED, "linear-attention layers (--linear-attention-freq)", why=_LLAMA,
             off=(None,)),
     Setting("enable_mhc_connections", REFUSED, "manifold hyper-connections (--enable-mhc-connections)",
             why="several residual streams, which Llama does not have", releases=_since("0.20")),
-    Setting("use_mup", REFUSED, "muP (--use-mup: with megatron's default --mup-attn-scale-power 1.0 the softmax "
-            "scale is 1/d_head)", why=_NOT_CARRIED_YET, changes=_mup_on),
-    _mup_row("mup_base_hidden_size", "muP's base width (--mup-base-hidden-size)", (None,)),
-    _mup_row("mup_width_mult", "muP's width multiplier (hidden / base width)", (None, 1)),
-    _mup_row("mup_embedding_mult", "muP's embedding multiplier (--mup-embedding-mult)", (None, 1)),
-    _mup_row("mup_output_mult", "muP's logits multiplier (--mup-output-mult)", (None, 1)),
-    _mup_row("mup_base_head_dim", "muP's base head dimension (--mup-base-head-dim)", (None,)),
-    _mup_row("mup_attn_scale_power", "muP's attention scale power (--mup-attn-scale-power)", (None, 1)),
+    # muP: the values megatron's __post_init__ derives (convert.forward_scalars), as Mix-LN config fields
+    Setting("use_mup", CARRIED, "attention_scale, embedding_multiplier, logits_multiplier (+ the megatron_mup record)"),
+    *(Setting(name, CARRIED, "through use_mup's fields (read only under --use-mup)") for name in (
+        "mup_base_hidden_size", "mup_width_mult", "mup_embedding_mult", "mup_output_mult", "mup_base_head_dim",
+        "mup_attn_scale_power")),
     # ------------------------------------------------------------------ no effect on the function
     *_none(PARALLELISM, "tensor / pipeline / context / sequence parallel layout; " + _SAME_GLOBAL,
            "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
