@@ -355,7 +355,7 @@ def check_readable(checkpoint_dir: str) -> None:
         raise CheckpointFromNewerRelease(
             f"{checkpoint_dir} was saved by megatron-core 0.19 or newer (its common state is in the "
             f"DCP files, there is no common.pt); megatron-core {VERSION} cannot load it: load it with "
-            "megatron-core 0.19, or convert it (mixln-megatron to-hf, then from-hf with this release)"
+            "megatron-core 0.19, or convert it (mixln-megatron convert to-hf, then convert from-hf with this release)"
         )
 
 

@@ -44,7 +44,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from . import compat, megatron_args
-from .errors import MixLNError, refusals_leave, report
+from .errors import MixLNConfigError, MixLNError, refusals_leave, report
 from .model.layer import MixLNTransformerLayer
 from .model.settings import MixLNSettings, layered
 from .model.specs import (
@@ -77,11 +77,32 @@ def settings_for_spec(environ=None, args=None) -> MixLNSettings:
     return layered(flags, MixLNSettings.from_environ(environ))
 
 
-def _at_the_edge(config, build, environ=None, args=None, hybrid: bool = False):
+# The spec names by (backend, hybrid), and the --transformer-impl each backend's modules are.
+SPEC_NAMES = {("te", False): "mixln_layer_spec", ("local", False): "mixln_local_layer_spec",
+              ("te", True): "mixln_hybrid_stack_spec", ("local", True): "mixln_hybrid_local_stack_spec"}
+TRANSFORMER_IMPL = {"te": "transformer_engine", "local": "local"}
+
+
+def check_spec_backend(args, backend: str, hybrid: bool = False) -> None:
+    """The --spec's backend against Megatron-LM's --transformer-impl, which the rest of the run
+    (its checkpoint keys, Megatron-LM's own checks) follows: MixLNConfigError when they disagree."""
+    impl = getattr(args, "transformer_impl", None)
+    if impl not in TRANSFORMER_IMPL.values() or impl == TRANSFORMER_IMPL[backend]:
+        return
+    other = "local" if backend == "te" else "te"
+    raise MixLNConfigError(
+        f"--spec mixln_megatron.spec {SPEC_NAMES[backend, hybrid]} builds "
+        f"{'TransformerEngine' if backend == 'te' else 'local'} modules, but --transformer-impl is {impl}: use "
+        f"--spec mixln_megatron.spec {SPEC_NAMES[other, hybrid]} with it, or --transformer-impl "
+        f"{TRANSFORMER_IMPL[backend]}")
+
+
+def _at_the_edge(config, build, environ=None, args=None, hybrid: bool = False, backend: Optional[str] = None):
     """Settings from the edge, `build(settings)`, then the hooks; a MixLN error printed in one line
     and raised (the objects Megatron-LM calls turn it into a Refusal).
-    Megatron-LM's arguments are checked against the support table's `stock` rows first (the
-    data-parallel wrappers other than Megatron's DDP), as the entry point checks its own.
+    Megatron-LM's arguments are checked first: against the support table's `stock` rows (the
+    data-parallel wrappers other than Megatron's DDP, multi-token prediction), as the entry point
+    checks its own, and the spec's `backend` against --transformer-impl.
     It runs before Megatron-LM loads --load, so a checkpoint this release cannot read (0.19+ on
     0.17/0.18, convert.vet.check_load_dir) is refused here too, not only in the project's entry point.
     What the checkpoint's pickles hold is not vetted here (Megatron-LM's --use-checkpoint-args has
@@ -90,8 +111,10 @@ def _at_the_edge(config, build, environ=None, args=None, hybrid: bool = False):
 
     try:
         megatron_lm_args = runtime.megatron_args() if args is None else args
-        if megatron_lm_args is not None:  # the run's data-parallel wrapper (support.STOCK rows)
+        if megatron_lm_args is not None:  # the run's data-parallel wrapper, MTP (support.STOCK rows)
             support.check(megatron_lm_args, support.STOCK)
+            if backend is not None:
+                check_spec_backend(megatron_lm_args, backend, hybrid)
         check_load_dir(getattr(megatron_lm_args, "load", None))
         settings = settings_for_spec(environ, args)
         spec = build(settings)
@@ -106,13 +129,14 @@ def stock_decoder_spec(config, backend: str, vp_stage: Optional[int] = None, env
                        args=None) -> TransformerBlockSubmodules:
     """What the two --spec functions do: settings from the edge, spec, hooks; errors in one line."""
     return _at_the_edge(config, lambda settings: get_mixln_decoder_block_spec(
-        config, backend=backend, vp_stage=vp_stage, settings=settings), environ, args)
+        config, backend=backend, vp_stage=vp_stage, settings=settings), environ, args, backend=backend)
 
 
 def stock_layer_spec(config, backend: str, environ=None, args=None) -> ModuleSpec:
     """The same for one layer, on releases that never call the --spec object (0.17/0.18); runs
     as each layer is built (LayerFromStockSpec)."""
-    return _at_the_edge(config, lambda settings: checked_layer_spec(config, backend, settings), environ, args)
+    return _at_the_edge(config, lambda settings: checked_layer_spec(config, backend, settings), environ, args,
+                        backend=backend)
 
 
 class LayerFromStockSpec(MixLNTransformerLayer):
@@ -134,7 +158,8 @@ def stock_hybrid_stack_spec(config, backend: str, environ=None, args=None) -> Mo
     args = runtime.megatron_args() if args is None else args
     pattern = getattr(args, "hybrid_layer_pattern", None)
     return _at_the_edge(config, lambda settings: get_mixln_hybrid_stack_spec(
-        config, backend=backend, settings=settings, hybrid_layer_pattern=pattern), environ, args, hybrid=True)
+        config, backend=backend, settings=settings, hybrid_layer_pattern=pattern), environ, args, hybrid=True,
+        backend=backend)
 
 
 class HybridStackFromStockSpec:
