@@ -214,12 +214,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per run (default: 1 side by side, all cores when sequential)")
     args = parser.parse_args(argv)
+    from .demo_hf import DemoMismatch
+
     try:
         return _demo(args)
     except MixLNError as error:
         from ..cli_parsing import refused
 
         return refused("demo", error)
+    except DemoMismatch as error:
+        print(f"demo: error: {error}", file=sys.stderr, flush=True)
+        return 1
 
 
 def _check_run_folders(out: str) -> None:
