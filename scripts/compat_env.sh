@@ -13,7 +13,8 @@
 # .compat/main (megatron/ and the license; pretrain_gpt.py and the other scripts beside it in
 # .compat/main-scripts), checked against its SHA256SUMS when one is beside it, and gets the wheel's
 # prebuilt dataset helpers (helpers.cpp is byte-identical; the Makefile is left out, as in the
-# wheels). Its imports need nothing the venv lacks.
+# wheels). Its imports need nothing the venv lacks. Without a snapshot an overlay unpacked before
+# is reused; with neither, one line says what to set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -28,11 +29,24 @@ overlay=.compat/$release
 [ -x "$PY" ] || { echo "compat_env.sh: $PY not found; run 'make setup' first" >&2; exit 1; }
 
 if [ "$release" = main ]; then
-  tarball=${MEGATRON_MAIN_TARBALL:-$(ls ../shared/upstream/megatron-lm-main-*.tar.gz 2>/dev/null | head -n 1)}
+  shared_upstream="$(cd .. && pwd)/shared/upstream"
+  tarball=${MEGATRON_MAIN_TARBALL:-}
+  if [ -z "$tarball" ]; then  # the first snapshot there, if any (a glob, not `ls | head`: nothing found is no error)
+    for candidate in "$shared_upstream"/megatron-lm-main-*.tar.gz; do
+      [ -f "$candidate" ] && { tarball=$candidate; break; }
+    done
+  fi
   stamp="$overlay/.snapshot"
-  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$(basename "${tarball:-none}")" ]; then
-    [ -n "$tarball" ] && [ -f "$tarball" ] || {
-      echo "compat_env.sh: no Megatron-LM main snapshot: put megatron-lm-main-<commit>.tar.gz in ../shared/upstream/ or set MEGATRON_MAIN_TARBALL" >&2; exit 1; }
+  snapshot_is="a megatron-lm-main-<commit>.tar.gz: Megatron-LM's main branch with megatron/ and LICENSE at its top"
+  if [ -n "${MEGATRON_MAIN_TARBALL:-}" ] && [ ! -f "$tarball" ]; then
+    echo "compat_env.sh: MEGATRON_MAIN_TARBALL=$tarball is not a file; set it to $snapshot_is" >&2; exit 1
+  fi
+  if [ -z "$tarball" ] && [ -f "$stamp" ]; then
+    tarball=$(cat "$stamp")  # no snapshot at hand: the one already unpacked serves
+  fi
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$(basename "$tarball")" ]; then
+    [ -n "$tarball" ] || {
+      echo "compat_env.sh: no Megatron-LM main snapshot in $shared_upstream/ and MEGATRON_MAIN_TARBALL is not set; set it to $snapshot_is" >&2; exit 1; }
     sums="$(dirname "$tarball")/SHA256SUMS"
     if [ -f "$sums" ]; then
       (cd "$(dirname "$tarball")" && grep " $(basename "$tarball")\$" SHA256SUMS | sha256sum -c --quiet -) >&2 || {
