@@ -20,7 +20,8 @@ setup(
     ],
     extras_require={
         # NVIDIA apex is optional and never comes from PyPI (PyPI's `apex` is an unrelated package).
-        "te": ["transformer-engine[pytorch]"],
+        # TransformerEngine: the release the te tests run (scripts/install_te.sh).
+        "te": ["transformer-engine[pytorch]==2.20.2"],
         # Megatron-Bridge (HF <-> Megatron with Bridge's AutoBridge; mixln_megatron.bridge). 0.6.2 is
         # the release tested (scripts/install_bridge.sh); it pins transformers <=5.12.1 itself.
         "bridge": ["megatron-bridge==0.6.2"],
