@@ -106,3 +106,14 @@ def test_only_the_known_warnings_of_their_own_modules_are_ignored(monkeypatch):
 def test_the_user_s_warning_options_are_kept(monkeypatch):
     monkeypatch.setattr(sys, "warnoptions", ["default"])
     assert _shown("Apex is not installed. Falling back to Torch Norm", "megatron.core.models.backends")
+
+
+def test_a_bad_shard_size_is_a_usage_line_not_a_traceback(tmp_path, capsys):
+    from mixln_megatron.convert import cli as convert_cli
+
+    with pytest.raises(SystemExit) as left:
+        convert_cli.main(["to-hf", "--load", str(tmp_path), "--save", str(tmp_path / "hf"), "--max-shard-size", "lots"])
+    assert left.value.code == 2
+    assert capsys.readouterr().err == ("mixln-megatron convert to-hf: error: argument --max-shard-size: 'lots' is not "
+                                       "a size (e.g. 5GB, 500MB, 2GiB or a number of bytes) (see mixln-megatron "
+                                       "convert to-hf --help)\n")

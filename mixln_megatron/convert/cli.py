@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "the special token ids)")
     to.add_argument("--vocab-size", type=int, default=None,
                     help="true (unpadded) vocabulary size, when the checkpoint's args do not record it")
-    to.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    to.add_argument("--max-shard-size", default="5GB", type=_shard_size,
+                    help="largest safetensors shard (default 5GB; also MB, GiB, MiB or bytes)")
 
     fr = _direction(
         sub, "from-hf", "Hugging Face folder -> Megatron-LM checkpoint",
@@ -129,6 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
                       "extra state, legacy mp_rank_* files) through the allow-list; exit 0 and one line if it is "
                       "clean, the refusal line and exit 2 if not")
     return parser
+
+
+def _shard_size(text: str) -> str:
+    """--max-shard-size, checked as it is parsed: a usage error, not a traceback at the write."""
+    from .to_hf import parse_size
+
+    try:
+        if parse_size(text) > 0:
+            return text
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 5GB, 500MB, 2GiB or a number of bytes)")
 
 
 def _direction(sub, name: str, summary: str, description: str, *, load: str, save: str, dtype: str):
