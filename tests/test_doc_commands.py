@@ -62,6 +62,7 @@ NOT_RUN = {
     ("docs/moe.md", "mixln-megatron convert to-hf --load CKPT_DIR --save HF_DIR"): DATA + " (tests/test_convert_moe.py runs all three)",
     ("docs/entry-point.md", "mixln-megatron pretrain <Megatron-LM pretrain_gpt.py flags> --mixln-alpha 0.25"): GPU,
     ("docs/entry-point.md", "make demo"): "trains two models for minutes: make demo is its own check",
+    ("docs/entry-point.md", 'torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" -m mixln_megatron.training.pretrain <model, data and training flags> --mixln-alpha 0.25 --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR"'): CLUSTER + " (tests/test_multinode.py runs it as two agents on one machine)",
     ("docs/data.md", "mixln-megatron preprocess -i corpus.jsonl -o data/corpus --append-eod --overwrite --split-sentences --workers 4"): "a minute of worker start-up on 2 cores; the block above runs",
     ("docs/spike-scaler-and-telemetry.md", "export MIXLN_SPIKE_SCALER=1"): GPU,
     ("docs/spike-scaler-and-telemetry.md", "mixln-megatron pretrain <flags> --mixln-telemetry-interval 10 --save runs/mixln"): GPU,
