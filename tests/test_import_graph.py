@@ -149,6 +149,7 @@ def test_the_release_module_and_errors_stay_below_the_model():
 #   own lazy re-exports.
 LAYERS = (
     ("foundation", ("mixln_megatron.errors", "mixln_megatron.cli_parsing", "mixln_megatron.progress",
+                    "mixln_megatron.known_warnings",
                     "mixln_megatron.input_root", "mixln_megatron.safe_output",
                     "mixln_megatron.safe_unpickle", "mixln_megatron.compat", "mixln_megatron.dev.cpu",
                     "mixln_megatron.dev.forked_ranks")),
