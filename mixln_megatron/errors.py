@@ -116,7 +116,7 @@ def print_once(line: str, file=None, *, alike_on_every_rank: bool = False) -> bo
     print(line, file=file or sys.stderr, flush=True)
     _mark_printed(line)
     if role is None:
-        _mark_printed("")  # "rank 0 printed a refusal": its peers stop waiting even for another line
+        _mark_printed("")  # "a refusal was printed here": peers of rank 0 stop waiting even for another line
     return True
 
 
@@ -257,8 +257,8 @@ def _rank_0_is_gone_without(line: str) -> bool:
     while time.monotonic() < deadline:
         if os.path.exists(printed):
             return False
-        if os.path.exists(any_printed):
-            return True
+        if os.path.exists(any_printed):  # marked after the line's own mark: look at that once more
+            return not os.path.exists(printed)
         try:
             with open(claim) as f:
                 text = f.read().strip()
