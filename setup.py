@@ -14,7 +14,8 @@ setup(
     package_data={"mixln_megatron": ["assets/**/*", "hf/*.py"]},
     install_requires=[
         "megatron-core>=0.17,<0.21",
-        "torch>=2.4",
+        # <2.15: megatron-core's torch_dist metadata reader fails on torch 2.15's metadata (compat.py, T).
+        "torch>=2.4,<2.15",
         "psutil",  # megatron's dist_checkpointing save needs it but does not declare it
         "tqdm",
     ],

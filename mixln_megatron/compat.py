@@ -27,6 +27,10 @@ here and nowhere else (docs/megatron-releases.md, sections A-J, says what was me
      the edge's (mixln_megatron.spec).
   G  full-iteration CUDA graphs: 0.17 asks for them with cuda_graph_impl "local" and the scope
      "full_iteration"; 0.18+ with cuda_graph_impl "full_iteration" (the old scope migrates).
+  T  torch: every release's torch_dist metadata reader (load_tensors_metadata, behind a load
+     whose strictness checks the checkpoint's keys) builds tensors with torch.empty(**the DCP
+     TensorProperties' attributes); torch 2.15 added `strides` there, which torch.empty does not
+     take. Probed, not version-matched; such a load is refused at start-up (check_readable).
 
 The release is that of the megatron.core actually imported (a Megatron-LM checkout on sys.path
 wins over the installed wheel), so its own version string decides, not the installed dist-info.
@@ -339,17 +343,23 @@ class CheckpointFromNewerRelease(MixLNError, RuntimeError):
     """A torch_dist checkpoint saved by megatron-core 0.19+, being loaded by 0.17/0.18."""
 
 
-def check_readable(checkpoint_dir: str) -> None:
-    """Refuse, in one line, a torch_dist checkpoint this release cannot load.
+def check_readable(checkpoint_dir: str, strict=None) -> None:
+    """Refuse, in one line, a torch_dist checkpoint this release cannot load (at strictness
+    `strict`: Megatron-LM's --dist-ckpt-strictness; None is megatron's default).
 
     0.19 keeps the common state (args, iteration, content metadata) in the DCP files and writes no
-    common.pt, which 0.17/0.18 require (Megatron's own limitation; older -> newer loads). Which
-    directory a --load resumes from is convert.vet's (check_load_dir, vet_load_args): the entry
-    point and the --spec edge call it there, before Megatron reads the checkpoint.
+    common.pt, which 0.17/0.18 require (Megatron's own limitation; older -> newer loads); and a
+    load that checks the checkpoint's keys needs megatron's metadata reader to take this torch's
+    metadata (T, check_metadata_reader). Which directory a --load resumes from is convert.vet's
+    (check_load_dir, vet_load_args): the entry point and the --spec edge call it there, before
+    Megatron reads the checkpoint.
     """
     import os
 
-    if RELEASE >= (0, 19) or not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
+    if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
+        return
+    check_metadata_reader(strict)
+    if RELEASE >= (0, 19):
         return
     if not os.path.isfile(os.path.join(checkpoint_dir, "common.pt")):
         raise CheckpointFromNewerRelease(
@@ -363,10 +373,79 @@ def dist_load(sharded_state_dict, checkpoint_dir, process_group=None, **kwargs):
     """dist_checkpointing.load; process_group= exists from 0.19 (older releases use the world)."""
     from megatron.core import dist_checkpointing
 
-    check_readable(str(checkpoint_dir))
+    check_readable(str(checkpoint_dir), kwargs.get("strict"))
     if process_group is not None and RELEASE >= (0, 19):
         kwargs["process_group"] = process_group
     return dist_checkpointing.load(sharded_state_dict, checkpoint_dir, **kwargs)
+
+
+# ------------------------------------------------------------------ T: torch's DCP metadata in megatron's reader
+class UnsupportedTorchRelease(MixLNError, RuntimeError):
+    """torch whose checkpoint metadata this megatron-core's metadata reader cannot take."""
+
+
+# What a fresh install gets (setup.py's torch requirement; tests/test_torch_metadata_reader.py keeps them equal).
+TORCH_REQUIREMENT = "torch>=2.4,<2.15"
+_UNPROBED = object()
+_reader_problem = _UNPROBED
+
+
+def metadata_reader_problem(properties=None) -> Optional[str]:
+    """Why megatron-core's torch_dist metadata reader fails on this torch's DCP metadata, or None.
+
+    megatron's load_tensors_metadata makes each tensor's meta copy with
+    torch.empty(size, **properties.__dict__): any attribute of torch's TensorProperties that
+    torch.empty does not take (torch 2.15's `strides`) fails every load that reads it. So the
+    reader itself runs here on a one-tensor Metadata in memory (no file, no process group),
+    with `properties` (default: TensorProperties as this torch makes it); the verdict follows a
+    fix in either library. Probed once per process for the default."""
+    global _reader_problem
+    if properties is None and _reader_problem is not _UNPROBED:
+        return _reader_problem
+    import torch
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    props = TensorProperties(dtype=torch.float32) if properties is None else properties
+    one = torch.Size([1])
+    entry = TensorStorageMetadata(properties=props, size=one,
+                                  chunks=[ChunkStorageMetadata(offsets=torch.Size([0]), sizes=one)])
+    try:
+        TorchDistLoadShardedStrategy().load_tensors_metadata(None, Metadata(state_dict_metadata={"probe": entry}))
+        problem = None
+    except TypeError as e:  # what an unexpected keyword raises; anything else is not this probe's to judge
+        problem = str(e)
+    if properties is None:
+        _reader_problem = problem
+    return problem
+
+
+def check_metadata_reader(strict) -> None:
+    """UnsupportedTorchRelease, in one line, when a dist_checkpointing load at strictness
+    `strict` reads the checkpoint's tensor metadata (megatron does for every strictness but its
+    default, assume_ok_unexpected) and megatron's reader cannot take this torch's metadata."""
+    if strict is None:
+        return
+    from megatron.core.dist_checkpointing.validation import StrictHandling, parse_strict_flag
+
+    try:
+        handling = parse_strict_flag(strict)
+    except ValueError:
+        return  # not a strictness megatron knows: its own argument check says so
+    if not StrictHandling.requires_explicit_ckpt_mismatch_check(handling):
+        return
+    problem = metadata_reader_problem()
+    if problem is None:
+        return
+    import torch
+
+    raise UnsupportedTorchRelease(
+        f"torch {torch.__version__.split('+')[0]} with megatron-core {VERSION}: megatron-core's checkpoint "
+        f"metadata reader, which a load with --dist-ckpt-strictness {handling.value} uses, fails on this "
+        f"torch's metadata ({problem}): load with --dist-ckpt-strictness "
+        f"{StrictHandling.ASSUME_OK_UNEXPECTED.value} (megatron's default), or install a torch it reads "
+        f"(pip install '{TORCH_REQUIREMENT}')")
 
 
 # ------------------------------------------------------------------ G: full-iteration CUDA graphs

@@ -115,7 +115,7 @@ def _at_the_edge(config, build, environ=None, args=None, hybrid: bool = False, b
             support.check(megatron_lm_args, support.STOCK)
             if backend is not None:
                 check_spec_backend(megatron_lm_args, backend, hybrid)
-        check_load_dir(getattr(megatron_lm_args, "load", None))
+        check_load_dir(getattr(megatron_lm_args, "load", None), getattr(megatron_lm_args, "dist_ckpt_strictness", None))
         settings = settings_for_spec(environ, args)
         spec = build(settings)
         install_training_hooks(config, settings, hybrid=hybrid)

@@ -195,6 +195,7 @@ def vet_load_args(args) -> List[VetReport]:
     Once per node (convert.vet_once): one local rank vets, the others take its verdict (a refusal
     is raised on each of them with the same line)."""
     step = getattr(args, "ckpt_step", None)
+    strict = getattr(args, "dist_ckpt_strictness", None)  # whether Megatron's load reads the tensor metadata
     paths, done = [], set()
     targets = [(getattr(args, "load", None), step), (getattr(args, "pretrained_checkpoint", None), None)]
     if getattr(args, "non_persistent_ckpt_type", None) == "global":
@@ -213,10 +214,10 @@ def vet_load_args(args) -> List[VetReport]:
         for path in paths:
             _announce_metadata(path)  # a large .metadata takes a while: say so first (this rank only)
             reports.append(dataclasses.asdict(vet_iteration_dir(path)))  # first: a payload is named as such
-            _check_release(path)
+            _check_release(path, strict)
         # A --load folder that is itself one saved iteration (no tracker: Megatron-LM would silently start
         # from scratch) of a newer release is refused too, as the --spec edge does.
-        check_load_dir(getattr(args, "load", None))
+        check_load_dir(getattr(args, "load", None), strict)
         return reports
 
     from .vet_once import once_per_node
@@ -246,20 +247,21 @@ def _identity(paths: List[str], load: Optional[str]) -> str:
 
 
 # ------------------------------------------------------------------------------ the --spec edge
-def check_load_dir(load: Optional[str]) -> None:
+def check_load_dir(load: Optional[str], strict=None) -> None:
     """compat.check_readable for the iteration a Megatron-LM --load directory would resume from
-    (a megatron-core 0.19+ checkpoint on 0.17 / 0.18: one line before Megatron reads it). Reads no
-    pickle; what the checkpoint holds is vet_load_args' part."""
+    (a megatron-core 0.19+ checkpoint on 0.17 / 0.18, or a load at `strict` whose metadata read fails
+    on this torch: one line before Megatron reads it). Reads no pickle; what the checkpoint holds is
+    vet_load_args' part."""
     if not load:
         return
     try:
         directory, _ = resolve_checkpoint_dir(load)
     except (OSError, ValueError, MixLNError):
         return  # nothing to load yet, or not a layout we know: Megatron decides
-    _check_release(directory)
+    _check_release(directory, strict)
 
 
-def _check_release(directory: str) -> None:
+def _check_release(directory: str, strict=None) -> None:
     from .. import compat  # imports megatron.core: only where a release is loading
 
-    compat.check_readable(directory)
+    compat.check_readable(directory, strict)
