@@ -31,8 +31,9 @@ else in it stops the demo before any work, in one line.
 The last line printed, once, is `RESULT demo_ppl_mixln=<x> demo_ppl_preln=<y>`: the perplexity of
 Megatron's final validation pass (about one pass over the held-out split) of each run.
 
-Time: about 3 minutes on 2 idle CPU cores, data preparation included (measured numbers:
-benchmarks/README.md). The tokenizer is given to Megatron as `--tokenizer-type
+Time: a few minutes on 2 CPU cores, data preparation included (measured: benchmarks/README.md;
+the Hugging Face step adds under a minute, the fewer validation passes take about as much off).
+The tokenizer is given to Megatron as `--tokenizer-type
 HuggingFaceTokenizer --tokenizer-model <shipped tokenizer dir>` (the same vocab.json /
 merges.txt): Megatron's GPT2BPETokenizer type asks the Hugging Face Hub for the "gpt2"
 tokenizer configuration even when --vocab-file / --merge-file are given, so it cannot run
