@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: setup test test-all test-compat test-te test-bridge demo bench clean
+.PHONY: setup test test-all test-compat test-te test-bridge test-newest-torch demo bench clean
 
 $(STAMP): setup.py
 	@set -e; py=$$(scripts/find_python.sh); echo "using $$py"; \
@@ -60,6 +60,20 @@ test-bridge: $(STAMP)
 	PYTHONPATH=$$paths$${PYTHONPATH:+:$$PYTHONPATH} BRIDGE_TESTS_REQUIRED=1 \
 	  $(PY) -m pytest -q -m bridge $(PYTEST_ARGS) tests/test_bridge.py
 
+# The checkpoint tests (torch_dist saves and loads: resume, conversion, inspect, vetting, megatron's
+# metadata reader) once more on the newest torch pip resolves for `pip install -e .`, so a torch
+# release that breaks them is seen the day it lands. scripts/newest_torch_env.sh keeps that torch in
+# a second venv (.venv-newest-torch, past any machine-wide pip constraint on torch; .venv keeps its
+# own) and says in one line what it holds; the last line here says what the tests ran on.
+NEWEST_TORCH_TESTS ?= tests/test_torch_metadata_reader.py tests/test_layer_kinds.py \
+  tests/test_layer_kinds_parallel.py tests/test_spike.py tests/test_resume_settings.py tests/test_vet_load.py \
+  tests/test_convert.py tests/test_untrusted_checkpoints.py
+test-newest-torch:
+	@py=$$(scripts/newest_torch_env.sh) || exit 1; \
+	$$py -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS) $(NEWEST_TORCH_TESTS); status=$$?; \
+	echo "test-newest-torch: ran on $$($$py -m pip list 2>/dev/null | awk '$$1 == "torch" || $$1 == "megatron-core" {printf "%s %s ", $$1, $$2}')"; \
+	exit $$status
+
 demo: $(STAMP)
 	$(PY) -m mixln_megatron.dev.demo
 
@@ -67,4 +81,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/overhead.py --quick
 
 clean:
-	rm -rf $(VENV) .compat runs build *.egg-info
+	rm -rf $(VENV) .venv-newest-torch .compat runs build *.egg-info
