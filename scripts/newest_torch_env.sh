@@ -28,8 +28,8 @@ if [ ! -x "$PY" ]; then
   echo "newest_torch_env.sh: creating $VENV with $base (a fresh venv downloads torch: minutes)" >&2
   "$base" -m venv "$VENV" || fail "could not create $VENV with $base"
 fi
-"$PY" -m pip install -q --upgrade pip >&2 || fail "pip could not upgrade itself in $VENV (network?)"
-"$PY" -m pip install -q --upgrade --upgrade-strategy eager -e '.[dev]' >&2 \
+"$PY" -m pip install -qq --upgrade pip >&2 || fail "pip could not upgrade itself in $VENV (network?)"
+"$PY" -m pip install -qq --upgrade --upgrade-strategy eager -e '.[dev]' >&2 \
   || fail "pip install -e '.[dev]' failed in $VENV (output above)"
 
 have=$("$PY" -c 'import sys, importlib.metadata as m

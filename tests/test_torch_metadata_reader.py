@@ -109,3 +109,13 @@ def test_setup_py_keeps_a_fresh_install_on_the_torch_compat_names():
     call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
     requires = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "install_requires"))
     assert [r for r in requires if r.startswith("torch")] == [compat.TORCH_REQUIREMENT]
+
+
+def test_the_newest_torch_target_runs_this_file_and_existing_ones():
+    """`make test-newest-torch` (CI, the newest torch pip resolves) names its test files in the Makefile."""
+    import re
+
+    text = open(os.path.join(REPO, "Makefile"), encoding="utf-8").read()
+    listed = re.search(r"^NEWEST_TORCH_TESTS \?=((?:.*\\\n)*.*)$", text, re.M).group(1).replace("\\\n", " ").split()
+    assert "tests/test_torch_metadata_reader.py" in listed
+    assert [f for f in listed if not os.path.isfile(os.path.join(REPO, f))] == []
