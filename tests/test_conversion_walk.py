@@ -81,7 +81,7 @@ def test_an_export_enters_each_module_once_in_order(checkpoints, tmp_path, fmt):
     assert stretches == WALK, f"the export walked {stretches} ({entries})"
     assert entries == [("to_hf", "convert_to_hf"), ("facts", "read_checkpoint_facts"),
                        ("inspect", "inspect_reader"), ("shape", "read_checkpoint_shape"),
-                       ("mapping", "map_roles")], entries
+                       ("shape", "forward_fields"), ("mapping", "map_roles")], entries
 
 
 def test_the_trace_sees_a_walk_back():
