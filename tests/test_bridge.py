@@ -288,6 +288,22 @@ else:
         assert config["auto_map"]["AutoModelForCausalLM"].endswith(mixln_bridge.MIXLN_ARCHITECTURE)
         assert config["num_hidden_layers"] == LAYERS
 
+    @pytest.mark.parametrize("setting, named", [(dict(qk_layernorm=True), "[qk_layernorm=True]"),
+                                                 (dict(window_size=(8, 0)), "[window_size=(8, 0)]")])
+    def test_settings_the_export_refuses_are_refused_by_the_bridge_export_too(gloo, tmp_path, setting, named):
+        """The export's refusals (model.config_fields) hold for the Bridge path: a provider with one
+        is refused in one line by megatron_to_hf_config instead of written as plain Llama."""
+        from mixln_megatron.bridge.llama import MixLNBridgeError
+
+        folder = export_folder(hf_model(1, "mixln"), str(tmp_path / "exported"))
+        provider = AutoBridge.from_hf_pretrained(folder, trust_remote_code=True).to_megatron_provider(
+            load_weights=False)
+        for name, value in setting.items():
+            setattr(provider, name, value)
+        with pytest.raises(MixLNBridgeError) as info:
+            mixln_bridge.MixLNLlamaBridge.megatron_to_hf_config(provider)
+        assert "\n" not in str(info.value) and named in str(info.value), str(info.value)
+
     # Megatron bias flags the dense Mix-LN Llama model cannot hold exactly: a q/k/v-only bias (LLaMA's
     # attention_bias is on o_proj too; the mixln_llama config has no qkv_bias), and biases on every
     # linear (no mapping carries them); each flag with the text its refusal names.

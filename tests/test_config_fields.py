@@ -107,6 +107,26 @@ def test_each_refused_row_is_refused_on_saved_args_and_its_off_value_is_not():
         assert all("\n" not in p for p in found)
 
 
+def test_rope_scaling_in_a_hybrid_model_is_refused_where_it_would_be_lost():
+    """HybridModel takes no RoPE scaling: the flag with a pattern (either name) is refused by the
+    entry point, the stock --spec edge and the export's shape reader; a GPT run keeps it (carried)."""
+    from mixln_megatron.convert.shape import UnsupportedModelError, check_megatron_args_supported
+
+    gpt = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False)
+    with pytest.raises(UnsupportedModelError, match=r"in a HybridModel, which takes none.*\[use_rope_scaling=True\]"):
+        check_megatron_args_supported(Namespace(**gpt, use_rope_scaling=True, hybrid_layer_pattern="*-*-"))
+    check_megatron_args_supported(Namespace(**gpt, use_rope_scaling=True, hybrid_layer_pattern=None))
+    check_megatron_args_supported(Namespace(**gpt, use_rope_scaling=False, hybrid_layer_pattern="*-*-"))
+    for pattern in ({"hybrid_layer_pattern": "*-*-"}, {"hybrid_override_pattern": "*-*-"}):
+        for scope in (support.PRETRAIN, support.STOCK):
+            found = support.problems(Namespace(use_rope_scaling=True, **pattern), scope)
+            assert len(found) == 1 and "in a HybridModel" in found[0], (pattern, scope, found)
+            assert support.problems(Namespace(use_rope_scaling=False, **pattern), scope) == []
+    for scope in (support.PRETRAIN, support.CONVERT):
+        assert support.problems(Namespace(use_rope_scaling=True, hybrid_layer_pattern=None,
+                                          rope_scaling_factor=32.0), scope) == []
+
+
 def _write_args(ckpt: Path, base: Namespace, changes: dict) -> None:
     f = ckpt / "release" / "mp_rank_00" / "model_optim_rng.pt"
     state = torch.load(f, weights_only=False)  # our own fixture file

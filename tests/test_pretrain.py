@@ -286,6 +286,7 @@ def test_model_provider_builds_post_ln_layers_as_configured(mcore_single, monkey
         transformer_impl="local", padded_vocab_size=mu.VOCAB, max_position_embeddings=mu.SEQ,
         fp16_lm_cross_entropy=False, untie_embeddings_and_output_weights=True,
         position_embedding_type="rope", rotary_percent=1.0, rotary_base=10000, use_rope_scaling=False,
+        rope_scaling_factor=8.0, rotary_seq_len_interpolation_factor=None,
     )
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
     model = model_provider(pre_process=True, post_process=True, config=mu.tiny_config())
@@ -302,6 +303,34 @@ def test_model_provider_builds_post_ln_layers_as_configured(mcore_single, monkey
     ids, labels, pos, mask = mu.batch()
     out = model(ids, pos, mask, labels=labels)
     assert out.shape == labels.shape and bool(out.isfinite().all())
+
+
+@pytest.mark.compat
+def test_model_provider_honours_the_rope_scaling_factor_and_interpolation_the_export_reads(mcore_single, monkeypatch):
+    """--rope-scaling-factor and --rotary-seq-len-interpolation-factor reach the model's RoPE
+    (Megatron-LM's own builders drop the factor: a model trained with 8.0 would export as 32)."""
+    import torch
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.training import global_vars
+
+    from mixln_megatron.training.providers import model_provider
+
+    def rope_of(**rope):
+        args = Namespace(
+            mixln_alpha=None, mixln_post_ln_layers=1, mixln_scheme=None, transformer_impl="local",
+            padded_vocab_size=mu.VOCAB, max_position_embeddings=mu.SEQ, fp16_lm_cross_entropy=False,
+            untie_embeddings_and_output_weights=True, position_embedding_type="rope", rotary_percent=1.0,
+            rotary_base=10000, **{"use_rope_scaling": False, "rope_scaling_factor": 8.0,
+                                  "rotary_seq_len_interpolation_factor": None, **rope})
+        monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+        return model_provider(pre_process=True, post_process=True, config=mu.tiny_config()).rotary_pos_emb
+
+    dim = mu.tiny_config().kv_channels
+    llama32 = rope_of(use_rope_scaling=True, rope_scaling_factor=32.0)
+    want = RotaryEmbedding(dim, 1.0, rope_scaling=True, rope_scaling_factor=32.0).inv_freq
+    default = RotaryEmbedding(dim, 1.0, rope_scaling=True, rope_scaling_factor=8.0).inv_freq
+    assert torch.equal(llama32.inv_freq, want) and not torch.equal(want, default)
+    assert rope_of(rotary_seq_len_interpolation_factor=4).seq_len_interpolation_factor == 4
 
 
 # ------------------------------------------------------------------ model parallel (torchrun, 2 procs)

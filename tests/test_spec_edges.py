@@ -44,6 +44,20 @@ def test_mtp_is_refused_at_the_spec_edge_in_one_line(mcore_single, capsys):
     assert line.endswith("[mtp_num_layers=1]"), line
 
 
+def test_a_rope_scaling_factor_megatron_lm_drops_is_refused_at_the_spec_edge(mcore_single, capsys):
+    """Megatron-LM's builders never pass --rope-scaling-factor to GPTModel: the model would train
+    with 8 while the saved args (and so the export) say 32."""
+    args = megatron_lm_args("--transformer-impl", "local", "--use-rope-scaling", "--rope-scaling-factor", "32")
+    with pytest.raises(MixLNUnsupportedError, match="--rope-scaling-factor other than 8 with the stock --spec"):
+        spec.stock_decoder_spec(mu.tiny_config(num_layers=4), "local", environ={}, args=args)
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert line.endswith("[rope_scaling_factor=32.0]"), line
+    for fine in (("--use-rope-scaling",), ("--rope-scaling-factor", "32")):  # the default, or scaling off
+        args = megatron_lm_args("--transformer-impl", "local", *fine)
+        spec.stock_decoder_spec(mu.tiny_config(num_layers=4), "local", environ={"MIXLN_POST_LN_LAYERS": "1"},
+                                args=args)
+
+
 @pytest.mark.parametrize("backend, impl, other", [("te", "local", "mixln_local_layer_spec"),
                                                   ("local", "transformer_engine", "mixln_layer_spec")])
 def test_a_spec_whose_backend_disagrees_with_transformer_impl_is_one_line(mcore_single, capsys, backend, impl, other):

@@ -32,6 +32,7 @@ from ..convert.forward_scalars import config_problem
 from ..errors import MixLNError
 from ..hf.configuration_mixln_llama import FORWARD_SCALAR_DEFAULTS as FORWARD_FIELDS  # refused by this path
 from ..hf.export_code import MIXLN_ARCHITECTURES, export_config_fields
+from ..model import support
 from ..model.layout import KINDS, POST, POST_LN_KINDS, SANDWICH
 from ..model.hf_norm_names import NORM_A, NORM_B, NORM_C, NORM_D, hf_norm_module
 from .conversion_tasks import build_tasks
@@ -165,11 +166,15 @@ class MixLNLlamaBridge(LlamaBridge):
 
     @classmethod
     def check_forward_scalars(cls, config) -> None:
-        """Refuse, in one line, muP / a softmax scale / a GLU offset (convert.forward_scalars): the
-        Bridge's config mapping would drop them, and the HF model would be another one."""
+        """Refuse, in one line, muP / a softmax scale / a GLU offset (convert.forward_scalars) and
+        the export's other refusals: the Bridge's config mapping would drop them, and the HF model
+        would be another one."""
         problem = config_problem(config)
         if problem:
             raise cls.BRIDGE_ERROR(problem)
+        # and every other setting the export cannot carry (model.config_fields' refused rows), as
+        # `convert to-hf` refuses them: Bridge's generic config mapping would drop them silently
+        support.check(config, support.CONVERT, error=cls.BRIDGE_ERROR)
 
     def provider_bridge(self, hf_pretrained) -> MixLNModelProvider:
         forward = {k: getattr(hf_pretrained.config, k, None) for k in FORWARD_FIELDS}

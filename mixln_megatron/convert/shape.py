@@ -353,6 +353,9 @@ def check_megatron_args_supported(args) -> None:
             "a bias on the QKV projection only (--add-qkv-bias without biases on the other linears): "
             "Llama's attention_bias also puts a bias on o_proj (qkv-only bias)"
         )
+    if pattern and _flag(args, "use_rope_scaling"):
+        problems.append("Llama 3 RoPE scaling (--use-rope-scaling) in a HybridModel, which takes none: the "
+                        "model trained without it [use_rope_scaling=True]")
     if _flag(args, "use_rope_scaling") and _arg(args, "rotary_seq_len_interpolation_factor"):
         problems.append("both --use-rope-scaling and --rotary-seq-len-interpolation-factor")
     if problems:

@@ -322,8 +322,20 @@ TABLE: Tuple[Setting, ...] = (
     Setting("rotary_base", CARRIED, "rope_parameters.rope_theta", kind=ARGUMENT),
     Setting("rotary_percent", CARRIED, "1.0 (every dimension rotated); partial rotation refused by the shape reader",
             kind=ARGUMENT),
-    Setting("use_rope_scaling", CARRIED, "rope_parameters llama3 (factor, low 1, high 4, original 8192)", kind=ARGUMENT),
-    Setting("rope_scaling_factor", CARRIED, "rope_parameters.factor (llama3)", kind=ARGUMENT),
+    Setting("use_rope_scaling", CARRIED, "rope_parameters llama3 (factor, low 1, high 4, original 8192); with a "
+            "hybrid layer pattern refused by the shape reader", kind=ARGUMENT,
+            also=(Refusal(("use_rope_scaling",), "Llama 3 RoPE scaling (--use-rope-scaling) in a HybridModel",
+                          "HybridModel takes no RoPE scaling, so the model trains without it while the saved args "
+                          "say otherwise; drop it, or train a GPTModel (no --hybrid-layer-pattern)",
+                          frozenset({PRETRAIN, STOCK}),
+                          changes=lambda get: bool(get("use_rope_scaling")) and bool(get("hybrid_layer_pattern"))),)),
+    Setting("rope_scaling_factor", CARRIED, "rope_parameters.factor (llama3)", kind=ARGUMENT,
+            also=(Refusal(("rope_scaling_factor",), "--rope-scaling-factor other than 8 with the stock --spec objects",
+                          "Megatron-LM's pretrain_gpt.py builds GPTModel without it (the model trains with 8.0 while "
+                          "the saved args say otherwise); drop it, or train with mixln-megatron pretrain, which "
+                          "passes it", frozenset({STOCK}),
+                          changes=lambda get: bool(get("use_rope_scaling"))
+                          and get("rope_scaling_factor") not in (None, 8, 8.0)),)),
     Setting("rotary_seq_len_interpolation_factor", CARRIED, "rope_parameters linear, factor", kind=ARGUMENT),
     Setting("rope_type", CARRIED, "rope; other types refused by the shape reader", kind=ARGUMENT),
     Setting("rotary_scaling_factor", NO_EFFECT, "read only with YaRN / mrope position embeddings (refused)", INERT,

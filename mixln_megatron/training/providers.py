@@ -83,6 +83,10 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
         rope_scaling=args.use_rope_scaling,
+        # The export reads both from the saved args, so the model must honour them; Megatron-LM's
+        # own builders drop the factor (the stock --spec edge refuses a non-default one).
+        rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
