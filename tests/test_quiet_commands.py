@@ -81,6 +81,16 @@ def test_inspect_of_a_megatron_lm_checkpoint_prints_nothing_on_stderr(layernorm_
     assert proc.stderr == ""
 
 
+def test_preprocess_prints_nothing_on_stderr(tmp_path):
+    """Writing the dataset imports megatron-core's indexed dataset: its CPU-machine warnings stay off."""
+    source = tmp_path / "docs.jsonl"
+    source.write_text('{"text": "It is a truth universally acknowledged."}\n{"text": "A second one."}\n')
+    proc = _command("preprocess", "--input", source, "--output-prefix", tmp_path / "out" / "austen", "--workers", "1",
+                    "--no-progress")
+    assert proc.returncode == 0 and "2 documents" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stderr == ""
+
+
 # ------------------------------------------------------------------ only the known ones
 def _shown(message: str, module: str, category=UserWarning) -> bool:
     with warnings.catch_warnings(record=True) as caught:

@@ -58,6 +58,7 @@ from typing import Iterable, List, Optional, Sequence
 
 from ..cli_parsing import CommandParser, add_flag, refused
 from ..errors import MixLNError
+from ..known_warnings import quiet_known_warnings
 from ..progress import bar as progress_bar
 from ..safe_output import Interrupted, check_separate, new_temp_name, signals_as_interrupt
 from .encode import WorkerConfig, encode_chunk, init_worker, load_sentence_splitter, reset_worker
@@ -337,6 +338,7 @@ def _spec_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> Option
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
+    quiet_known_warnings()  # the dataset writer imports megatron-core (python -m runs skip cli.main)
     p = build_parser(prog)
     a = p.parse_args(argv)
     if a.workers < 1:
