@@ -16,6 +16,7 @@ import dataclasses
 import inspect
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,3 +166,18 @@ def _mixln(**forward):
 
     config = config_for_export(1, "mixln", forward=forward, **dict(TINY, head_dim=32))
     return MixLNLlamaForCausalLM(config)
+
+
+def test_docs_table_is_current(tmp_path):
+    """docs/hf-conversion.md shows every row of the table as convert.hf_config_fields has it."""
+    from mixln_megatron.dev import hf_config_fields_table as table
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "hf-conversion.md"
+    assert table.main(["--check", str(doc)]) == 0, (
+        "docs/hf-conversion.md is stale: python -m mixln_megatron.dev.hf_config_fields_table --write "
+        "docs/hf-conversion.md")
+    rendered = table.render()
+    assert all(f"| `{row.name}`" in rendered for row in T.TABLE)
+    stale = tmp_path / "hf-conversion.md"
+    stale.write_text(doc.read_text().replace("`head_dim`", "`head_dims`"))
+    assert table.main(["--check", str(stale)]) == 1
