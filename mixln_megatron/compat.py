@@ -124,8 +124,10 @@ def parse_and_validate_args(extra_args_provider: Callable):
 
 
 def run_pretrain(args, argv: Sequence[str], *, datasets_provider, model_provider, forward_step,
-                 extra_args_provider, non_loss_data_func=None, adjust_args: Optional[Callable] = None):
-    """megatron.training.pretrain() for a GPT model provider, with `args` from parse_and_validate_args.
+                 extra_args_provider, non_loss_data_func=None, adjust_args: Optional[Callable] = None,
+                 store=None):
+    """megatron.training.pretrain() for a GPT model provider, with `args` from parse_and_validate_args;
+    `store` (every release takes one): the process group's store, None for the launcher's.
 
     adjust_args(args) is what the caller changed on `args` after parsing; on 0.17 pretrain()
     parses again, so it is applied to the args Megatron then uses, before the first model build.
@@ -135,7 +137,7 @@ def run_pretrain(args, argv: Sequence[str], *, datasets_provider, model_provider
 
     shared = dict(  # the keyword names all three releases share
         train_valid_test_dataset_provider=datasets_provider, model_type=ModelType.encoder_or_decoder,
-        forward_step_func=forward_step, non_loss_data_func=non_loss_data_func,
+        forward_step_func=forward_step, non_loss_data_func=non_loss_data_func, store=store,
     )
     if RELEASE >= (0, 18):
         from megatron.training.argument_utils import pretrain_cfg_container_from_args

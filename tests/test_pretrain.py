@@ -263,6 +263,21 @@ def test_prebuilt_helpers_premise_and_no_patch_at_import(tmp_path):
     assert expected, "megatron-core's wheel layout changed: the compile_helpers workaround no longer applies"
 
 
+@pytest.mark.compat
+def test_one_process_binds_no_port(tmp_path):
+    """Without a launcher the entry point's process group has an in-memory store: a MASTER_PORT
+    another process holds (as a port picked free can be taken on a busy machine) does not matter."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(held.getsockname()[1]))
+        proc = run_python([sys.executable, *ENTRY, "--cpu", *TINY, "--train-iters", "1", "--eval-iters", "0",
+                           "--mixln-post-ln-layers", "1"], env=env, cwd=REPO, timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+
 # ------------------------------------------------------------------ the model provider's spec path
 @pytest.mark.parametrize(
     "flags, post_ln",

@@ -164,17 +164,28 @@ def check_command_line(args) -> MixLNSettings:
     return settings
 
 
-def _single_process_defaults(environ=None) -> None:
-    """Without a launcher (no RANK / WORLD_SIZE): one process, on a free local port."""
+def _single_process_defaults(environ=None) -> bool:
+    """Without a launcher (no RANK / WORLD_SIZE): one process, True. Its process group gets an
+    in-process store (single_process_store), so no port is bound; MASTER_ADDR / MASTER_PORT are
+    still set (a free port at the time) for code that reads them."""
     env = os.environ if environ is None else environ
     if "RANK" in env or "WORLD_SIZE" in env:
-        return
+        return False
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in env:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             env["MASTER_PORT"] = str(s.getsockname()[1])
+    return True
+
+
+def single_process_store():
+    """The store of a one-process run: in memory. A TCP store on a port picked beforehand loses
+    the port to any process that binds it in between (EADDRINUSE on a busy machine)."""
+    import torch.distributed
+
+    return torch.distributed.HashStore()
 
 
 # ------------------------------------------------------------------ settings
@@ -274,7 +285,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         cpu.enable_training()  # before any other megatron code runs
         argv = with_cpu_flags(argv)
-    _single_process_defaults()
+    single_process = _single_process_defaults()
     use_prebuilt_dataset_helpers()
 
     from megatron.training.arguments import parse_args
@@ -334,6 +345,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             extra_args_provider=add_pretrain_args,
             non_loss_data_func=loss_log.close_eval_pass if loss_log else None,
             adjust_args=partial(apply_resume_args, checkpoint_args=checkpoint_args, argv=argv),
+            store=single_process_store() if single_process else None,
         )
     except SystemExit as exit_:
         # --exit-interval / --exit-duration-in-mins / signals end pretrain() with sys.exit on
