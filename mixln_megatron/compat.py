@@ -88,6 +88,7 @@ def _imported_version() -> str:
 
 VERSION = _imported_version().split("+")[0]
 RELEASE = check_release(VERSION)
+RELEASE_NAME = "%d.%d" % RELEASE  # as the settings tables name releases ("0.19")
 
 
 # ------------------------------------------------------------------ A: the config from Megatron-LM's args

@@ -23,8 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _release() -> str:
     from mixln_megatron import compat
 
-    major, minor = compat.parse_release(compat.VERSION)
-    return f"{major}.{minor}"
+    return compat.RELEASE_NAME
 
 
 @pytest.mark.compat

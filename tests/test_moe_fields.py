@@ -16,8 +16,7 @@ from mixln_megatron.model import moe_fields as mf
 def _release() -> str:
     from mixln_megatron import compat
 
-    major, minor = compat.parse_release(compat.VERSION)
-    return f"{major}.{minor}"
+    return compat.RELEASE_NAME
 
 
 @pytest.mark.compat
