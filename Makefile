@@ -75,7 +75,7 @@ test-newest-torch:
 	exit $$status
 
 demo: $(STAMP)
-	$(PY) -m mixln_megatron.dev.demo
+	$(PY) scripts/demo.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py --quick

@@ -28,6 +28,7 @@ Last line: RESULT seconds=<s> mb_per_s=<r> peak_rss_gb=<m> checkpoint_gb=<c>
 
 from __future__ import annotations
 
+import repo_paths  # noqa: F401  (tests/ and scripts/ on sys.path: the harness, the plots)
 import argparse
 import os
 import shutil
@@ -48,7 +49,7 @@ def create_worker(out_dir: str) -> None:
     import torch
     from megatron.core import dist_checkpointing
 
-    from mixln_megatron.dev import testing
+    from harness import testing
     from mixln_megatron.spec import get_mixln_decoder_block_spec
 
     testing.init_distributed(tp=2, pp=2)
@@ -97,7 +98,7 @@ def create_checkpoint(ckpt_dir: str) -> float:
         return 0.0
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     t0 = time.time()
-    from mixln_megatron.dev.testing import torchrun
+    from harness.testing import torchrun
 
     try:
         torchrun(os.path.abspath(__file__), 4, "--create-worker", ckpt_dir, timeout=None)
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIXLN_")}
     env.setdefault("HF_HUB_OFFLINE", "1")
 
-    from mixln_megatron.convert.megatron_reader import open_checkpoint
+    from mixln_megatron.convert.inspect import open_checkpoint
 
     weights = open_checkpoint(ckpt).model_tensor_bytes()
     print(f"checkpoint: {ckpt} ({'created in %.0f s' % created if created else 'reused'}); files "

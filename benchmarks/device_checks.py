@@ -9,6 +9,7 @@ the project load inside the functions that use them.
 
 from __future__ import annotations
 
+import repo_paths  # noqa: F401  (tests/ and scripts/ on sys.path: the harness, the plots)
 import dataclasses
 import datetime as _dt
 import importlib
@@ -296,17 +297,17 @@ def init_runtime(dry_run: bool, seed: int = 1234, backend: Optional[str] = None)
     import torch
 
     if dry_run:
-        from mixln_megatron.dev import cpu
+        from mixln_megatron import cpu
 
         cpu.enable()
     else:
         require_cuda()
-        from mixln_megatron.dev import cpu
+        from mixln_megatron import cpu
 
         # The CPU shims would hide real device bugs: this process must never have them.
-        assert not cpu.is_enabled(), "mixln_megatron.dev.cpu is enabled in the GPU process"
+        assert not cpu.is_enabled(), "mixln_megatron.cpu is enabled in the GPU process"
         torch.cuda.set_device(0)
-    from mixln_megatron.dev import testing
+    from harness import testing
 
     os.environ.setdefault("LOCAL_RANK", "0")
     testing.init_process_group(backend or ("gloo" if dry_run else "nccl"))

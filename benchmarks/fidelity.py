@@ -11,7 +11,7 @@ weight decay, no dropout). Full: hidden 64, 200 steps of 16 x 64 tokens, seeds 1
 hidden 32, 160 steps of 8 x 64 tokens, seed 1.
 
 Embedding-scale control: megatron initialises the embeddings with std init_method_std (0.02);
-the Mix-LN reference code uses sqrt(2/5) (as stated in the issue). With tiny embeddings a Pre-LN model's residual stream
+the Mix-LN reference code uses sqrt(2/5). With tiny embeddings a Pre-LN model's residual stream
 starts tiny, and a first Post-LN layer rescales it, which can look like a Mix-LN gain. Pre-LN and
 Mix-LN are therefore also trained with embeddings of std sqrt(2/5) ("emb=ref" rows), and the
 report says how much of the Pre-LN - Mix-LN gap remains under that init.
@@ -54,10 +54,10 @@ warnings.filterwarnings("ignore", message=".*absl.logging is not installed.*")
 
 import torch  # noqa: E402
 
-from mixln_megatron.analysis import grad_norms, textdata  # noqa: E402
-from mixln_megatron.analysis.layer_drop import evaluate  # noqa: E402
+from mixln_megatron.analysis import diagnostics, models  # noqa: E402
+from mixln_megatron.analysis.diagnostics import evaluate  # noqa: E402
 from mixln_megatron.analysis.models import REFERENCE_EMBEDDING_STD, FreshShape, build_megatron_gpt  # noqa: E402
-from mixln_megatron.dev import cpu  # noqa: E402
+from mixln_megatron import cpu  # noqa: E402
 
 EMB_MEGATRON = "megatron"
 EMB_REFERENCE = "ref"
@@ -111,7 +111,7 @@ def train_one(shape: FreshShape, variant: str, seed: int, alpha: float, recipe: 
               train_batches, valid_batches) -> dict:
     from mixln_megatron.model.settings import MixLNSettings
 
-    p, scheme = grad_norms.variant_placement(variant, shape.num_layers, alpha)
+    p, scheme = diagnostics.variant_placement(variant, shape.num_layers, alpha)
     res = train_settings(shape, MixLNSettings(post_ln_layers=p, scheme=scheme), seed, recipe,
                          train_batches, valid_batches)
     return {"variant": variant, "post_ln_layers": p, "scheme": scheme, **res}
@@ -146,8 +146,8 @@ def train_settings(shape: FreshShape, settings, seed: int, recipe: Recipe, train
             diverged_at = step
             break
         if step in (0, recipe.profile_step):
-            profiles[str(step)] = grad_norms.layer_grad_norms(lm)
-            matrix_profiles[str(step)] = grad_norms.layer_grad_norms(lm, exclude_norms=True)
+            profiles[str(step)] = diagnostics.layer_grad_norms(lm)
+            matrix_profiles[str(step)] = diagnostics.layer_grad_norms(lm, exclude_norms=True)
         if recipe.clip_grad:
             torch.nn.utils.clip_grad_norm_(params, recipe.clip_grad)
         opt.step()
@@ -159,7 +159,7 @@ def train_settings(shape: FreshShape, settings, seed: int, recipe: Recipe, train
         "seed": seed, "valid_loss": valid_loss, "valid_ppl": ppl, "diverged_at": diverged_at,
         "final_train_loss": statistics.fmean(losses[-10:]) if losses else float("nan"),
         "train_losses": losses, "grad_norm_profiles": profiles,
-        "profile_summaries": {k: grad_norms.profile_summary(v) for k, v in profiles.items()},
+        "profile_summaries": {k: diagnostics.profile_summary(v) for k, v in profiles.items()},
         "grad_norm_profiles_matrices_only": matrix_profiles,
         "seconds": round(train_seconds, 1), "s_per_step": round(train_seconds / max(1, len(losses)), 3),
         "cpu_seconds": round(cpu_seconds, 1),
@@ -195,7 +195,7 @@ def summarize(setup: Setup, runs: Dict[str, List[dict]]) -> dict:
         for step in sorted({s for r in seed_runs for s in r["grad_norm_profiles"]}, key=int):
             profs = [r["grad_norm_profiles"][step] for r in seed_runs if step in r["grad_norm_profiles"]]
             meanprof = [statistics.fmean(col) for col in zip(*profs)]
-            prof[step] = {"mean": meanprof, "summary": grad_norms.profile_summary(meanprof)}
+            prof[step] = {"mean": meanprof, "summary": diagnostics.profile_summary(meanprof)}
         rows[key] = {
             "ppl_mean": mean, "ppl_sd": sd, "ppl_per_seed": ppls, "diverged_runs": diverged,
             "spread": (max(ppls) - min(ppls)) if len(ppls) > 1 and all(map(math.isfinite, ppls)) else float("nan"),
@@ -250,7 +250,7 @@ def format_report(setup: Setup, summary: dict, unigram_ppl: Optional[float] = No
         seeds = ", ".join(show(x) for x in r["ppl_per_seed"])
         depth = int(key[1:].split("_")[0])
         variant = key.split("_", 1)[1].replace("_embref", "")
-        p, _ = grad_norms.variant_placement(variant, depth, setup.alpha)
+        p, _ = diagnostics.variant_placement(variant, depth, setup.alpha)
         lines.append(
             f"{key:<22} {p:>3} {r['ppl_mean']:>9.2f} {r['ppl_sd']:>7.2f} {seeds:<22} "
             f"{p0.get('last_over_first', float('nan')):>15.3f} {p0.get('max_over_min', float('nan')):>12.3f} "
@@ -291,13 +291,13 @@ def plot_profiles(setup: Setup, summary: dict, path: str) -> str:
                     continue
                 variant = key.split("_", 1)[1]
                 base = variant.replace("_embref", "")
-                p, _ = grad_norms.variant_placement(base, depth, setup.alpha)
+                p, _ = diagnostics.variant_placement(base, depth, setup.alpha)
                 prof = r["grad_norm_profiles"][step]
-                label = grad_norms.LABELS.get(base, base) + (" emb=ref" if variant.endswith("_embref") else "")
+                label = diagnostics.LABELS.get(base, base) + (" emb=ref" if variant.endswith("_embref") else "")
                 result["variants"][key] = {"label": label, "post_ln_layers": p, "per_seed": [prof["mean"]],
                                            "mean": prof["mean"], "summary": prof["summary"]}
             when = "at initialization" if step == "0" else f"after {step} steps"
-            grad_norms.draw_profiles(axes[i][j], result, title=f"L={depth}: per-layer gradient norm {when}")
+            diagnostics.draw_profiles(axes[i][j], result, title=f"L={depth}: per-layer gradient norm {when}")
     return save_figure(fig, path)
 
 
@@ -323,12 +323,12 @@ def result_line(summary: dict, prefix: str = "fidelity_ppl_") -> str:
 
 def load_data(recipe: Recipe, cache_dir: Optional[str]):
     """The fixed training batches (same for every run) and the held-out batches."""
-    tokens = textdata.corpus_tokens(cache_dir=cache_dir)
-    train_tokens, valid_tokens = textdata.split_train_valid(tokens)
-    train_batches = textdata.batches(train_tokens, recipe.seq_length, recipe.batch_size, recipe.steps, seed=0)
+    tokens = models.corpus_tokens(cache_dir=cache_dir)
+    train_tokens, valid_tokens = models.split_train_valid(tokens)
+    train_batches = models.batches(train_tokens, recipe.seq_length, recipe.batch_size, recipe.steps, seed=0)
     n_valid = len(valid_tokens) // (recipe.seq_length + 1)
     n_valid = min(n_valid, recipe.valid_windows or n_valid)
-    valid_batches = textdata.eval_batches(valid_tokens, n_valid * recipe.seq_length, recipe.seq_length, batch_size=32)
+    valid_batches = models.eval_batches(valid_tokens, n_valid * recipe.seq_length, recipe.seq_length, batch_size=32)
     info = {"corpus_tokens": int(len(tokens)), "train_split_tokens": int(len(train_tokens)),
             "valid_split_tokens": int(len(valid_tokens)), "valid_tokens": n_valid * recipe.seq_length,
             "unigram_ppl": unigram_perplexity(train_tokens, valid_batches)}

@@ -7,7 +7,7 @@ the JSON in benchmarks/results/ rewritten after each phase so that a cut-off run
 
 1. parity    Mix-LN decoder (L = 4, P = 2, GQA) forward + backward on the GPU in fp32 and bf16,
              against a CPU reference computed from the same weights in a separate process (which
-             uses mixln_megatron.dev.cpu; this process never does when it runs on the GPU).
+             uses mixln_megatron.cpu; this process never does when it runs on the GPU).
 2. timing    forward + backward step time and peak step memory on a 7B-shaped slice of the
              decoder (h 4096, ffn 11008, 32 heads, 8 layers, seq 4096, micro-batch 1, bf16):
              megatron's stock local spec, the Mix-LN local spec with P = 0 (same network, the
@@ -27,7 +27,7 @@ the JSON in benchmarks/results/ rewritten after each phase so that a cut-off run
              and temporaries, weights and gradients excluded). gpu_vs_cpu_max_abs: the largest
              absolute difference over output, input gradient and parameter gradients in fp32.
 
-`--cpu-dry-run` runs the same code on the CPU (mixln_megatron.dev.cpu + gloo) with tiny shapes, so
+`--cpu-dry-run` runs the same code on the CPU (mixln_megatron.cpu + gloo) with tiny shapes, so
 that tests/test_gpu_check_dryrun.py keeps the script from rotting between GPU runs. One difference:
 its CPU reference process is forked from the check right after the imports (ForkedReference; the
 same arguments and environment, no second import of torch and megatron-core), where the GPU run
@@ -344,7 +344,7 @@ def phase_spike(rt: Runtime, variant: Variant, shape: Shape, warmup: int, repeat
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_options(ap, "same code on the CPU (mixln_megatron.dev.cpu + gloo) with tiny shapes", seed=1234)
+    add_run_options(ap, "same code on the CPU (mixln_megatron.cpu + gloo) with tiny shapes", seed=1234)
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="watchdog: dump every thread's stack and exit after this long (default 450 on "

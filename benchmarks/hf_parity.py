@@ -19,13 +19,14 @@ Last line: RESULT max_abs_logit_diff=<x> generate_match=<true|false> (over all f
 
 from __future__ import annotations
 
+import repo_paths  # noqa: F401  (tests/ and scripts/ on sys.path: the harness, the plots)
 import argparse
 import json
 import os
 import sys
 import tempfile
 
-from mixln_megatron.dev import testing
+from harness import testing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "benchmarks", "workers", "hf_parity_worker.py")

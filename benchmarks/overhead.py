@@ -9,13 +9,14 @@ local spec (torch.nn.RMSNorm) is timed too, for reference.
 Last line: RESULT mixln_over_preln=<ratio> steps=<n>
 """
 
+import repo_paths  # noqa: F401  (tests/ and scripts/ on sys.path: the harness, the plots)
 import os
 import statistics
 import time
 
 import torch
 
-from mixln_megatron.dev import testing
+from harness import testing
 
 
 def build(kind, cfg, post_ln_layers):

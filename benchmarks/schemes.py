@@ -34,6 +34,7 @@ table's sd) and the embedding-scale confound of fidelity.py applies (README, "Fi
 
 from __future__ import annotations
 
+import repo_paths  # noqa: F401  (tests/ and scripts/ on sys.path: the harness, the plots)
 import argparse
 import json
 import math
@@ -53,10 +54,10 @@ warnings.filterwarnings("ignore", message=".*absl.logging is not installed.*")
 
 import fidelity  # noqa: E402  (the recipe, data, training loop and worker pool of the fidelity benchmark)
 
-from mixln_megatron.analysis import grad_norms  # noqa: E402
+from mixln_megatron.analysis import diagnostics  # noqa: E402
 from mixln_megatron.analysis.arms import ARM_BY_NAME, ARMS  # noqa: E402
 from mixln_megatron.analysis.models import FreshShape  # noqa: E402
-from mixln_megatron.dev import cpu  # noqa: E402
+from mixln_megatron import cpu  # noqa: E402
 from mixln_megatron.model.placement import resolve_placement  # noqa: E402
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ MOE_TAG = "moe_"  # run keys L<depth>_moe_<arm>
 
 def moe_overrides(shape: FreshShape) -> dict:
     """TransformerConfig fields of the MoE model: experts of half the dense FFN width, top-2."""
-    from mixln_megatron.analysis.moe import fresh_moe_fields
+    from mixln_megatron.analysis.loading import fresh_moe_fields
 
     return fresh_moe_fields(MOE_EXPERTS, MOE_TOPK, ffn_hidden_size=shape.ffn // MOE_TOPK,
                             layer_freq=[0] + [1] * (shape.num_layers - 1))
@@ -124,7 +125,7 @@ def summarize(setup: Setup, runs: Dict[str, List[dict]]) -> dict:
         for step in sorted({s for r in seed_runs for s in r["grad_norm_profiles"]}, key=int):
             per_seed = [r["grad_norm_profiles"][step] for r in seed_runs if step in r["grad_norm_profiles"]]
             mean = [statistics.fmean(col) for col in zip(*per_seed)]
-            profiles[step] = {"mean": mean, "summary": grad_norms.profile_summary(mean)}
+            profiles[step] = {"mean": mean, "summary": diagnostics.profile_summary(mean)}
         curves = [r["train_losses"] for r in seed_runs]
         rows[key] = {
             "depth": depth, "arm": arm, "moe": moe, "layout": placement.layout,
@@ -180,7 +181,7 @@ def plot(setup: Setup, summary: dict, path: str) -> str:
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    from mixln_megatron.dev.plots import ema
+    from plots import ema  # scripts/plots.py
 
     fig, axes = plt.subplots(len(setup.depths), 2, figsize=(15, 5.2 * len(setup.depths)), squeeze=False)
     colors = plt.get_cmap("tab20").colors

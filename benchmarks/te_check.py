@@ -294,14 +294,14 @@ def phase_checkpoint(rt, shape, backend: str, model, inputs, seed: int) -> dict:
 
 def phase_te_modules(rt, shape, local_fp32, inputs, seed: int) -> dict:
     """Dry run where TransformerEngine imports: the TE Mix-LN block built from real TE modules on
-    the CPU (mixln_megatron.dev.cpu.te_modules), the local fp32 block's weights copied into it by
+    the CPU (mixln_megatron.cpu.te_modules), the local fp32 block's weights copied into it by
     sharded key (the mapping must be complete both ways), a torch_dist round trip of the TE block
     into a fresh TE block (every tensor equal) and into a fresh local block, whose forward and
     backward must then equal the original local block's exactly. TE's own forward needs a GPU."""
     import torch
     from megatron.core import dist_checkpointing
 
-    from mixln_megatron.dev import cpu
+    from mixln_megatron import cpu
 
     cfg = checks.make_config(shape, torch.float32, on_cpu=True)
     rope = checks.rotary(cfg, shape.seq, rt.device, on_cpu=True)
@@ -415,7 +415,7 @@ def main(argv=None) -> int:
             return 2
     te_modules = None  # dry run: None (stand-ins) or real TE modules where TE imports
     if dry:
-        from mixln_megatron.dev import cpu
+        from mixln_megatron import cpu
 
         why_not = cpu.te_unavailable_reason()
         te_modules = "real" if why_not is None else "stand-in"

@@ -6,13 +6,14 @@ telemetry hook (interval N, default 10), and reports the hook's own time over th
 Last line: RESULT telemetry_overhead=<fraction of step time> interval=<N> steps=<n>
 """
 
+import repo_paths  # noqa: F401  (tests/ and scripts/ on sys.path: the harness, the plots)
 import os
 import statistics
 import time
 
 
 def main(argv=None):
-    from mixln_megatron.dev import testing
+    from harness import testing
 
     parser = testing.benchmark_parser(
         __doc__, quick=dict(steps=20, layers=4, hidden=128), interval=10, steps=60, layers=8, hidden=256,

@@ -15,7 +15,7 @@ Each measurement runs in a fresh child process (its own peak RSS from os.wait4) 
   chunks, .metadata size, DCP's FileSystemReader.read_metadata (the unguarded read Megatron-LM
   does), the project's vetting of the same folder (convert.vet.vet_iteration_dir: the allow-list
   unpickler, the metadata checks, every file it names), their ratio, and the peak RSS of each.
-The target (issue: checkpoint vetting at scale) is ratio <= 1.5 at the 70B- and 405B-like sizes.
+The target is ratio <= 1.5 at the 70B- and 405B-like sizes.
 Last line: RESULT <layout>=<ratio> ...
 """
 

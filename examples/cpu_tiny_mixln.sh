@@ -17,8 +17,8 @@
 #   OUT_DIR               checkpoints go to OUT_DIR/checkpoints [runs/cpu-tiny-mixln]
 #   PYTHON                [the checkout's .venv/bin/python (what `make` creates), else python3]
 #
-# --cpu applies mixln_megatron.dev.cpu.enable_training() and adds the flags a CPU run needs
-# (mixln_megatron.dev.cpu.CPU_MEGATRON_FLAGS: --distributed-backend gloo, --transformer-impl local,
+# --cpu applies mixln_megatron.cpu.enable_training() and adds the flags a CPU run needs
+# (mixln_megatron.cpu.CPU_MEGATRON_FLAGS: --distributed-backend gloo, --transformer-impl local,
 # the CUDA-only fusions off). The entry point builds the Mix-LN model itself (local modules here,
 # TransformerEngine with --transformer-impl transformer_engine), so no --spec is passed.
 # Mix-LN comes from the flag --mixln-alpha, which every rank parses (the entry point reads no

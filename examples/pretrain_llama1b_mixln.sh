@@ -28,7 +28,7 @@
 #   MASTER_PORT           [6000]
 #   GPUS_PER_NODE         [8]
 #   PYTHON                the interpreter that checks the plugin imports before torchrun [python]
-# Resuming: export the same MIXLN_* values (docs/megatron-lm.md).
+# Resuming: export the same MIXLN_* values (docs/checkpoints.md).
 #
 # Settings of the paper (Mix-LN, arXiv 2412.13795) and of the authors' 1B reference run:
 #   model    24 layers, hidden 2048, FFN 5461 (SwiGLU), 32 heads, RMSNorm eps 1e-6, RoPE,

@@ -32,7 +32,7 @@
 #   MASTER_PORT           [6000]
 #   GPUS_PER_NODE         [8]
 #   PYTHON                the interpreter that checks the plugin imports before torchrun [python]
-# Resuming: export the same MIXLN_* values (docs/megatron-lm.md).
+# Resuming: export the same MIXLN_* values (docs/checkpoints.md).
 #
 # Environment on every rank: torchrun starts its workers with the environment of the shell that
 # launched it, so the `export MIXLN_*` below reaches every rank of this node; each node runs this

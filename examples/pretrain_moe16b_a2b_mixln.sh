@@ -12,7 +12,7 @@
 # and the MIXLN_* environment (stock Megatron-LM rejects unknown flags; with
 # patches/<release>/0001-mixln-cli-flags.patch applied, `--mixln-alpha 0.0625` in MEGATRON_ARGS works too).
 # A Post-LN layer with an MoE MLP is y = N(h + MoE(h)); routing and experts are megatron's own
-# (docs/moe.md).
+# (docs/configuration.md).
 #
 # Run the same command on every node, NODE_RANK = 0 .. NNODES-1 (static rendezvous):
 #   NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 MEGATRON_LM_DIR=/opt/Megatron-LM \
@@ -36,7 +36,7 @@
 #   MASTER_PORT           [6000]
 #   GPUS_PER_NODE         [8]
 #   PYTHON                the interpreter that checks the plugin imports before torchrun [python]
-# Resuming: export the same MIXLN_* values (docs/megatron-lm.md).
+# Resuming: export the same MIXLN_* values (docs/checkpoints.md).
 #
 # Environment on every rank: torchrun starts its workers with the environment of the shell that
 # launched it, so the `export MIXLN_*` below reaches every rank of this node; each node runs this

@@ -1,19 +1,7 @@
-"""`mixln-megatron <command> ...`: one command, sub-commands implemented in their own modules.
-
-    mixln-megatron pretrain  [Megatron-LM args] [--mixln-*]   Megatron-LM training loop with Mix-LN
-    mixln-megatron preprocess ...                              corpus -> Megatron indexed dataset
-    mixln-megatron convert to-hf | from-hf | gpt-to-hybrid | hybrid-to-gpt | inspect ...
-                                                               checkpoints: Megatron <-> HF, GPT <-> Hybrid
-    mixln-megatron analyze grad-norms | angular-distance | layer-drop | train-health ...
-    mixln-megatron placement --num-layers L [--mixln-alpha A | --mixln-post-ln-layers P | --mixln-layout TEXT]
-    mixln-megatron arms --num-layers L [ARM]                   the comparison arms (MIXLN_* exports)
-    mixln-megatron --version
-
-Each sub-command's module is imported only when it runs, so `--help` stays fast. A user error
-(any mixln_megatron.errors.MixLNError: a bad setting, an unsupported configuration, a refused
-conversion), and a usage error, ends the command with one line on stderr and exit status 2, never
-a traceback (cli_parsing). Flags are spelled as Megatron-LM spells them; old spellings still work,
-with a deprecation line.
+"""`mixln-megatron <command> ...`: one command, its sub-commands (COMMANDS; docs/commands.md)
+each in its own module, imported only when it runs, so `--help` stays fast. A user error (any
+errors.MixLNError) or a usage error ends the command with one line on stderr and exit status 2,
+never a traceback (cli_parsing).
 """
 
 from __future__ import annotations
@@ -21,10 +9,15 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from importlib import metadata
 
+from . import __version__
 from .cli_parsing import CommandParser, add_flag, refused
 from .errors import EXIT_STATUS, MixLNError
 from .known_warnings import quiet_known_warnings
+from .model import hybrid_pattern
+from .model.placement import resolve_placement
+from .model.settings import FIELDS, MixLNSettings
 
 COMMANDS = {
     "pretrain": ("mixln_megatron.training.pretrain", "Pretrain with Megatron-LM's training loop (Mix-LN spec, --mixln-* flags)."),
@@ -46,10 +39,6 @@ def _usage() -> str:
 
 def version() -> str:
     """The installed distribution's version, else the package's own (a source tree on PYTHONPATH)."""
-    from importlib import metadata
-
-    from . import __version__
-
     try:
         return metadata.version("mixln-megatron")
     except metadata.PackageNotFoundError:
@@ -57,8 +46,6 @@ def version() -> str:
 
 
 def placement_parser() -> CommandParser:
-    from .model.settings import FIELDS
-
     parser = CommandParser(prog="mixln-megatron placement", description="Show the Post-LN layers.")
     shape = parser.add_mutually_exclusive_group(required=True)
     shape.add_argument("--num-layers", type=int, help="transformer layers of a GPT model")
@@ -75,10 +62,6 @@ def placement_parser() -> CommandParser:
 
 
 def placement_main(argv=None) -> int:
-    from .model import hybrid_pattern
-    from .model.placement import resolve_placement
-    from .model.settings import MixLNSettings
-
     args = placement_parser().parse_args(argv)
     fields = ("alpha", "post_ln_layers", "layout", "scheme", "deepnorm_alpha", "deepnorm_beta")
     settings = MixLNSettings(**{field: getattr(args, "mixln_" + field) for field in fields},

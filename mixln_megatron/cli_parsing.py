@@ -1,17 +1,10 @@
 """How the `mixln-megatron` commands parse their flags and refuse: one line, exit 2.
 
-  CommandParser        an argparse parser whose usage errors are one line (`<prog>: error: ...`)
-                       and exit 2, like every other refusal of the commands
-  add_flag             a flag under its current name that still takes the old spellings, saying
-                       once per use on stderr that the old one is deprecated
-  refused              print a refusal (a MixLNError, or a file the command cannot read) as one
-                       line; returns the exit status, errors.EXIT_STATUS
-  one_line_usage_errors  the same one-line usage errors for a parser this project does not own
-                       (Megatron-LM's, whose usage message is hundreds of flags long), once
-                       per job: every rank parses the same command line
-
-Flag names follow Megatron-LM where it has one (--load, --tokenizer-model, --mixln-*), so a
-setting is spelled the same in every command.
+`CommandParser` for the commands' own parsers, `one_line_usage_errors` for a parser this project
+does not own (Megatron-LM's, whose usage message is hundreds of flags long), `add_flag` for a
+flag that still takes its old spellings, `refused` for a refusal's line. Flag names follow
+Megatron-LM where it has one (--load, --tokenizer-model, --mixln-*), so a setting is spelled the
+same in every command.
 
 Pure Python: importing this module imports nothing heavy.
 """

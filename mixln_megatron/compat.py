@@ -1,36 +1,8 @@
-"""Every difference between the megatron-core releases mixln_megatron supports: 0.17, 0.18, 0.19
-and 0.20 (Megatron-LM main, d98e8a64; not on a registry yet).
-
-The rest of the package is written against one API; what a release does differently is adapted
-here and nowhere else (docs/megatron-releases.md, sections A-J, says what was measured):
-  A  `core_transformer_config_from_args` moved (0.17: training.arguments; 0.18+: argument_utils).
-  B  0.17's pretrain() parses sys.argv itself and takes no config container.
-  C  0.18's pretrain() takes model_provider third; 0.19 moved it behind the model type.
-  D  Megatron-LM's `--spec`: 0.19 calls a callable with the model config; 0.17/0.18 hand the
-     imported object to GPTModel, which only takes a layer ModuleSpec (final norm: Megatron's);
-     the objects for each case are the --spec edge's (mixln_megatron.spec).
-  E  0.17/0.18's train() overwrites config.finalize_model_grads_func, dropping our hooks.
-  F  MLP builders: a ModuleSpec on 0.17, MlpBuilder partials on 0.18+ (model/layer.py handles
-     both shapes; nothing to adapt here).
-  K  the batch helpers (get_batch_on_this_tp_rank / _cp_rank) moved and changed arguments.
-  H  dist_checkpointing: 0.19's load() takes process_group=. 0.19 also keeps the common state in
-     the DCP files (object `common_state`) instead of common.pt, so 0.17/0.18 cannot load what
-     0.19 saved (Megatron's limitation; older -> newer loads); the converter's reader
-     (convert/torch_dist_reader.py) reads both layouts without importing megatron.
-  N  0.20 (main) renamed TransformerLayer's MLP residual step: `_forward_post_mlp(out, residual)`
-     became `_apply_mlp_bda_step(out, residual, mlp_state=())`; a subclass that still defines
-     `_forward_post_mlp` is routed through a deprecation shim. `keep_release_hooks` leaves the
-     layer only the name this release calls. (0.20 also reads `returns_residual` off norms, no
-     Mix-LN norm returns a residual; MLP passes `pg_collection=` to fc1/fc2, which the Post-LN
-     linears forward untouched; a misspelt `--spec` module raises ImportError.)
-  P  HybridModel: Mix-LN builds on the 0.19+ one (HYBRID_MODEL); the --spec stack objects are
-     the edge's (mixln_megatron.spec).
-  G  full-iteration CUDA graphs: 0.17 asks for them with cuda_graph_impl "local" and the scope
-     "full_iteration"; 0.18+ with cuda_graph_impl "full_iteration" (the old scope migrates).
-  T  torch: every release's torch_dist metadata reader (load_tensors_metadata, behind a load
-     whose strictness checks the checkpoint's keys) builds tensors with torch.empty(**the DCP
-     TensorProperties' attributes); torch 2.15 added `strides` there, which torch.empty does not
-     take. Probed, not version-matched; such a load is refused at start-up (check_readable).
+"""Every difference between the megatron-core releases mixln_megatron supports (0.17, 0.18, 0.19
+and 0.20: Megatron-LM main, d98e8a64), and the one torch difference megatron-core's checkpoint
+reader trips on. The rest of the package is written against one API; what a release does
+differently is adapted here and nowhere else, one section per subject (CONTRIBUTING.md's design
+notes say what each absorbs; docs/compatibility.md what was measured).
 
 The release is that of the megatron.core actually imported (a Megatron-LM checkout on sys.path
 wins over the installed wheel), so its own version string decides, not the installed dist-info.
@@ -39,8 +11,10 @@ wins over the installed wheel), so its own version string decides, not the insta
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import warnings
+from importlib.metadata import version as dist_version
 from typing import Callable, Optional, Sequence, Tuple
 
 from .errors import MixLNError
@@ -76,13 +50,11 @@ def check_release(version: str) -> Tuple[int, int]:
 
 
 def _imported_version() -> str:
-    import megatron.core
+    import megatron.core  # heavy
 
     version = getattr(megatron.core, "__version__", None)
     if version:
         return version
-    from importlib.metadata import version as dist_version
-
     return dist_version("megatron-core")
 
 
@@ -91,17 +63,16 @@ RELEASE = check_release(VERSION)
 RELEASE_NAME = "%d.%d" % RELEASE  # as the settings tables name releases ("0.19")
 
 
-# ------------------------------------------------------------------ A: the config from Megatron-LM's args
+# -------------------- Megatron-LM's arguments and pretrain() (0.17 / 0.18 / 0.19+)
 def core_transformer_config_from_args(args, config_class=None):
     """Megatron-LM's TransformerConfig from parsed args, wherever this release keeps the function."""
     if RELEASE >= (0, 18):
-        from megatron.training.argument_utils import core_transformer_config_from_args as build
+        from megatron.training.argument_utils import core_transformer_config_from_args as build  # optional
     else:
-        from megatron.training.arguments import core_transformer_config_from_args as build
+        from megatron.training.arguments import core_transformer_config_from_args as build  # optional
     return build(args) if config_class is None else build(args, config_class)
 
 
-# ------------------------------------------------------------------ B, C: parsing and pretrain()
 def parse_and_validate_args(extra_args_provider: Callable):
     """Megatron-LM's args from sys.argv, loaded from the checkpoint with --use-checkpoint-args.
 
@@ -109,15 +80,15 @@ def parse_and_validate_args(extra_args_provider: Callable):
     none and its pretrain() parses and validates sys.argv itself, so here the args are parsed
     (and checkpoint args loaded) for the entry point's own early checks only.
     """
-    from megatron.training.arguments import parse_args
+    from megatron.training.arguments import parse_args  # optional
 
     args = parse_args(extra_args_provider)
     if RELEASE >= (0, 18):
-        from megatron.training.arguments import parse_and_validate_args
+        from megatron.training.arguments import parse_and_validate_args  # optional
 
         return parse_and_validate_args(extra_args_provider)
     if args.use_checkpoint_args:
-        from megatron.training.checkpointing import load_args_from_checkpoint
+        from megatron.training.checkpointing import load_args_from_checkpoint  # optional
 
         load_args_from_checkpoint(args, load_arg="pretrained_checkpoint")
         load_args_from_checkpoint(args)
@@ -133,15 +104,15 @@ def run_pretrain(args, argv: Sequence[str], *, datasets_provider, model_provider
     adjust_args(args) is what the caller changed on `args` after parsing; on 0.17 pretrain()
     parses again, so it is applied to the args Megatron then uses, before the first model build.
     """
-    from megatron.core.enums import ModelType
-    from megatron.training import pretrain
+    from megatron.core.enums import ModelType  # heavy
+    from megatron.training import pretrain  # optional
 
     shared = dict(  # the keyword names all three releases share
         train_valid_test_dataset_provider=datasets_provider, model_type=ModelType.encoder_or_decoder,
         forward_step_func=forward_step, non_loss_data_func=non_loss_data_func, store=store,
     )
     if RELEASE >= (0, 18):
-        from megatron.training.argument_utils import pretrain_cfg_container_from_args
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args  # optional
 
         with warnings.catch_warnings():
             # It recommends a ModelConfig over a model provider; the provider is how Mix-LN gets in.
@@ -164,7 +135,7 @@ def _adjusting_provider(model_provider, adjust_args):
 
     def provider(*args, **kwargs):
         if not done:
-            from megatron.training import get_args
+            from megatron.training import get_args  # optional
 
             adjust_args(get_args())
             done.append(True)
@@ -173,22 +144,22 @@ def _adjusting_provider(model_provider, adjust_args):
     return provider
 
 
-# ------------------------------------------------------------------ K: the batch helpers
+# -------------------- training batches: the TP / CP batch helpers (0.17 / 0.18 / 0.19+)
 def batch_on_this_tp_rank(data_iterator, vp_stage: Optional[int] = None) -> dict:
     """One micro-batch, read on TP rank 0 and broadcast over TP (first/last pipeline stages).
 
     0.17: megatron.training.utils' version reads the iterator itself; 0.18 moved it to
     megatron.core.utils taking the batch (flag `is_sft`), 0.19 renamed that flag `has_cu_seqlens`.
     """
-    import torch
-    from megatron.core import mpu
-    from megatron.training import get_args
+    import torch  # heavy
+    from megatron.core import mpu  # heavy
+    from megatron.training import get_args  # optional
 
     if RELEASE < (0, 18):
-        from megatron.training.utils import get_batch_on_this_tp_rank
+        from megatron.training.utils import get_batch_on_this_tp_rank  # optional
 
         return get_batch_on_this_tp_rank(data_iterator, mtp_on_this_rank=False)
-    from megatron.core.utils import get_batch_on_this_tp_rank
+    from megatron.core.utils import get_batch_on_this_tp_rank  # heavy
 
     args = get_args()
     tp_rank = mpu.get_tensor_model_parallel_rank()
@@ -219,18 +190,16 @@ def batch_on_this_tp_rank(data_iterator, vp_stage: Optional[int] = None) -> dict
 
 def batch_on_this_cp_rank(batch: dict) -> dict:
     """This context-parallel rank's slice of the sequence (0.18 added the is_hybrid_cp flag)."""
-    from megatron.core import mpu
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron.core import mpu  # heavy
+    from megatron.core.utils import get_batch_on_this_cp_rank  # heavy
 
     hybrid = {"is_hybrid_cp": False} if RELEASE >= (0, 18) else {}
     return get_batch_on_this_cp_rank(batch, cp_group=mpu.get_context_parallel_group(), **hybrid)
 
 
-# ------------------------------------------------------------------ D: what `--spec` imports
+# -------------------- building the model: `--spec` (0.19+), the MLP residual step (0.20), HybridModel (0.19+)
 SPEC_GETS_THE_CONFIG = RELEASE >= (0, 19)
 
-
-# ------------------------------------------------------------------ N: the MLP residual step's name
 MLP_BDA_HOOK = "_apply_mlp_bda_step" if RELEASE >= (0, 20) else "_forward_post_mlp"
 _MLP_BDA_HOOKS = ("_apply_mlp_bda_step", "_forward_post_mlp")
 
@@ -245,9 +214,8 @@ def keep_release_hooks(cls):
     return cls
 
 
-# ------------------------------------------------------------------ E: the finalize hook survives train()
-# P  HybridModel (megatron.core.models.hybrid, `--hybrid-layer-pattern`, pretrain_hybrid.py's
-#    --spec stack ModuleSpec) is what Mix-LN builds on from 0.19; 0.17 has only MambaStack.
+# HybridModel (megatron.core.models.hybrid, `--hybrid-layer-pattern`, pretrain_hybrid.py's
+# --spec stack ModuleSpec) is what Mix-LN builds on from 0.19; 0.17 has only MambaStack.
 HYBRID_MODEL = RELEASE >= (0, 19)
 
 
@@ -259,6 +227,7 @@ def require_hybrid_model() -> None:
             "release train GPTModel with --spec mixln_megatron.spec mixln_layer_spec")
 
 
+# -------------------- the finalize hook survives train() (0.17 / 0.18)
 TRAIN_KEEPS_FINALIZE_HOOK = RELEASE >= (0, 19)  # 0.19 sets it only when None
 
 
@@ -326,22 +295,21 @@ _recorded = [0]
 
 
 class _FinalizeWithKeptHook:
-    """Stands in for megatron.training.training.finalize_model_grads on 0.17/0.18: there is no
-    public hook, and train() assigns this module global to every model config. Undone by
-    set_finalize_chain_head when the last of our hooks is removed."""
+    """The dispatcher keep_finalize_hook puts in place of megatron.training.training.finalize_model_grads
+    on 0.17/0.18; undone by set_finalize_chain_head when the last of our hooks is removed."""
 
     def __init__(self, original: Callable):
         self.original = original
 
     def __call__(self, model, *args, **kwargs):
-        from megatron.core.utils import get_model_config
+        from megatron.core.utils import get_model_config  # heavy
 
         first = model[0] if isinstance(model, (list, tuple)) else model
         hook = getattr(get_model_config(first), "_mixln_finalize_hook", None)
         return (hook or self.original)(model, *args, **kwargs)
 
 
-# ------------------------------------------------------------------ H: dist_checkpointing
+# -------------------- checkpoints: dist_checkpointing's load (0.19's process_group=, 0.19's common state)
 class CheckpointFromNewerRelease(MixLNError, RuntimeError):
     """A torch_dist checkpoint saved by megatron-core 0.19+, being loaded by 0.17/0.18."""
 
@@ -353,12 +321,8 @@ def check_readable(checkpoint_dir: str, strict=None) -> None:
     0.19 keeps the common state (args, iteration, content metadata) in the DCP files and writes no
     common.pt, which 0.17/0.18 require (Megatron's own limitation; older -> newer loads); and a
     load that checks the checkpoint's keys needs megatron's metadata reader to take this torch's
-    metadata (T, check_metadata_reader). Which directory a --load resumes from is convert.vet's
-    (check_load_dir, vet_load_args): the entry point and the --spec edge call it there, before
-    Megatron reads the checkpoint.
+    metadata (check_metadata_reader). convert.vet.check_load_dir calls it on the --load directory.
     """
-    import os
-
     if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
         return
     check_metadata_reader(strict)
@@ -374,7 +338,7 @@ def check_readable(checkpoint_dir: str, strict=None) -> None:
 
 def dist_load(sharded_state_dict, checkpoint_dir, process_group=None, **kwargs):
     """dist_checkpointing.load; process_group= exists from 0.19 (older releases use the world)."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # heavy
 
     check_readable(str(checkpoint_dir), kwargs.get("strict"))
     if process_group is not None and RELEASE >= (0, 19):
@@ -382,7 +346,7 @@ def dist_load(sharded_state_dict, checkpoint_dir, process_group=None, **kwargs):
     return dist_checkpointing.load(sharded_state_dict, checkpoint_dir, **kwargs)
 
 
-# ------------------------------------------------------------------ T: torch's DCP metadata in megatron's reader
+# -------------------- checkpoints: torch's DCP metadata in megatron's reader (torch 2.15's `strides`)
 class UnsupportedTorchRelease(MixLNError, RuntimeError):
     """torch whose checkpoint metadata this megatron-core's metadata reader cannot take."""
 
@@ -396,18 +360,16 @@ _reader_problem = _UNPROBED
 def metadata_reader_problem(properties=None) -> Optional[str]:
     """Why megatron-core's torch_dist metadata reader fails on this torch's DCP metadata, or None.
 
-    megatron's load_tensors_metadata makes each tensor's meta copy with
-    torch.empty(size, **properties.__dict__): any attribute of torch's TensorProperties that
-    torch.empty does not take (torch 2.15's `strides`) fails every load that reads it. So the
-    reader itself runs here on a one-tensor Metadata in memory (no file, no process group),
-    with `properties` (default: TensorProperties as this torch makes it); the verdict follows a
-    fix in either library. Probed once per process for the default."""
+    megatron's load_tensors_metadata calls torch.empty(size, **properties.__dict__), which fails on
+    an attribute torch.empty does not take (torch 2.15's `strides`). So the reader itself runs on
+    a one-tensor Metadata in memory with `properties` (default: as this torch makes them, probed
+    once per process): the verdict follows a fix in either library."""
     global _reader_problem
     if properties is None and _reader_problem is not _UNPROBED:
         return _reader_problem
-    import torch
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
+    import torch  # heavy
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy  # heavy
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,  # heavy
                                                        TensorStorageMetadata)
 
     props = TensorProperties(dtype=torch.float32) if properties is None else properties
@@ -430,7 +392,7 @@ def check_metadata_reader(strict) -> None:
     default, assume_ok_unexpected) and megatron's reader cannot take this torch's metadata."""
     if strict is None:
         return
-    from megatron.core.dist_checkpointing.validation import StrictHandling, parse_strict_flag
+    from megatron.core.dist_checkpointing.validation import StrictHandling, parse_strict_flag  # heavy
 
     try:
         handling = parse_strict_flag(strict)
@@ -441,7 +403,7 @@ def check_metadata_reader(strict) -> None:
     problem = metadata_reader_problem()
     if problem is None:
         return
-    import torch
+    import torch  # heavy
 
     raise UnsupportedTorchRelease(
         f"torch {torch.__version__.split('+')[0]} with megatron-core {VERSION}: megatron-core's checkpoint "
@@ -451,7 +413,7 @@ def check_metadata_reader(strict) -> None:
         f"(pip install '{TORCH_REQUIREMENT}')")
 
 
-# ------------------------------------------------------------------ G: full-iteration CUDA graphs
+# -------------------- CUDA graphs of the whole iteration (0.17 / 0.18+)
 def full_iteration_cuda_graph(config) -> Optional[str]:
     """How `config` (a TransformerConfig, or Megatron-LM's parsed args) asks for a CUDA graph of
     the whole forward-backward step, which captures config.finalize_model_grads_func; None when

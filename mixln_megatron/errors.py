@@ -1,34 +1,20 @@
-"""The project's user-facing errors, and how they reach the user: one line.
+"""The project's user-facing errors, and how they reach the user: one line, exit 2, no traceback
+(what the user sees: docs/commands.md#errors-and-exit-status). The commands print a MixLNError
+through cli_parsing.refused; the edges stock Megatron-LM calls `refuse`: the line
+`[mixln_megatron] ERROR: <message>`, then `Refusal`, a SystemExit(2), on every rank.
 
-`MixLNError` is the base of every error that means "the user asked for something wrong or
-unsupported" (a bad setting, an unsupported configuration, a refused conversion). Such an error
-needs no traceback: the project's own commands print its message as one line and exit 2
-(cli.main). Under stock Megatron-LM (pretrain_gpt.py / pretrain_hybrid.py with our `--spec`
-objects) the edges Megatron-LM calls turn a refusal into `[mixln_megatron] ERROR: <message>` and
-`Refusal`, a SystemExit(2): every rank leaves with exit status 2 and no traceback (`refuse`).
+How the line survives whichever rank fails first (`report`): with several local ranks, the first
+to detect the refusal claims the line for its node (a `NodeClaim`), prints it, then marks it
+printed; a rank that finds it claimed waits for that mark (or prints it itself once the claimer
+is gone) before it may leave, so a launcher that stops the job at the first failed worker
+(torchrun's SIGTERM) cannot cut it off. Any trouble with the claim prints the line anyway: a
+duplicate line, never a lost one. With `alike_on_every_rank=True` (a refusal that depends only on
+the command line) global rank 0 prints it, its local peers wait for it, other nodes leave at
+once; a refusal that reads files stays once per node (a node may see other files than rank 0).
 
-How the one line survives whichever rank fails first (`report`). Every rank that detects a
-refusal takes part; nobody waits for a particular rank. The first local rank to detect it claims
-the line for its node (an O_EXCL file in the node's temp directory, keyed by the launcher process
-that started the local ranks, the rendezvous address and the message), prints it, then marks it
-printed; a rank that finds the line claimed waits for that mark (or for the claimer's process to
-be gone, when it prints the line itself) before it may leave. So the line is on stderr before any
-rank of the node exits, and a launcher that stops the job at the first failed worker (torchrun's
-SIGTERM) cannot cut it off. A job prints it once per node (identical text: `sort -u` merges the
-nodes' copies); a process without a launcher (WORLD_SIZE unset or 1, or one rank per node)
-prints without claiming. Any trouble with the claim file prints the line anyway: a duplicate
-line, never a lost one.
-
-Once per job (`alike_on_every_rank=True`): a refusal that depends only on the command line is met
-by every rank of the job alike, so global rank 0 prints it and every other rank leaves quietly
-with the same status. Rank 0's local peers still wait for its line (or for rank 0 to be gone,
-when they print it themselves) before they leave, for the launcher's sake; ranks on other nodes
-leave at once. A refusal that reads files (a checkpoint) stays once per node: a node may see
-other files than rank 0's.
-
-Dedup inside a process is per error, not a latch: `report` marks the exception it printed, and an
-error whose chain (__cause__ / __context__, e.g. megatron's build_module re-raising it with its own
-suffix) holds a printed one is not printed again. Another error still gets its line.
+Within a process an error is printed once: `report` marks it, and an error whose chain
+(__cause__ / __context__, e.g. megatron's build_module re-raising it) holds a printed one is not
+printed again; another error still gets its line.
 
 Pure Python: importing this module imports nothing heavy.
 """
@@ -153,7 +139,7 @@ def refusals_leave():
         refuse(error)
 
 
-# ------------------------------------------------------------------ once per node
+# ------------------------------------------------------------------ one process of a node
 def _local_ranks() -> int:
     for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
         value = os.environ.get(name)
@@ -165,35 +151,86 @@ def _local_ranks() -> int:
     return 1
 
 
-def _launcher_identity() -> str:
-    """The process that started this node's ranks (torchrun's agent, slurmstepd, ...), with its
-    start time so a reused PID is another launcher."""
-    ppid = os.getppid()
+def process_start(pid: int) -> Optional[str]:
+    """The process's start time in clock ticks (Linux), so that a reused pid is another process."""
     try:
-        with open(f"/proc/{ppid}/stat") as f:
-            started = f.read().rsplit(")", 1)[1].split()[19]
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
-        started = ""
-    return f"{ppid}:{started}"
+        return None
 
 
-def _paths(line: str):
-    key = "\0".join([_launcher_identity(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""),
-                     os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", ""),
-                     line])
-    name = hashlib.sha256(key.encode()).hexdigest()[:32]
-    folder = os.path.join(tempfile.gettempdir(), f"mixln_megatron-errors-{os.getuid()}")
-    return folder, os.path.join(folder, name + ".claim"), os.path.join(folder, name + ".printed")
-
-
-def _alive(pid: int) -> bool:
+def process_alive(pid: int, start: Optional[str] = None) -> bool:
+    """Whether process `pid` runs (and, given its `start`, is still that process)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except OSError:
         return True  # exists, not ours to signal
-    return True
+    now = process_start(pid) if start is not None else None
+    return start is None or now is None or now == start
+
+
+class NodeClaim:
+    """Which local rank of a node does a job once: printing a refusal's line (here), vetting a
+    checkpoint (convert.vet). The first rank to create the claim file (O_EXCL, holding its pid, in
+    the node's temp directory) does the job; the others wait for its result (`wait`). The claim is
+    keyed by the launcher process that started the node's ranks (with its start time), the
+    rendezvous, the run and restart, and the job's subject, so another job never shares it."""
+
+    SUFFIXES = (".claim", ".printed", ".verdict")
+
+    def __init__(self, kind: str, subject: str):
+        ppid = os.getppid()
+        key = "\0".join([f"{ppid}:{process_start(ppid) or ''}", os.environ.get("MASTER_ADDR", ""),
+                         os.environ.get("MASTER_PORT", ""), os.environ.get("TORCHELASTIC_RUN_ID", ""),
+                         os.environ.get("TORCHELASTIC_RESTART_COUNT", ""), subject])
+        self.folder = os.path.join(tempfile.gettempdir(), f"mixln_megatron-{kind}-{os.getuid()}")
+        self.name = hashlib.sha256(key.encode()).hexdigest()[:32]
+        self.claim = self.path(".claim")
+
+    def path(self, suffix: str) -> str:
+        """A file of this claim (its result: `.printed`, `.verdict`)."""
+        return os.path.join(self.folder, self.name + suffix)
+
+    def take(self) -> bool:
+        """True when this process claimed the job, False when another one had (OSError: no claim possible)."""
+        os.makedirs(self.folder, mode=0o700, exist_ok=True)
+        try:
+            fd = os.open(self.claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        self._prune()
+        return True
+
+    def wait(self, done, bound_s: Optional[float] = None) -> bool:
+        """Wait until done() (True), or until the claimer is gone without it or `bound_s` passed (False)."""
+        deadline = None if bound_s is None else time.monotonic() + bound_s
+        while deadline is None or time.monotonic() < deadline:
+            if done():
+                return True
+            try:
+                with open(self.claim) as f:
+                    text = f.read().strip()
+            except OSError:
+                text = ""  # the claimer has not written it yet
+            if text.isdigit() and not process_alive(int(text)):
+                return done()  # gone: look once more, it may have finished just before
+            time.sleep(_POLL_S)
+        return False
+
+    def _prune(self, age_s: float = 86400.0) -> None:
+        """Remove this kind's claim files older than a day (only the files claims write)."""
+        now = time.time()
+        try:
+            for entry in os.scandir(self.folder):
+                if entry.name.endswith(self.SUFFIXES) and now - entry.stat().st_mtime > age_s:
+                    os.unlink(entry.path)
+        except OSError:
+            pass
 
 
 def _claim_for_this_node(line: str) -> bool:
@@ -201,34 +238,13 @@ def _claim_for_this_node(line: str) -> bool:
     if _local_ranks() <= 1:
         return True
     try:
-        folder, claim, printed = _paths(line)
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        try:
-            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-        except FileExistsError:
-            return _wait_for_claimer(claim, printed)
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
-        _prune(folder)
-        return True
+        claim = NodeClaim("errors", line)
+        if claim.take():
+            return True
+        printed = claim.path(".printed")
+        return not claim.wait(lambda: os.path.exists(printed), CLAIM_WAIT_BOUND_S)
     except OSError:
         return True  # no claim possible: print (a duplicate, never a lost line)
-
-
-def _wait_for_claimer(claim: str, printed: str) -> bool:
-    deadline = time.monotonic() + CLAIM_WAIT_BOUND_S
-    while time.monotonic() < deadline:
-        if os.path.exists(printed):
-            return False
-        try:
-            with open(claim) as f:
-                text = f.read().strip()
-        except OSError:
-            text = ""
-        if text.isdigit() and not _alive(int(text)) and not os.path.exists(printed):
-            return True  # the claimer died before printing: print it here
-        time.sleep(_POLL_S)
-    return True
 
 
 # ------------------------------------------------------------------ once per job
@@ -249,44 +265,19 @@ def _rank_0_is_gone_without(line: str) -> bool:
     """A peer of rank 0 waits for rank 0 to print `line` (False), or for a sign that it never
     will: rank 0 gone without it, or rank 0 printed another refusal (True: print it here)."""
     try:
-        _, claim, printed = _paths(line)
-        any_printed = _paths("")[2]
+        claim = NodeClaim("errors", line)
+        printed, any_printed = claim.path(".printed"), NodeClaim("errors", "").path(".printed")
     except OSError:
         return True
-    deadline = time.monotonic() + CLAIM_WAIT_BOUND_S
-    while time.monotonic() < deadline:
-        if os.path.exists(printed):
-            return False
-        if os.path.exists(any_printed):  # marked after the line's own mark: look at that once more
-            return not os.path.exists(printed)
-        try:
-            with open(claim) as f:
-                text = f.read().strip()
-        except OSError:
-            text = ""  # rank 0 has not got there yet
-        if text.isdigit() and not _alive(int(text)) and not os.path.exists(printed):
-            return True
-        time.sleep(_POLL_S)
-    return True
+    claim.wait(lambda: os.path.exists(printed) or os.path.exists(any_printed), CLAIM_WAIT_BOUND_S)
+    return not os.path.exists(printed)
 
 
 def _mark_printed(line: str) -> None:
     if _local_ranks() <= 1:
         return
     try:
-        _, _, printed = _paths(line)
-        os.close(os.open(printed, os.O_CREAT | os.O_WRONLY, 0o600))
-    except OSError:
-        pass
-
-
-def _prune(folder: str, age_s: float = 86400.0) -> None:
-    """Remove this module's claim files older than a day (only *.claim / *.printed it wrote)."""
-    now = time.time()
-    try:
-        for entry in os.scandir(folder):
-            if entry.name.endswith((".claim", ".printed")) and now - entry.stat().st_mtime > age_s:
-                os.unlink(entry.path)
+        os.close(os.open(NodeClaim("errors", line).path(".printed"), os.O_CREAT | os.O_WRONLY, 0o600))
     except OSError:
         pass
 

@@ -1,19 +1,12 @@
 """Files read from a folder somebody handed us, confined to that folder and bounded in cost.
 
-A checkpoint or model folder is untrusted input: its metadata names other files (DCP's
-`relative_path`, an HF index's `weight_map`, the tracker's iteration), and any of those names may
-be absolute, climb out with `..`, or be a symlink to a file elsewhere; a file may be a FIFO that
-blocks forever or a link to /dev/zero that never ends. Every file a command opens from its input
-goes through one `InputRoot`:
-
-    root = InputRoot(load, "checkpoint")         # the folder the user gave (their path may use links)
-    root.path("iter_0000010/.metadata")          # absolute path, refused if it leaves the folder
-    root.read_bytes("iter_0000010/.metadata", ".metadata")   # a regular file, at most LIMITS[kind]
-    root.read_json("config.json", "config.json")  # the same, parsed: one ConversionError if bad
-
-A refusal is an UnsafeInputError (one line, exit 2 from the commands) naming the file and the rule.
-Large weight files (safetensors shards, .distcp, legacy rank files) have no size bound: they are
-read by their own libraries in pieces; `check_file` confines them all the same.
+A checkpoint or model folder is untrusted input (docs/untrusted-input.md): the names its metadata
+gives may be absolute, climb out with `..` or be symlinks elsewhere; a file may be a FIFO that
+blocks forever or a link to /dev/zero. Every file a command opens from its input goes through
+one `InputRoot` (`path`, `check_file`, `open`, `read_bytes`, `read_json`); a refusal is an
+UnsafeInputError naming the file and the rule. Large weight files (safetensors shards, .distcp,
+legacy rank files) have no size bound: their own libraries read them in pieces; `check_file`
+confines them all the same.
 """
 
 from __future__ import annotations
@@ -126,8 +119,7 @@ class InputRoot:
     def open(self, rel: str, kind: Optional[str] = None, limit: Optional[int] = None):
         """`rel` opened for binary reading: a regular file inside the folder (never a FIFO or device:
         the open itself cannot block), at most LIMITS[kind] bytes."""
-        self.check_file(rel, kind, limit)
-        real = self.path(rel)
+        real = self.check_file(rel, kind, limit)
         try:
             fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
         except OSError as e:

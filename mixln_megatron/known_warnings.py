@@ -1,15 +1,11 @@
 """The warnings a CPU machine's heavy imports print, which the commands keep off the user's screen.
 
-Importing megatron-core on a machine without TransformerEngine, Apex or absl prints about a dozen
-warnings (each once per process, twice its line count: the message and the source line), and
-torch logs that no CUDA runtime is found; megatron-core's TransformerConfig warns about its own
-default CUDA-graph scope. None of them is about the user's input or can be acted on, and under a
-launcher every rank prints them again, burying a one-line refusal.
-
-`quiet_known_warnings()` (called first by the commands' main functions, never at import) ignores
-exactly these, each by category, message and the module that issues it, so every other warning
-(the user's data, a deprecated flag, megatron's own advice) still shows. A user who sets warning
-options (-W, PYTHONWARNINGS) keeps them as given. Pure Python: importing this imports nothing heavy.
+Importing megatron-core without TransformerEngine, Apex or absl prints about a dozen warnings,
+torch logs that no CUDA runtime is found, and TransformerConfig warns about its own default
+CUDA-graph scope; none can be acted on, and under a launcher every rank repeats them, burying a
+one-line refusal. `quiet_known_warnings()` (called first by the commands' main functions) ignores
+exactly these, each by category, message and issuing module; every other warning still shows,
+and a user's own -W / PYTHONWARNINGS are kept. Pure Python: importing this imports nothing heavy.
 """
 
 from __future__ import annotations

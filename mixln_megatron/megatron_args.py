@@ -1,11 +1,8 @@
 """The `--mixln-*` flags for Megatron-LM's argument parser, and the settings they make.
 
-Used by the project's entry point (`mixln-megatron pretrain`, as an `extra_args_provider`) and by
-the patch in patches/ that adds the same flags to a Megatron-LM checkout; it stays at the package's
-top level because patched checkouts import it by this name. The flags (names, help) are
-settings.FIELDS'; the settings are MixLNSettings.from_args (sources: the flags' names). Nothing is
-exported to the environment: the entry point passes the object to the spec it builds; on a
-patched checkout the `--spec` functions read the flags from Megatron-LM's global args.
+Used by `mixln-megatron pretrain` (as an `extra_args_provider`) and by the patch in patches/
+that adds the same flags to a Megatron-LM checkout, which imports it by this top-level name. The
+flags (names, help) are settings.FIELDS'; nothing is exported to the environment.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Progress of the commands' long steps, readable in a terminal and in a batch log alike.
-
-`bar(...)` is the one progress helper of the project's commands: a tqdm bar when stderr is a
-terminal; otherwise (a SLURM log, a pipe) plain lines, one every `interval_s` seconds and one at
-the end, because a bar's carriage returns make a log file one unreadable line.
-`announce(...)` says, before it starts, what a long step over a large file is about to do, so a
-quiet minute reads as work, not as a hang.
-
-Pure Python until a bar is drawn (tqdm is imported only for a terminal).
+"""Progress of the commands' long steps, readable in a terminal and in a batch log alike
+(docs/commands.md#progress-in-logs): `bar` is a tqdm bar on a terminal, otherwise periodic plain
+lines (a bar's carriage returns make a log file one unreadable line); `announce` says what a long
+step over a large file is about to do, so a quiet minute reads as work, not as a hang.
 """
 
 from __future__ import annotations
@@ -14,6 +9,8 @@ from __future__ import annotations
 import sys
 import time
 from typing import Optional
+
+from tqdm import tqdm
 
 # Steps over fewer bytes than this finish in seconds: announcing them would only add noise (and a
 # second stderr line to a one-line refusal).
@@ -75,8 +72,6 @@ def bar(total: Optional[int], desc: str, *, enabled: bool = True, unit: str = "B
     file = file or sys.stderr
     if not _is_terminal(file):
         return PeriodicLines(total, desc, unit, file, interval_s)
-    from tqdm import tqdm
-
     byte_units = unit == "B"
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=byte_units, unit_divisor=1024 if byte_units else 1000,
                 file=file, dynamic_ncols=True)

@@ -1,20 +1,10 @@
 """Output that never costs the user data: checks before work, staged writes, clean interrupts.
 
-Used by `convert to-hf | from-hf` (output folders) and `preprocess` (a .bin/.idx pair).
-
-- `check_separate(load, save)`: the output may not equal, contain or lie inside the input
-  (symlinks and `..` resolved), since replacing it would delete the input.
-- `check_replaceable(save, kind, overwrite)`: an existing non-empty output folder is replaced only
-  with overwrite, and only when every entry in it is one a previous export of `kind` writes.
-- `staged_dir(save, ...)`: write into `.<name>.tmp-<pid>-<hex>` next to the output (with an owner
-  file), then move the old output aside as `.<name>.old-<pid>-<hex>`, rename the new one in, and
-  delete the old one last; any exception (signals included) removes the temporary folder and puts
-  the old output back.
-- `sweep_stale(...)`: temporaries of our own naming whose process is gone (SIGKILL, power loss)
-  are removed by the next run into the same output; an `.old-` folder whose replacement never
-  arrived is put back. One line says what was done.
-- `signals_as_interrupt()`: SIGTERM and SIGHUP (what `timeout`, SLURM and Kubernetes send) raise
-  `Interrupted` like Ctrl-C raises KeyboardInterrupt, so the cleanup above runs.
+Used by `convert to-hf | from-hf` (output folders) and `preprocess` (a .bin/.idx pair); the
+behaviour a user sees is docs/commands.md#output-safety. `prepare_output` runs the checks
+(`check_separate`, `check_replaceable`) and `sweep_stale` before any work; `staged_dir` writes
+beside the output and renames it in; `signals_as_interrupt` turns SIGTERM / SIGHUP (what
+`timeout`, SLURM and Kubernetes send) into `Interrupted`, so the cleanup runs as for Ctrl-C.
 """
 
 from __future__ import annotations
@@ -31,6 +21,8 @@ import socket
 import sys
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple, Type
+
+from .errors import process_alive, process_start
 
 OWNER_FILE = ".mixln-owner"
 
@@ -129,29 +121,17 @@ def check_replaceable(save: str, kind: OutputKind, overwrite: bool, error: Type[
                     "choose another --save")
 
 
+def prepare_output(inputs: Sequence[str], save: str, kind: OutputKind, overwrite: bool, error: Type[Exception]) -> None:
+    """Before any work: refuse an output that overlaps an input or is not ours to replace, and clean
+    up what interrupted runs into the same output left behind."""
+    check_separate(inputs, [save], error)
+    sweep_stale(save)
+    check_replaceable(os.path.abspath(save), kind, overwrite, error)
+
+
 # ----------------------------------------------------------------------------- owners and stale temporaries
-def _start_time(pid: int) -> Optional[str]:
-    """The process start time in clock ticks (Linux), to tell a reused pid from the owner."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 def _owner_record() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid())}
-
-
-def _alive(pid: int, start: Optional[str]) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    now = _start_time(pid)
-    return start is None or now is None or now == start
+    return {"pid": os.getpid(), "host": socket.gethostname(), "start": process_start(os.getpid())}
 
 
 def _temp_pattern(base: str, suffix: str = "") -> re.Pattern:
@@ -169,7 +149,7 @@ def _stale(path: str, pid: int) -> Tuple[bool, str]:
     host = owner.get("host")
     if host and host != socket.gethostname():
         return False, f"owned by pid {pid} on host {host}"
-    if _alive(int(owner.get("pid", pid)), owner.get("start")):
+    if process_alive(int(owner.get("pid", pid)), owner.get("start")):
         return False, f"pid {pid} is running"
     return True, f"pid {pid} is not running"
 

@@ -1,38 +1,26 @@
 """Unpickling checkpoint files as untrusted input: one allow-list of real classes, no fallback.
 
-A checkpoint somebody hands you can hold a pickle that reduces to `os.system(...)`. Every pickle
-this project reads from a checkpoint (torch_dist `.metadata`, `common.pt`, the byte items inside
-`*.distcp`, legacy `model_optim_rng.pt`) goes through this module:
+Every pickle this project reads from a checkpoint goes through this module (what is covered:
+docs/untrusted-input.md): `load_torch` for torch.save archives (torch's weights-only unpickler,
+with the allow-listed classes the file names made loadable), `load_pickle` for plain pickles
+(DCP's `.metadata`: the C unpickler under guards, else a pure-Python unpickler). ALLOWED names,
+as pickle writes them, the classes Megatron-LM and torch.distributed.checkpoint really put in
+checkpoints; they are imported from their installed modules only when a file needs them. Anything
+else is refused before it is called, in one line naming the file and the global
+(UnsafeCheckpointError); garbage, truncated and empty files are refused the same way. Costs are
+bounded before anything is unpickled (LIMITS, the archive check, the memo rules below).
 
-  load_torch(src, what)    a torch.save archive: torch.load(weights_only=True), with the
-                           allow-listed classes the file names (and only those) made loadable
-  load_pickle(src, what)   a plain pickle (DCP's `.metadata`): a pure-Python unpickler whose
-                           find_class answers only for the allow-list and whose state-changing
-                           opcodes (BUILD, SETITEM(S), APPEND(S), ADDITEMS) only touch objects the
-                           file itself created, never a class, module, function or shared constant
-
-ALLOWED is the allow-list: the classes Megatron-LM and torch.distributed.checkpoint really put in
-checkpoints (argparse args with megatron enums, numpy RNG state, DCP metadata dataclasses), named
-as pickle names them and imported from their trusted, installed modules only when a file needs
-them. Anything else is refused before it is called, with one line naming the file and the global
-(UnsafeCheckpointError, exit 2 from the commands); garbage, truncated and empty files are refused
-the same way. The pattern is megatron-core's `safe_globals.py`; torch's own weights-only
-unpickler does the work for torch.save archives.
-
-Costs are bounded before anything is unpickled (issue 27): a plain pickle is at most
-LIMITS[kind] bytes and may not number a memo slot beyond the memo writes it has made (CPython's C
-unpickler grows its memo array to any index a 9-byte prefix asks for); a torch.save archive is
-checked with zipfile first (every entry stored, as torch.save writes them, sizes consistent with
-the file, data.pkl at most LIMITS["pickle"]), so a deflate bomb is refused before it is inflated.
-The refusal names the globals a static scan of the pickle finds (`_archive_globals`), never text
-parsed out of another library's error message. torch dtypes/layouts (`torch float32`) are looked
-up in `vars(torch)` only: a name such as `torch _dynamo` is refused without importing anything.
+torch's weights-only unpickler is not used for plain pickles: it reads protocol 2 only (DCP
+writes 4), lets a file BUILD on an allow-listed enum's member and takes memo indices the file
+never wrote (CONTRIBUTING.md, "Two unpicklers of our own"). Refusals name the globals a static
+scan finds (`_archive_globals`), never text parsed out of another library's error message.
 """
 
 from __future__ import annotations
 
-import enum
 import contextlib
+import enum
+import gc
 import importlib
 import io
 import os
@@ -40,11 +28,12 @@ import pickle
 import pickletools
 import sys
 import struct
+import warnings
 import zipfile
 from typing import Iterable, Optional, Union
 
 from .errors import UnsafeCheckpointError
-from .input_root import LIMITS
+from .input_root import LIMITS, InputRoot
 
 _DCP = "torch.distributed.checkpoint"
 # `module.qualname` as pickle writes it -> importable (module, attribute path).
@@ -225,14 +214,10 @@ def _head(source: Source, what: str) -> bytes:
 
 
 def load_torch(source: Source, what: str, *, mmap: bool = False):
-    """A torch.save archive (a path or its bytes), loaded with torch's weights-only unpickler.
-
-    The archive is checked first (_check_archive); the globals its pickle names are read by a
-    static scan without running anything (_archive_globals); any that is neither on ALLOWED nor
-    one torch's weights-only unpickler allows by itself refuses the file, naming it; the allowed
-    ones are made loadable for this call only.
-    """
-    import torch
+    """A torch.save archive (a path or its bytes), loaded with torch's weights-only unpickler after
+    the archive check; a global the static scan finds that neither ALLOWED nor torch's own safe set
+    holds refuses the file, and the allowed ones are made loadable for this call only."""
+    import torch  # heavy
 
     def opened():
         return io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
@@ -278,8 +263,6 @@ def _weights_only_load(load, what: str, names: list, newer: list, torch_safe: fr
     A refusal is one line of ours: torch's warnings (e.g. about the pickle protocol) are silenced
     for the call, and torch's UnpicklingError, whose text advises loading the file with
     weights_only=False, is never passed on: the line names what the scan found instead."""
-    import warnings
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -344,7 +327,7 @@ def _loadable(classes):
     exactly as it was. (torch.serialization.safe_globals removes its classes on exit even when
     they were registered before: it would undo megatron-core's own registration of
     argparse.Namespace, and Megatron-LM's later load of common.pt would fail.)"""
-    import torch
+    import torch  # heavy
 
     before = list(torch.serialization.get_safe_globals())
     torch.serialization.add_safe_globals(list(classes))
@@ -420,9 +403,8 @@ _SHARED = (type, type(sys), type(len), type(_resolve), type(str.join), type("".j
 
 class _AllowListUnpickler(pickle._Unpickler):
     """The pure-Python unpickler, resolving only allow-listed globals, whose state-changing opcodes
-    touch only objects this file created (never a class, module, function, enum member or torch
-    constant: a BUILD on the class argparse.Namespace would change it process-wide), and whose
-    memo indices follow the memo writes made so far (a real pickler numbers them 0, 1, 2, ...)."""
+    touch only objects this file created (a BUILD on the class argparse.Namespace would change it
+    process-wide), and whose memo indices follow the memo writes made so far."""
 
     what = "pickle"
     dispatch = dict(pickle._Unpickler.dispatch)
@@ -591,8 +573,6 @@ def load_pickle(source: Source, what: str, kind: str = ".metadata", limit: Optio
         if isinstance(source, (bytes, bytearray)):
             data = bytes(source)
         else:
-            from .input_root import InputRoot
-
             folder, name = os.path.split(os.path.abspath(os.fspath(source)))
             data = InputRoot(folder, "checkpoint").read_bytes(name, kind)
     except OSError as e:
@@ -622,27 +602,23 @@ def _pure_load(data: bytes, what: str):
 
 
 # ------------------------------------------------------------------------------ DCP metadata, at C speed
-# A 405B run's `.metadata` holds over a million chunks (~160 MB of pickle): the pure-Python unpickler
-# takes ~3x as long as DCP's own plain read, and any Python work per opcode costs more than the read
-# itself. So DCP metadata is read by CPython's C unpickler, with what the pure-Python one enforces
-# per opcode made to hold another way:
+# A 405B run's `.metadata` holds over a million chunks (~160 MB of pickle), where any Python work per
+# opcode costs more than DCP's own read. So DCP metadata is read by CPython's C unpickler, with what
+# the pure-Python one enforces per opcode made to hold another way:
 #   - globals: find_class answers for _FAST only (classes whose construction touches nothing but the
-#     new object); persistent ids are refused; another allow-listed global sends the file to the
+#     new object), and only what it returned is callable, so REDUCE / NEWOBJ / OBJ / INST construct
+#     _FAST classes; persistent ids are refused; another allow-listed global sends the file to the
 #     pure-Python unpickler (_NotFast), anything else is refused by name;
-#   - callables: only what find_class returned can be called (nothing else a file can build is
-#     callable), so REDUCE / NEWOBJ / OBJ / INST construct _FAST classes, as the pure-Python reading does;
 #   - BUILD on something the file did not create: the only shared objects a file can reach are the
 #     _FAST classes, their enum members and torch.serialization._get_layout (torch.Size /
 #     OrderedDict are immutable types, torch dtypes / layouts take no attributes). Their state is
-#     taken before the load and compared after; a change is undone and refused. During the load
-#     only _FAST callables can be reached, so the window can do no more than fail the load
-#     (its unraisable exceptions are kept off stderr);
-#   - memo: a write's index may not pass the writes made so far, checked on the final memo (a hole
-#     or a forward index is refused); a memo index that would grow the memo array (a 9-byte file
-#     asking for 2**27 slots) fails against the memory bound below before it is filled;
-#   - memory: the process's data segment may grow by at most fast_load_allowance(len(data)) during the
-#     load (RLIMIT_DATA, restored after): a file cannot make the C unpickler allocate more than a
-#     real one of its size needs. Where the limit cannot be set the pure-Python unpickler reads it.
+#     compared after the load; a change is undone and refused. During the load only _FAST callables
+#     can be reached, so the window can do no more than fail the load (its unraisable exceptions
+#     are kept off stderr);
+#   - memo: checked on the final memo (_memo_problem); an index that would grow the memo array (a
+#     9-byte file asking for 2**27 slots) fails against the memory bound before it is filled;
+#   - memory: the data segment may grow by at most fast_load_allowance(len(data)) (RLIMIT_DATA,
+#     restored after); where the limit cannot be set the pure-Python unpickler reads the file.
 _FAST = frozenset(n for n in ALLOWED if n.startswith(f"{_DCP}.") and ".planner." not in n) | frozenset(
     (f"{_DCP}.planner.SavePlan", f"{_DCP}.planner.WriteItem", f"{_DCP}.planner.WriteItemType",
      f"{_DCP}.planner.TensorWriteData", f"{_DCP}.planner.BytesIOWriteData", "torch.Size",
@@ -727,7 +703,7 @@ class _FastUnpickler(pickle.Unpickler):
 def _data_limit(allowance: int):
     """RLIMIT_DATA at the current data segment + `allowance` for the block, then as it was."""
     try:
-        import resource
+        import resource  # optional: Unix only
 
         with open("/proc/self/status") as f:
             vm_data = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
@@ -774,8 +750,6 @@ def _memo_problem(unpickler, size: int) -> Optional[str]:
 
 def _fast_load(data: bytes, what: str):
     """DCP metadata through the C unpickler, under the guards described above _FAST."""
-    import gc
-
     if "torch" not in sys.modules:
         raise _NotFast("torch is not imported")  # no DCP metadata can be read without it anyway
     state = _shared_state()

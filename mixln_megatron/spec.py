@@ -1,35 +1,16 @@
-"""The stock `--spec` edge: what Megatron-LM's `--spec mixln_megatron.spec <name>` imports.
+"""The stock `--spec` edge: what Megatron-LM's `--spec mixln_megatron.spec <name>` imports
+(the four names and their use: docs/training.md), and the megatron-core factories re-exported.
 
-Megatron-LM (core 0.17-0.19): --spec mixln_megatron.spec mixln_layer_spec        (TransformerEngine)
-                              --spec mixln_megatron.spec mixln_local_layer_spec  (local modules)
-These objects build the settings (a patched checkout's --mixln-* flags from Megatron-LM's global
-args, then MIXLN_*, then defaults), the spec, and install the training hooks the settings ask for
-(the only place stock Megatron-LM gives a plugin); install_training_hooks prints the build line.
-On 0.19 the builder calls them as `spec(model_config, vp_stage=...)` and they return the whole
-decoder's submodules, so the final norm is the backend's norm too. On 0.17/0.18 the builder
-passes the object uncalled to GPTModel, so they are layer ModuleSpecs whose layer class
-(LayerFromStockSpec) does the same when each layer is built, and the final norm is Megatron's
-default (LayerNormImpl; README).
+Each object reads the settings (a patched checkout's --mixln-* flags from Megatron-LM's global
+args, then MIXLN_*, then defaults), builds the spec and installs the training hooks (the only
+place stock Megatron-LM gives a plugin). On 0.19+ the builder calls them with the model config
+and they return the whole decoder's submodules; on 0.17/0.18 it passes the object uncalled to
+GPTModel, so they are layer ModuleSpecs whose layer class (LayerFromStockSpec) does the same as
+each layer is built. pretrain_hybrid.py never calls its stack ModuleSpec: its stack class
+(HybridStackFromStockSpec) does it when HybridModel builds the stack.
 
-Refusals: the objects Megatron-LM calls (the two functions on 0.19+, the layer and stack classes'
-constructors) are the edge. A MixLNError raised in them (a bad MIXLN_* value or flag, a pattern
-or configuration Mix-LN does not support, a checkpoint this release cannot read) leaves as one
-`[mixln_megatron] ERROR:` line and errors.Refusal, a SystemExit(2): every rank exits 2 without a
-traceback (errors.refuse; errors.report says how the line survives whichever rank fails first).
-The functions below them (stock_decoder_spec, ...) print the line and raise the error itself.
-
-Megatron-LM's HybridModel (pretrain_hybrid.py, core 0.19+, `--hybrid-layer-pattern "*-*-..."`):
-    --spec mixln_megatron.spec mixln_hybrid_stack_spec        (TransformerEngine)
-    --spec mixln_megatron.spec mixln_hybrid_local_stack_spec  (local modules, local final norm)
-pretrain_hybrid.py imports a stack ModuleSpec and never calls it, so these are ModuleSpecs whose
-stack class (HybridStackFromStockSpec) reads the same settings, checks the whole pattern and
-installs the hooks when HybridModel builds it.
-
-megatron-core users: the plain-data factories (mixln_megatron.model.specs, re-exported here)
-  MixLNTransformerLayerSpec(backend="te", alpha=0.25)           -> ModuleSpec (one layer)
-  get_mixln_decoder_block_spec(config, backend="te", alpha=...)  -> TransformerBlockSubmodules
-  get_mixln_hybrid_stack_spec(config, backend="te", alpha=...)   -> ModuleSpec (HybridModel)
-then mixln_megatron.install_training_hooks(config, settings).
+The objects Megatron-LM calls are the edge: a MixLNError in them leaves as errors.refuse does
+(one line, exit 2 on every rank); the functions below them print the line and raise the error.
 
 This module imports with megatron-core's base dependencies only (no TE, no transformers):
 megatron's spec_utils.import_module swallows ImportError, after which Megatron-LM would silently
@@ -44,6 +25,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from . import compat, megatron_args
+from .convert.vet import check_load_dir
 from .errors import MixLNConfigError, MixLNError, refusals_leave, report
 from .model.layer import MixLNTransformerLayer
 from .model.settings import MixLNSettings, layered
@@ -99,16 +81,10 @@ def check_spec_backend(args, backend: str, hybrid: bool = False) -> None:
 
 def _at_the_edge(config, build, environ=None, args=None, hybrid: bool = False, backend: Optional[str] = None):
     """Settings from the edge, `build(settings)`, then the hooks; a MixLN error printed in one line
-    and raised (the objects Megatron-LM calls turn it into a Refusal).
-    Megatron-LM's arguments are checked first: against the support table's `stock` rows (the
-    data-parallel wrappers other than Megatron's DDP, multi-token prediction), as the entry point
-    checks its own, and the spec's `backend` against --transformer-impl.
-    It runs before Megatron-LM loads --load, so a checkpoint this release cannot read (0.19+ on
-    0.17/0.18, convert.vet.check_load_dir) is refused here too, not only in the project's entry point.
-    What the checkpoint's pickles hold is not vetted here (Megatron-LM's --use-checkpoint-args has
-    read them before this runs): `mixln-megatron convert inspect --check --load DIR` vets them."""
-    from .convert.vet import check_load_dir
-
+    and raised (the objects Megatron-LM calls turn it into a Refusal). First Megatron-LM's
+    arguments against the support table's `stock` rows and --transformer-impl, and the --load
+    directory against this release (it runs before Megatron-LM loads it). The checkpoint's pickles
+    are not vetted here: Megatron-LM's --use-checkpoint-args has read them already."""
     try:
         megatron_lm_args = runtime.megatron_args() if args is None else args
         if megatron_lm_args is not None:  # the run's data-parallel wrapper, MTP (support.STOCK rows)
@@ -151,28 +127,20 @@ class LayerFromStockSpec(MixLNTransformerLayer):
         return build_module(layer_spec, config, *args, **kwargs)
 
 
-def stock_hybrid_stack_spec(config, backend: str, environ=None, args=None) -> ModuleSpec:
-    """The hybrid stack spec the --spec edge builds: settings from the edge, the whole pattern of
-    Megatron-LM's --hybrid-layer-pattern checked (every rank the same, the error once on rank 0),
-    hooks installed for a HybridModel."""
-    args = runtime.megatron_args() if args is None else args
-    pattern = getattr(args, "hybrid_layer_pattern", None)
-    return _at_the_edge(config, lambda settings: get_mixln_hybrid_stack_spec(
-        config, backend=backend, settings=settings, hybrid_layer_pattern=pattern), environ, args, hybrid=True,
-        backend=backend)
-
-
 class HybridStackFromStockSpec:
     """The "stack class" of the hybrid --spec ModuleSpecs: constructing it returns the real Mix-LN
-    stack (a model.hybrid.MixLNHybridStack). Not a subclass of it, so that this module imports on
-    releases without HybridModel (0.17)."""
+    stack (a model.hybrid.MixLNHybridStack) for the whole of Megatron-LM's --hybrid-layer-pattern,
+    settings and hooks as for the other --spec objects. Not a subclass of it, so that this module
+    imports on releases without HybridModel (0.17)."""
 
     def __new__(cls, config, *args, mixln_backend: str = "te", submodules=None, **kwargs):
-        # An edge Megatron-LM calls: a refusal here or in the stack's constructor (this stage's part
-        # of the pattern; megatron's build_module re-raises it with a suffix, reported once) is
-        # one line and exit 2.
-        with refusals_leave():
-            return build_module(stock_hybrid_stack_spec(config, mixln_backend), config, *args, **kwargs)
+        with refusals_leave():  # an edge Megatron-LM calls, the stack's constructor included
+            megatron_lm_args = runtime.megatron_args()
+            pattern = getattr(megatron_lm_args, "hybrid_layer_pattern", None)
+            stack_spec = _at_the_edge(config, lambda settings: get_mixln_hybrid_stack_spec(
+                config, backend=mixln_backend, settings=settings, hybrid_layer_pattern=pattern),
+                args=megatron_lm_args, hybrid=True, backend=mixln_backend)
+            return build_module(stack_spec, config, *args, **kwargs)
 
 
 # `--spec mixln_megatron.spec mixln_hybrid_stack_spec` (TE) / `mixln_hybrid_local_stack_spec`

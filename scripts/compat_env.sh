@@ -61,7 +61,7 @@ if [ "$release" = main ]; then
     helpers=$("$PY" -c 'import glob, os, megatron.core.datasets as d; print(*glob.glob(os.path.join(os.path.dirname(d.__file__), "helpers_cpp*.so")))')
     [ -n "$helpers" ] && cp $helpers "$overlay/megatron/core/datasets/"
     # Laid out like a wheel: no Makefile beside helpers.cpp, so the prebuilt helpers are used
-    # (mixln_megatron.training.dataset_helpers) instead of a `make` that needs pybind11.
+    # (mixln_megatron.training.pretrain.use_prebuilt_dataset_helpers) instead of a `make` that needs pybind11.
     rm -f "$overlay/megatron/core/datasets/Makefile"
     basename "$tarball" > "$stamp"
   fi

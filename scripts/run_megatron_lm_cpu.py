@@ -67,8 +67,8 @@ def main():
         print(hint, file=sys.stderr, flush=True)
         sys.exit(2)
 
-    from mixln_megatron.dev import cpu  # imports megatron: only now
-    from mixln_megatron.training.dataset_helpers import use_prebuilt_dataset_helpers
+    from mixln_megatron import cpu  # imports megatron: only now
+    from mixln_megatron.training.pretrain import use_prebuilt_dataset_helpers
 
     import megatron.training
 

@@ -2,6 +2,8 @@ import os
 
 import pytest
 
+from harness import testing  # noqa: F401  (puts tests/ on the workers' PYTHONPATH)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -11,7 +13,9 @@ def mcore_single():
     """A single-process gloo group with megatron's parallel state (TP1 PP1), torn down after."""
     import torch
 
-    from mixln_megatron.dev import cpu, testing
+    from mixln_megatron import cpu
+
+    from harness import testing
 
     testing.init_distributed()
     yield
@@ -27,7 +31,8 @@ def mcore_single():
 def te_single():
     """A single-process gloo group with megatron's parallel state, for the TE tests (built with
     cpu.te_modules()): torn down after, the CPU patches undone."""
-    from mixln_megatron.dev import cpu, testing
+    from mixln_megatron import cpu
+    from harness import testing
 
     testing.init_distributed()
     yield
@@ -42,7 +47,7 @@ def analysis_process():
     yield
     import torch
 
-    from mixln_megatron.dev import testing
+    from harness import testing
 
     if torch.distributed.is_initialized():
         testing.shutdown()
@@ -69,8 +74,8 @@ def mixln_checkpoints(tmp_path_factory):
 
 def pytest_configure(config):
     # python/torchrun commands of the tests fork from one server that imported torch and
-    # megatron-core once (mixln_megatron/dev/forked_ranks.py) instead of starting fresh interpreters
-    from mixln_megatron.dev import testing
+    # megatron-core once (tests/harness/forked_ranks.py) instead of starting fresh interpreters
+    from harness import testing
 
     testing.FORKED_RANKS = True
 

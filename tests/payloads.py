@@ -1,4 +1,4 @@
-"""Malicious and damaged checkpoint files, planted into copies of real checkpoints (issue 19).
+"""Malicious and damaged checkpoint files, planted into copies of real checkpoints.
 
 A payload is an object whose pickle makes the unpickler call a global: `Reduce(os.system,
 ("touch MARKER",))` pickles (protocol 2, as torch.save writes) as `GLOBAL posix system`, the
@@ -246,7 +246,7 @@ def plant_damage(kind: str, ckpt, damage: str) -> str:
     return target
 
 
-# ------------------------------------------------------------------------------ issue 27: reads outside, costs
+# ------------------------------------------------------------------------------ reads outside the input, costs
 # Helpers for tests/test_untrusted_reads.py and tests/test_unpickler_hardening.py: damage planted into
 # copies of real checkpoints (storage entries moved, files swapped for FIFOs / links, crafted pickles).
 

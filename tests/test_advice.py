@@ -1,6 +1,6 @@
 """Launch-time advice fires outside the reported-stable region and stays silent inside it."""
 
-from mixln_megatron.model.advice import advise, findings
+from mixln_megatron.model.support import advise, findings
 from mixln_megatron.model.placement import Placement
 
 

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from mixln_megatron.analysis import angular, grad_norms, layer_drop, textdata
+from mixln_megatron.analysis import diagnostics, models
 from mixln_megatron.analysis.models import HFLM, FreshShape, build_megatron_gpt
 
 TEXT = (
@@ -31,7 +31,7 @@ def text_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def text_tokens(text_file):
-    return textdata.corpus_tokens(text_file)
+    return models.corpus_tokens(text_file)
 
 
 def tiny_shape(layers=4, **kw):
@@ -42,19 +42,19 @@ def tiny_shape(layers=4, **kw):
 
 # ------------------------------------------------------------------------------------- text data
 def test_text_batches_are_fixed_and_real(text_tokens):
-    from mixln_megatron.data import load_tokenizer
+    from mixln_megatron.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
     assert text_tokens.dtype.kind == "i" and len(text_tokens) > 1000
     assert (text_tokens == tok.eod_id).sum() == 80  # one EOD per paragraph
-    a = textdata.batches(text_tokens, 16, 4, num_batches=3, seed=5)
-    b = textdata.batches(text_tokens, 16, 4, num_batches=3, seed=5)
+    a = models.batches(text_tokens, 16, 4, num_batches=3, seed=5)
+    b = models.batches(text_tokens, 16, 4, num_batches=3, seed=5)
     assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
     ids, labels = a[0]
     assert ids.shape == labels.shape == (4, 16)
     assert torch.equal(ids[:, 1:], labels[:, :-1])  # labels are the next tokens
     assert "truth" in tok.decode(text_tokens[:64].tolist())
-    train, valid = textdata.split_train_valid(text_tokens, valid_every=4, block=256)
+    train, valid = models.split_train_valid(text_tokens, valid_every=4, block=256)
     assert len(train) + len(valid) == len(text_tokens) and len(valid) > 0
 
 
@@ -63,19 +63,19 @@ def test_angular_distance_range_and_fixed_points():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(50, 16, generator=g)
     y = torch.randn(50, 16, generator=g)
-    d = angular.angular_distance(x, y)
+    d = diagnostics.angular_distance(x, y)
     assert ((d >= 0) & (d <= 1)).all()
-    assert torch.allclose(angular.angular_distance(x, x), torch.zeros(50, dtype=torch.float64), atol=1e-6)
-    assert torch.allclose(angular.angular_distance(x, 3.0 * x), torch.zeros(50, dtype=torch.float64), atol=1e-6)
-    assert torch.allclose(angular.angular_distance(x, -x), torch.ones(50, dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(diagnostics.angular_distance(x, x), torch.zeros(50, dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(diagnostics.angular_distance(x, 3.0 * x), torch.zeros(50, dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(diagnostics.angular_distance(x, -x), torch.ones(50, dtype=torch.float64), atol=1e-6)
     e = torch.eye(2)
-    assert float(angular.angular_distance(e[0], e[1])) == pytest.approx(0.5)
+    assert float(diagnostics.angular_distance(e[0], e[1])) == pytest.approx(0.5)
 
 
 def test_accumulator_layout():
     L = 3
     states = [torch.randn(2, 5, 8) for _ in range(L + 1)]
-    acc = angular.AngularAccumulator(L)
+    acc = diagnostics.AngularAccumulator(L)
     acc.add(states)
     m = acc.matrix()
     assert acc.tokens == 10
@@ -85,15 +85,15 @@ def test_accumulator_layout():
             if l + n > L:
                 assert math.isnan(m[l, n - 1])
             else:
-                want = angular.angular_distance(states[l].reshape(-1, 8), states[l + n].reshape(-1, 8)).mean()
+                want = diagnostics.angular_distance(states[l].reshape(-1, 8), states[l + n].reshape(-1, 8)).mean()
                 assert float(m[l, n - 1]) == pytest.approx(float(want))
 
 
 def _check_bypass_zero(lm, batch_list, index):
-    full = angular.angular_distance_matrix(lm, batch_list)
+    full = diagnostics.angular_distance_matrix(lm, batch_list)
     with lm.bypass(index):
-        cut = angular.angular_distance_matrix(lm, batch_list)
-    after = angular.angular_distance_matrix(lm, batch_list)
+        cut = diagnostics.angular_distance_matrix(lm, batch_list)
+    after = diagnostics.angular_distance_matrix(lm, batch_list)
     L = lm.num_layers
     for res in (full, cut):
         vals = [x for row in res["matrix"] for x in row if x is not None]
@@ -107,7 +107,7 @@ def _check_bypass_zero(lm, batch_list, index):
 
 def test_megatron_bypassed_layer_has_zero_distance(mcore_single, text_tokens):
     lm = build_megatron_gpt(tiny_shape(4), post_ln_layers=1, seed=3)
-    batch_list = textdata.batches(text_tokens, 32, 2, num_batches=2)
+    batch_list = models.batches(text_tokens, 32, 2, num_batches=2)
     _check_bypass_zero(lm, batch_list, 1)
     _check_bypass_zero(lm, batch_list, 0)  # a Post-LN layer too
 
@@ -125,7 +125,7 @@ def _tiny_hf(post_ln_layers=1, layers=4, seed=0):
 def test_hf_layer_states_and_bypass(text_tokens):
     model = _tiny_hf()
     lm = HFLM(model)
-    ids = textdata.batches(text_tokens, 16, 2, num_batches=1)[0][0]
+    ids = models.batches(text_tokens, 16, 2, num_batches=1)[0][0]
     states = lm.layer_states(ids)
     assert len(states) == 5
     with torch.no_grad():
@@ -135,7 +135,7 @@ def test_hf_layer_states_and_bypass(text_tokens):
     # the last state is the raw output of the last layer; the final norm of it gives last_hidden_state
     normed = model.model.norm(states[-1])
     assert torch.allclose(normed, out.hidden_states[-1], atol=1e-5)
-    _check_bypass_zero(lm, textdata.batches(text_tokens, 16, 2, num_batches=2), 2)
+    _check_bypass_zero(lm, models.batches(text_tokens, 16, 2, num_batches=2), 2)
 
 
 # ------------------------------------------------------------------------------------- layer drop
@@ -144,31 +144,31 @@ def test_layer_drop_on_a_model_with_an_identity_layer(text_tokens):
     layer = lm.layers[2]
     for p in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight):
         torch.nn.init.zeros_(p)  # a Pre-LN layer whose branches add nothing is an identity
-    batch_list = textdata.batches(text_tokens, 16, 2, num_batches=2)
-    res = layer_drop.layer_drop(lm, batch_list)
+    batch_list = models.batches(text_tokens, 16, 2, num_batches=2)
+    res = diagnostics.layer_drop(lm, batch_list)
     assert [r["layer"] for r in res["layers"]] == [1, 2, 3, 4]
     assert res["layers"][2]["delta_ppl"] == pytest.approx(0.0, abs=1e-9 * res["baseline"]["ppl"])
     assert all(abs(r["delta_ppl"]) > 1e-6 for i, r in enumerate(res["layers"]) if i != 2)
-    assert layer_drop.evaluate(lm, batch_list)["ppl"] == pytest.approx(res["baseline"]["ppl"], rel=1e-12)
+    assert diagnostics.evaluate(lm, batch_list)["ppl"] == pytest.approx(res["baseline"]["ppl"], rel=1e-12)
 
 
 # ------------------------------------------------------------------------------------- grad norms
 def test_variant_placements():
-    assert grad_norms.variant_placement("pre_ln", 12) == (0, "mixln")
-    assert grad_norms.variant_placement("post_ln", 12) == (12, "mixln")
-    assert grad_norms.variant_placement("mix_ln", 12) == (3, "mixln")
-    assert grad_norms.variant_placement("mix_ln", 24) == (6, "mixln")
-    assert grad_norms.variant_placement("lns", 12) == (0, "lns")
-    assert grad_norms.variant_placement("mix_ln+lns", 12) == (3, "mixln+lns")
+    assert diagnostics.variant_placement("pre_ln", 12) == (0, "mixln")
+    assert diagnostics.variant_placement("post_ln", 12) == (12, "mixln")
+    assert diagnostics.variant_placement("mix_ln", 12) == (3, "mixln")
+    assert diagnostics.variant_placement("mix_ln", 24) == (6, "mixln")
+    assert diagnostics.variant_placement("lns", 12) == (0, "lns")
+    assert diagnostics.variant_placement("mix_ln+lns", 12) == (3, "mixln+lns")
     with pytest.raises(ValueError):
-        grad_norms.variant_placement("sandwich", 12)
+        diagnostics.variant_placement("sandwich", 12)
 
 
 def test_layer_grad_norm_is_l2_over_the_layers_parameters(mcore_single, text_tokens):
     lm = build_megatron_gpt(tiny_shape(2), post_ln_layers=1, seed=1)
-    batch_list = textdata.batches(text_tokens, 32, 2, num_batches=1)
-    grad_norms.accumulate_gradient(lm, batch_list)
-    norms = grad_norms.layer_grad_norms(lm)
+    batch_list = models.batches(text_tokens, 32, 2, num_batches=1)
+    diagnostics.accumulate_gradient(lm, batch_list)
+    norms = diagnostics.layer_grad_norms(lm)
     for layer, got in zip(lm.layers, norms):
         want = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in layer.parameters()))
         assert got == pytest.approx(float(want), rel=1e-9)
@@ -178,7 +178,7 @@ def test_layer_grad_norm_is_l2_over_the_layers_parameters(mcore_single, text_tok
 @pytest.fixture(scope="module")
 def austen_tokens():
     """The first 300k characters of the shipped corpus (a cached indexed dataset, built once)."""
-    return textdata.corpus_tokens(max_chars=300_000)
+    return models.corpus_tokens(max_chars=300_000)
 
 
 def test_grad_norm_profile_at_init_12_layers(mcore_single, austen_tokens):
@@ -188,9 +188,9 @@ def test_grad_norm_profile_at_init_12_layers(mcore_single, austen_tokens):
     not hold under megatron's init at this scale (Post-LN is flat, ~1.0; Mix-LN's max/min is the
     largest because of a step at the Post/Pre boundary), so they are reported, not pinned."""
     shape = FreshShape(num_layers=12, hidden_size=128, num_attention_heads=4, vocab_size=4096, seq_length=64)
-    batch_list = textdata.batches(austen_tokens, 64, 8, num_batches=1, seed=0)
-    v = grad_norms.measure_at_init(shape, batch_list, ("pre_ln",), seeds=(1, 2, 3))["variants"]
-    v.update(grad_norms.measure_at_init(shape, batch_list, ("post_ln", "mix_ln"), seeds=(1,))["variants"])
+    batch_list = models.batches(austen_tokens, 64, 8, num_batches=1, seed=0)
+    v = diagnostics.measure_at_init(shape, batch_list, ("pre_ln",), seeds=(1, 2, 3))["variants"]
+    v.update(diagnostics.measure_at_init(shape, batch_list, ("post_ln", "mix_ln"), seeds=(1,))["variants"])
     assert [len(x["mean"]) for x in v.values()] == [12, 12, 12]
     assert v["mix_ln"]["post_ln_layers"] == 3
     for s in v["pre_ln"]["summary_per_seed"]:
@@ -208,7 +208,7 @@ def test_megatron_checkpoint_roundtrip(mcore_single, tmp_path, text_tokens):
     state, the Mix-LN record in the content metadata) loads into an identical model."""
     from megatron.core import dist_checkpointing
 
-    from mixln_megatron.analysis.models import load_megatron_checkpoint
+    from mixln_megatron.analysis.loading import load_megatron_checkpoint
 
     shape = tiny_shape(4)
     lm = build_megatron_gpt(shape, post_ln_layers=2, seed=11)
@@ -228,7 +228,7 @@ def test_megatron_checkpoint_roundtrip(mcore_single, tmp_path, text_tokens):
 
     back = load_megatron_checkpoint(str(tmp_path / "save"))
     assert back.placement.post_ln_layers == 2 and back.placement.source == "from the settings record"
-    ids, labels = textdata.batches(text_tokens, 32, 2, num_batches=1)[0]
+    ids, labels = models.batches(text_tokens, 32, 2, num_batches=1)[0]
     lm.module.eval()
     with torch.no_grad():
         assert torch.equal(back.token_losses(ids, labels), lm.token_losses(ids, labels))
@@ -263,7 +263,7 @@ def test_cli_grad_norms(mcore_single, tmp_path, text_file, capsys):
 
 def test_cli_angular_and_layer_drop_on_hf_folder(tmp_path, text_file):
     from mixln_megatron.analysis.cli import main
-    from mixln_megatron.data import tokenizer_dir
+    from mixln_megatron.data.corpus import tokenizer_dir
     from mixln_megatron.hf import save_hf_folder
 
     folder = tmp_path / "hf"

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from mixln_megatron.dev import testing as mu
+from harness import testing as mu
 
 from test_pretrain import TINY, train
 
@@ -69,7 +69,7 @@ def test_angular_distance_and_layer_drop_read_an_moe_checkpoint(moe_checkpoint, 
 def test_the_loaded_moe_model_is_the_trained_one(moe_checkpoint, mcore_single):
     """Every expert, the router, the shared expert and its gate come from the checkpoint (not the
     init): each differs from a freshly built model's and equals the checkpoint's own tensor."""
-    from mixln_megatron.analysis.models import inspect_for_analysis, load_megatron_checkpoint
+    from mixln_megatron.analysis.loading import inspect_for_analysis, load_megatron_checkpoint
 
     lm = load_megatron_checkpoint(str(moe_checkpoint))
     layers = lm.layers
@@ -126,31 +126,33 @@ def test_grad_norms_of_fresh_moe_models(mcore_single, tmp_path, capsys):
 
 
 def test_the_saved_routing_is_carried_and_the_execution_is_the_cpu_s():
-    """analysis.moe: what changes a layer's output comes from the saved args; how the experts ran
+    """The analysis loader's MoE settings: what changes a layer's output comes from the saved args; how the experts ran
     (grouped GEMM, alltoall, fusions) is replaced by what runs in one CPU process; latent MoE is
     refused in one line naming its flag; a dense model gets nothing."""
     from argparse import Namespace
 
-    from mixln_megatron.analysis import moe
+    from mixln_megatron.analysis import loading
 
     saved = Namespace(num_experts=8, moe_router_topk=3, moe_ffn_hidden_size=64, moe_layer_freq=[0, 1],
                       moe_router_pre_softmax=True, moe_router_score_function="sigmoid",
                       moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=32,
                       moe_shared_expert_gate=True, moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall",
                       moe_permute_fusion=True, moe_latent_size=None)
-    fields = moe.moe_config_fields(saved)
+    fields = loading.moe_config_fields(saved)
     assert fields["num_moe_experts"] == 8 and fields["moe_router_topk"] == 3 and fields["moe_layer_freq"] == [0, 1]
     assert fields["moe_router_pre_softmax"] and fields["moe_router_score_function"] == "sigmoid"
     assert fields["moe_router_enable_expert_bias"] and fields["moe_shared_expert_gate"]
     assert fields["moe_token_dispatcher_type"] == "allgather" and not fields["moe_grouped_gemm"]
     assert not fields["moe_permute_fusion"]
-    assert moe.moe_config_fields(Namespace(num_experts=None, moe_latent_size=16)) == {}
+    assert loading.moe_config_fields(Namespace(num_experts=None, moe_latent_size=16)) == {}
     saved.moe_latent_size = 16
-    with pytest.raises(moe.MoEAnalysisError) as info:
-        moe.moe_config_fields(saved)
+    with pytest.raises(loading.MoEAnalysisError) as info:
+        loading.moe_config_fields(saved)
     assert "\n" not in str(info.value) and "--moe-latent-size=16" in str(info.value)
-    assert moe.local_expert("mlp.experts.local_experts.3.linear_fc2.weight") == (3, "fc2")
-    assert moe.local_expert("mlp.shared_experts.linear_fc1.weight") is None
+    from mixln_megatron.convert.torch_dist_reader import local_expert
+
+    assert local_expert("mlp.experts.local_experts.3.linear_fc2.weight") == (3, "fc2")
+    assert local_expert("mlp.shared_experts.linear_fc1.weight") is None
 
 
 @pytest.mark.slow
@@ -209,7 +211,7 @@ def test_the_loaded_model_computes_megatron_s_evaluation_forward(case, mcore_sin
     from test_convert_moe import megatron_logits, save_megatron
     from test_convert_moe_routing import build, saved_args
 
-    from mixln_megatron.analysis.models import load_megatron_checkpoint
+    from mixln_megatron.analysis.loading import load_megatron_checkpoint
 
     config, args = ROUTINGS[case]
     model, cfg = build(**config)
@@ -238,7 +240,7 @@ def test_glu_interleave_saved_by_several_ranks_is_refused_in_one_line(mcore_sing
     from test_convert_moe import save_megatron
     from test_convert_moe_routing import build, saved_args
 
-    from mixln_megatron.analysis import moe
+    from mixln_megatron.analysis import loading
 
     model, cfg = build()
     ckpt = save_megatron(model, cfg, tmp_path / "ckpt", **saved_args(cfg), moe_grouped_gemm=True,
@@ -250,8 +252,8 @@ def test_glu_interleave_saved_by_several_ranks_is_refused_in_one_line(mcore_sing
 
     saved = Namespace(num_experts=4, moe_router_topk=2, swiglu=True, moe_grouped_gemm=True,
                       moe_mlp_glu_interleave_size=8, expert_tensor_parallel_size=2)
-    with pytest.raises(moe.MoEAnalysisError) as info:
-        moe.moe_config_fields(saved)
+    with pytest.raises(loading.MoEAnalysisError) as info:
+        loading.moe_config_fields(saved)
     assert "\n" not in str(info.value) and "--moe-mlp-glu-interleave-size" in str(info.value)
     saved.moe_grouped_gemm = False  # sequential experts ignored the setting: plain rows, nothing to refuse
-    assert "moe_mlp_glu_interleave_size" not in moe.moe_config_fields(saved)
+    assert "moe_mlp_glu_interleave_size" not in loading.moe_config_fields(saved)

@@ -65,7 +65,8 @@ else:
 
     import mixln_megatron.bridge as mixln_bridge
     from megatron.bridge import AutoBridge
-    from mixln_megatron.dev import cpu, testing
+    from mixln_megatron import cpu
+    from harness import testing
     from mixln_megatron.hf import MixLNLlamaForCausalLM, config_for_export, save_hf_folder
 
     TOKENIZER = os.path.join(os.path.dirname(mixln_bridge.__file__), "..", "assets", "tokenizer")

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from mixln_megatron.dev.testing import start_python
+from harness.testing import start_python
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "workers", "ckpt_keys_worker.py")

@@ -24,7 +24,7 @@ from mixln_megatron.analysis import cli as analyze_cli
 from mixln_megatron.analysis import train_health
 from mixln_megatron.convert import cli as convert_cli
 from mixln_megatron.data import preprocess
-from mixln_megatron.dev.testing import run_python
+from harness.testing import run_python
 from mixln_megatron.training import pretrain
 
 REPO = Path(__file__).resolve().parent.parent

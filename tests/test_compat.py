@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from mixln_megatron.dev.testing import run_python
+from harness.testing import run_python
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "workers", "release_checkpoint_worker.py")
@@ -64,8 +64,8 @@ def test_stock_spec_object_builds_mixln_the_way_the_release_uses_it(mcore_single
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from mixln_megatron import compat, spec
-    from mixln_megatron.dev import testing
-    from mixln_megatron.model.norms import MixLNNorm
+    from harness import testing
+    from mixln_megatron.model.backends import MixLNNorm
 
     global_vars = _sys.modules.get("megatron.training.global_vars")
     if global_vars is not None:
@@ -92,7 +92,7 @@ def test_stock_spec_object_builds_mixln_the_way_the_release_uses_it(mcore_single
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
         from megatron.core.transformer.transformer_block import LayerNormImpl
 
-        # docs/megatron-releases.md, "--spec on 0.17 / 0.18": Megatron's LayerNormImpl (torch's RMSNorm without TE and apex)
+        # docs/compatibility.md, "--spec on 0.17 / 0.18": Megatron's LayerNormImpl (torch's RMSNorm without TE and apex)
         expected = torch.nn.RMSNorm if LayerNormImpl is WrappedTorchNorm else LayerNormImpl
         assert not isinstance(final, MixLNNorm) and isinstance(final, expected)
     ids, labels, pos, mask = testing.batch()
@@ -197,7 +197,7 @@ def test_layer_overrides_the_mlp_residual_step_this_release_calls(mcore_single):
 
     from mixln_megatron import compat
     from mixln_megatron.spec import get_mixln_decoder_block_spec
-    from mixln_megatron.dev import testing
+    from harness import testing
     from mixln_megatron.model.layer import MixLNTransformerLayer
 
     assert hasattr(TransformerLayer, compat.MLP_BDA_HOOK)
@@ -233,7 +233,7 @@ def test_spec_edge_refuses_a_checkpoint_of_a_newer_release_in_one_line(mcore_sin
     import argparse
 
     from mixln_megatron import compat, spec
-    from mixln_megatron.dev import testing
+    from harness import testing
 
     iteration = tmp_path / "iter_0000005"
     iteration.mkdir()
@@ -261,7 +261,7 @@ def test_settings_mismatch_on_resume_is_one_line_first(mcore_single, monkeypatch
     import argparse
 
     from mixln_megatron import errors
-    from mixln_megatron.dev import testing
+    from harness import testing
     from mixln_megatron.model import checkpoint
     from mixln_megatron.spec import get_mixln_decoder_block_spec
 

@@ -1,7 +1,7 @@
 """model.config_fields: with model.moe_fields, one row for every TransformerConfig field of the
 installed release (`make test-compat` runs the walk on 0.17, 0.18 and main too), each carried,
 refused or of no effect; the refusals are model.support's and what `convert to-hf` prints; the
-"no effect" rows that touch the forward pass are run; docs/megatron-settings.md shows the table."""
+"no effect" rows that touch the forward pass are run; docs/conversion.md shows the table."""
 
 from __future__ import annotations
 
@@ -213,7 +213,7 @@ def _logits(ids, pos, mask, state=None, **overrides):
 
     from megatron.core import tensor_parallel
 
-    from mixln_megatron.dev import testing as mu
+    from harness import testing as mu
     from mixln_megatron.model.settings import MixLNSettings
     from mixln_megatron.model.specs import get_mixln_decoder_block_spec
 
@@ -237,7 +237,7 @@ def _logits(ids, pos, mask, state=None, **overrides):
 
 
 def test_no_effect_rows_leave_the_logits_unchanged(mcore_single):
-    from mixln_megatron.dev import testing as mu
+    from harness import testing as mu
 
     assert {name for arm in ARMS.values() for name in arm} == cf.AUDITED
     ids, _, pos, mask = mu.batch()
@@ -253,13 +253,13 @@ def test_no_effect_rows_leave_the_logits_unchanged(mcore_single):
 
 
 def test_docs_table_is_current(tmp_path):
-    """docs/megatron-settings.md shows the table as model.config_fields has it."""
-    from mixln_megatron.dev import config_fields_table as table
+    """docs/conversion.md shows the table as model.config_fields has it."""
+    import config_fields_table as table
 
-    doc = REPO / "docs" / "megatron-settings.md"
+    doc = REPO / "docs" / "conversion.md"
     assert table.main(["--check", str(doc)]) == 0, (
-        "docs/megatron-settings.md is stale: python -m mixln_megatron.dev.config_fields_table --write "
-        "docs/megatron-settings.md")
+        "docs/conversion.md is stale: python scripts/config_fields_table.py --write "
+        "docs/conversion.md")
     rendered = table.render()
     for row in cf.TABLE:
         assert f"| `{row.name}`" in rendered

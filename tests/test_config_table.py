@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from mixln_megatron.dev import config_table
+import config_table
 from mixln_megatron.model.settings import FIELDS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
@@ -10,7 +10,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 def test_the_documented_table_is_current():
     assert config_table.main(["--check", str(DOC)]) == 0, (
-        "docs/configuration.md is stale: python -m mixln_megatron.dev.config_table --write docs/configuration.md")
+        "docs/configuration.md is stale: python scripts/config_table.py --write docs/configuration.md")
 
 
 def test_every_flag_and_variable_has_a_row():

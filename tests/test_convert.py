@@ -27,12 +27,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
-from mixln_megatron.dev.testing import run_python
+from harness.testing import run_python
 from mixln_megatron.convert import ConversionError, UnsupportedModelError  # noqa: E402
 from mixln_megatron.convert import convert_from_hf as from_hf  # noqa: E402
 from mixln_megatron.convert import convert_to_hf as to_hf  # noqa: E402
-from mixln_megatron.convert.megatron_reader import open_checkpoint  # noqa: E402
-from mixln_megatron.convert.layouts import (  # noqa: E402
+from mixln_megatron.convert.inspect import open_checkpoint  # noqa: E402
+from mixln_megatron.convert.mapping import (  # noqa: E402
     deinterleave_rope_rows, merge_qkv, merge_tp_shards, split_qkv, split_tp_shard)
 from mixln_megatron.convert.shape import (  # noqa: E402
     ModelShape, padded_vocab_size, shape_from_hf_config, shape_from_megatron_args)
@@ -130,7 +130,7 @@ def test_megatron_hf_parity(tmp_path, fmt, tp, pp):
     pytest.param("lns", "0", marks=pytest.mark.slow),
 ])
 def test_megatron_hf_parity_layernorm_scaling(tmp_path, scheme, post_ln_layers):
-    """LayerNorm Scaling exports with the same logits (issue: LNS as a second scheme)."""
+    """LayerNorm Scaling (the second scheme) exports with the same logits."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("hf_parity", os.path.join(REPO, "benchmarks", "hf_parity.py"))
@@ -294,8 +294,7 @@ def test_qkv_and_glu_layouts():
         t = torch.randn(shape.megatron_layer_shapes()[role])
         assert torch.equal(merge_tp_shards(role, [split_tp_shard(role, t, 2, r) for r in range(2)]), t)
     # every role of a layer becomes the HF tensors hf_role_tensors names, with their shapes
-    from mixln_megatron.convert.mapping import hf_role_tensors, layer_roles
-    from mixln_megatron.convert.to_hf import hf_layer_tensors
+    from mixln_megatron.convert.mapping import hf_layer_tensors, hf_role_tensors, layer_roles
 
     assert sorted(layer_roles(shape)) == sorted(shape.megatron_layer_shapes())  # the same roles, biases or not
     for role, megatron_shape in shape.megatron_layer_shapes().items():

@@ -1,4 +1,4 @@
-"""Conversion of per-layer layouts (issue 29 item 3): pre, post, deepnorm and sandwich layers anywhere.
+"""Conversion of per-layer layouts: pre, post, deepnorm and sandwich layers anywhere.
 
 A tiny Megatron GPTModel of each layout (local backend, GQA, fp32) is saved as torch_dist with
 Megatron-LM's args, then:
@@ -31,7 +31,7 @@ transformers = pytest.importorskip("transformers")
 from mixln_megatron.convert import ConversionError  # noqa: E402
 from mixln_megatron.convert import convert_from_hf as from_hf  # noqa: E402
 from mixln_megatron.convert import convert_to_hf as to_hf  # noqa: E402
-from mixln_megatron.dev import testing as mu  # noqa: E402
+from harness import testing as mu  # noqa: E402
 
 from test_convert import assert_same_tensors, tensors  # noqa: E402
 
@@ -258,7 +258,7 @@ def test_legacy_file_of_the_model_exports_the_same(exported, tmp_path):
 # --------------------------------------------------------------------------------- from-hf
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_from_hf_loads_back_bit_identical(exported, tmp_path, name):
-    from mixln_megatron.convert.megatron_reader import open_checkpoint
+    from mixln_megatron.convert.inspect import open_checkpoint
 
     model, _, hf, _ = exported[name]
     layout, scheme, _ = LAYOUTS[name]
@@ -296,7 +296,7 @@ def test_from_hf_loads_back_bit_identical(exported, tmp_path, name):
 
 
 def test_from_hf_legacy_files_name_each_kind_s_modules(exported, tmp_path):
-    from mixln_megatron.convert.megatron_reader import open_checkpoint
+    from mixln_megatron.convert.inspect import open_checkpoint
 
     hf = exported["mixed"][2]
     for impl in ("local", "transformer_engine"):
@@ -338,21 +338,21 @@ def _edited(src, dst, **changes):
 
 
 @pytest.mark.parametrize("changes,match", [
-    (dict(layer_kinds="sandwich:*"), "layer_kinds must be a list"),
-    (dict(layer_kinds={"0": "pre"}), "layer_kinds must be a list"),
-    (dict(layer_kinds=["deepnorm", "sandwich", "post"]), "layer_kinds has 3 entries but num_hidden_layers is 4"),
+    (dict(layer_kinds="sandwich:*"), "layer_kinds must be None or a list"),
+    (dict(layer_kinds={"0": "pre"}), "layer_kinds must be None or a list"),
+    (dict(layer_kinds=["deepnorm", "sandwich", "post"]), "layer_kinds has 3 entries but num_hidden_layers = 4"),
     (dict(layer_kinds=["deepnorm"] * 10**5), "layer_kinds has 100000 entries"),
-    (dict(layer_kinds=["deepnorm", "sandwich", "peri", "pre"]), r"layer_kinds\[2\] is 'peri', not one of"),
-    (dict(layer_kinds=["deepnorm", None, "post", "pre"]), r"layer_kinds\[1\] is None"),
+    (dict(layer_kinds=["deepnorm", "sandwich", "peri", "pre"]), r"layer_kinds\[2\] = 'peri' is not one of"),
+    (dict(layer_kinds=["deepnorm", None, "post", "pre"]), r"layer_kinds\[1\] = None is not one of"),
     (dict(deepnorm_alpha=float("nan")), "deepnorm_alpha must be a finite number > 0"),
     (dict(deepnorm_alpha=-1.0), "deepnorm_alpha must be a finite number > 0"),
     (dict(deepnorm_alpha="2.0"), "deepnorm_alpha must be a finite number > 0"),
     (dict(deepnorm_alpha=True), "deepnorm_alpha must be a finite number > 0"),
     (dict(deepnorm_beta=0), "deepnorm_beta must be a finite number > 0"),
-    (dict(deepnorm_alpha=None), "deepnorm layers but deepnorm_alpha is null"),
-    (dict(post_ln_layers=1), "post_ln_layers is 1 but layer_kinds has 2"),
-    (dict(layer_kinds=["pre", "sandwich", "pre", "pre"]), "no layer is deepnorm"),
-    (dict(layer_kinds=KeyError), "there is no layer_kinds"),
+    (dict(deepnorm_alpha=None), "deepnorm layers but deepnorm_alpha is None"),
+    (dict(post_ln_layers=1), "post_ln_layers = 1 but layer_kinds has 2"),
+    (dict(layer_kinds=["pre", "sandwich", "pre", "pre"], post_ln_layers=0), "no layer is deepnorm"),
+    (dict(layer_kinds=KeyError), "deepnorm_alpha is set but no layer is deepnorm"),
     (dict(mixln_scheme="lns"), "scheme 'lns'"),
 ])
 def test_bad_layout_fields_of_an_hf_folder_are_one_line(exported, tmp_path, changes, match):
@@ -367,11 +367,11 @@ def test_bad_layer_kinds_through_the_cli(exported, tmp_path, capsys):
     folder = _edited(exported["mixed"][2], tmp_path / "hf", layer_kinds=["pre", 7, "post", "pre"])
     assert main(["from-hf", "--load", str(folder), "--save", str(tmp_path / "out"), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "layer_kinds[1] is 7" in err, err
+    assert len(err.splitlines()) == 1 and "layer_kinds[1] = 7 is not one of" in err, err
 
 
 def test_a_folder_without_deepnorm_beta_gets_deepnet_s(exported, tmp_path):
-    from mixln_megatron.convert.megatron_reader import open_checkpoint
+    from mixln_megatron.convert.inspect import open_checkpoint
 
     folder = _edited(exported["mixed"][2], tmp_path / "hf", deepnorm_beta=None, deepnorm_alpha=2.5)
     s = from_hf(str(folder), str(tmp_path / "out"), progress=False)
@@ -390,7 +390,7 @@ def test_explicit_settings_that_change_a_layout_folder_are_refused(exported, tmp
 @pytest.mark.parametrize("name", ["every2", "mixed", "sandwich", "lns"])
 def test_gpt_hybrid_carries_every_layout(exported, tmp_path, name):
     from mixln_megatron.convert.gpt_hybrid import convert_gpt_to_hybrid, convert_hybrid_to_gpt
-    from mixln_megatron.convert.megatron_reader import open_checkpoint
+    from mixln_megatron.convert.inspect import open_checkpoint
     from mixln_megatron.model.layout import layout_text
 
     model, ckpt, hf, _ = exported[name]
@@ -483,7 +483,7 @@ def test_resharded_checkpoints_export_the_same(exported, tmp_path):
 @pytest.mark.parametrize("name", ["mixed", "lns"])
 def test_the_analysis_loader_builds_the_checkpoint_s_layout(exported, name):
     """`mixln-megatron analyze --load` reads a layout checkpoint into the same network."""
-    from mixln_megatron.analysis.models import load_megatron_checkpoint
+    from mixln_megatron.analysis.loading import load_megatron_checkpoint
 
     model, ckpt, _, _ = exported[name]
     lm = load_megatron_checkpoint(str(ckpt))

@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 from mixln_megatron.convert import ConversionError, UnsupportedModelError  # noqa: E402
 from mixln_megatron.convert import convert_from_hf as from_hf  # noqa: E402
 from mixln_megatron.convert import convert_to_hf as to_hf  # noqa: E402
-from mixln_megatron.dev import testing as mu  # noqa: E402
+from harness import testing as mu  # noqa: E402
 
 from test_convert import tensors  # noqa: E402
 

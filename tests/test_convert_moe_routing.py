@@ -21,8 +21,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from mixln_megatron.convert.moe_shape import moe_shape_of_args  # noqa: E402
-from mixln_megatron.dev import testing as mu  # noqa: E402
+from mixln_megatron.convert.shape import moe_shape_of_args  # noqa: E402
+from harness import testing as mu  # noqa: E402
 
 from test_convert_moe import (  # noqa: E402
     EXPERTS, LAYERS, hf_logits, local_gpt, megatron_logits, save_megatron)

@@ -1,4 +1,4 @@
-"""MoE tensors a conversion must rewrite, not copy (issue 42 B): GLU-interleaved fc1 rows, the top-k
+"""MoE tensors a conversion must rewrite, not copy: GLU-interleaved fc1 rows, the top-k
 scaling factor, fp32 routing and a q/k/v-only bias.
 
 The Megatron side is test_convert_moe's: megatron-core's GPTModel with MoE layers (local spec,
@@ -27,8 +27,8 @@ pytest.importorskip("transformers.conversion_mapping", reason="the Mix-LN MoE mo
 
 from mixln_megatron.convert import convert_from_hf as from_hf  # noqa: E402
 from mixln_megatron.convert import convert_to_hf as to_hf  # noqa: E402
-from mixln_megatron.convert.layouts import split_glu_rows  # noqa: E402
-from mixln_megatron.dev import testing as mu  # noqa: E402
+from mixln_megatron.convert.mapping import split_glu_rows  # noqa: E402
+from harness import testing as mu  # noqa: E402
 
 from test_convert import tensors  # noqa: E402
 from test_convert_moe import (  # noqa: E402

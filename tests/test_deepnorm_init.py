@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from mixln_megatron.dev import testing as mu
+from harness import testing as mu
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "deepnorm_init_worker.py")
 NUM_LAYERS, HIDDEN, HEADS, GROUPS = 16, 128, 4, 2  # sqrt(2L) = 5.7: the old init's error is far outside noise
@@ -130,7 +130,7 @@ def test_deepnorm_init_is_deepnet_s_rule_with_te_modules():
     why = mu.te_missing()
     if why is not None:
         pytest.skip(str(why))
-    from mixln_megatron.dev import cpu
+    from mixln_megatron import cpu
 
     with cpu.te_modules():  # TE modules built on the CPU (their forward needs a GPU)
         _, model = build(cpu_init=True, backend="te")

@@ -1,4 +1,4 @@
-"""The demo's Hugging Face step (mixln_megatron.dev.demo_hf) on a tiny real run.
+"""The demo's Hugging Face step (scripts/demo_hf.py) on a tiny real run.
 
 A 4-layer Mix-LN model (layer 1 Post-LN) trained for a few iterations by the real entry point on
 a slice of the shipped corpus with the shipped tokenizer, saved as torch_dist; then the step the
@@ -15,9 +15,10 @@ import sys
 import pytest
 import torch
 
-from mixln_megatron.dev.testing import run_python
+from harness.testing import run_python
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(REPO, "scripts", "demo.py")
 ENTRY = [os.path.join(REPO, "tests", "workers", "fork_queue.py"), "-m", "mixln_megatron.training.pretrain"]
 MAX_CHARS = 120_000  # the corpus's first ~120K characters: a held-out split of a few K tokens
 SEQ, BATCH, ITERS, EVAL_INTERVAL, EVAL_ITERS, SEED = 32, 8, 16, 8, 2, 1234
@@ -35,9 +36,9 @@ def _env():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(checkpoint dir, ValidationRun, Megatron's last validation perplexity, the corpus documents)."""
-    from mixln_megatron.data import prepare_austen_dataset, tokenizer_dir
-    from mixln_megatron.data.corpus import austen_paragraphs
-    from mixln_megatron.dev.demo_hf import ValidationRun
+    from mixln_megatron.data.corpus import austen_paragraphs, tokenizer_dir
+    from mixln_megatron.data.preprocess import prepare_austen_dataset
+    from demo_hf import ValidationRun
 
     root = tmp_path_factory.mktemp("demo_hf")
     prefix = prepare_austen_dataset(str(root / "data"), max_chars=MAX_CHARS)
@@ -67,7 +68,7 @@ def trained(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exported(trained, tmp_path_factory):
-    from mixln_megatron.dev.demo_hf import hf_step
+    from demo_hf import hf_step
 
     checkpoint, run, megatron_ppl, paragraphs = trained
     hf_dir = tmp_path_factory.mktemp("export") / "hf"
@@ -92,7 +93,7 @@ def test_hf_export_reproduces_megatrons_validation_perplexity(trained, exported)
 def test_the_exported_tokenizer_gives_the_datasets_tokens(trained, exported):
     """The folder's AutoTokenizer (loaded as the demo loads it) encodes the held-out paragraphs to
     exactly the token ids Megatron trained and validated on."""
-    from mixln_megatron.dev.demo_hf import load_hf, megatron_validation_windows
+    from demo_hf import load_hf, megatron_validation_windows
 
     _, run, _, paragraphs = trained
     tokenizer, _ = load_hf(str(exported[0]))
@@ -109,8 +110,8 @@ def test_a_faulty_export_is_caught(trained, exported, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from mixln_megatron.dev.demo_hf import DemoMismatch, check_agreement, load_hf, megatron_validation_windows
-    from mixln_megatron.dev.demo_hf import perplexity_on_windows
+    from demo_hf import DemoMismatch, check_agreement, load_hf, megatron_validation_windows
+    from demo_hf import perplexity_on_windows
 
     _, run, megatron_ppl, _ = trained
     broken = tmp_path / "hf"
@@ -145,7 +146,7 @@ def test_the_demo_refuses_a_folder_it_did_not_write(tmp_path):
     foreign = tmp_path / "mixln" / "notes.txt"
     foreign.parent.mkdir()
     foreign.write_text("mine")
-    done = run_python([sys.executable, "-m", "mixln_megatron.dev.demo", "--out", str(tmp_path)],
+    done = run_python([sys.executable, str(DEMO), "--out", str(tmp_path)],
                       timeout=300, env=_env(), cwd=REPO)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
@@ -156,9 +157,9 @@ def test_the_demo_refuses_a_folder_it_did_not_write(tmp_path):
 
 @pytest.mark.slow
 def test_the_demo_ends_in_hugging_face(tmp_path):
-    """`python -m mixln_megatron.dev.demo` with a few iterations, twice into the same folder: the
+    """`python scripts/demo.py` with a few iterations, twice into the same folder: the
     HF lines, the RESULT line once and last, the checkpoint and export in place, no temporaries."""
-    cmd = [sys.executable, "-m", "mixln_megatron.dev.demo", "--out", str(tmp_path), "--iters", "4",
+    cmd = [sys.executable, str(DEMO), "--out", str(tmp_path), "--iters", "4",
            "--eval-interval", "2"]
     for _ in range(2):  # the second run replaces the first one's outputs
         done = run_python(cmd, timeout=900, env=_env(), cwd=REPO)

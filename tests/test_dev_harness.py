@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from mixln_megatron.dev.testing import run_python
+from harness.testing import run_python
 
 
 def _python(code: str) -> str:
@@ -22,7 +22,7 @@ def _python(code: str) -> str:
 def test_cpu_harness_undoes_its_patches_and_keeps_an_outer_one():
     out = _python("""
         import torch
-        from mixln_megatron.dev import cpu
+        from mixln_megatron import cpu
         assert not cpu.is_enabled()  # nothing of another test's harness in this process
         original = torch.cuda.current_device
         with cpu.harness():
@@ -45,7 +45,7 @@ def test_analysis_asks_for_the_harness_and_runs_inside_it():
     out = _python("""
         import torch
         from mixln_megatron.analysis.models import FreshShape, build_megatron_gpt
-        from mixln_megatron.dev import cpu
+        from mixln_megatron import cpu
         assert not cpu.is_enabled()  # nothing of another test's harness in this process
         shape = FreshShape(num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=64, seq_length=8)
         try:

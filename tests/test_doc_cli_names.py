@@ -6,7 +6,7 @@ with the entry point's flags), walked for their sub-commands and option strings.
   `python -m <a command's module> ... --flag` (`-m mixln_megatron.training.pretrain` is `pretrain`);
 - in a code span, a short form that starts with a command name (`convert inspect --check`,
   `pretrain --load`);
-- in a table row whose first cell names commands (command-line.md's table of flag spellings):
+- in a table row whose first cell names commands (commands.md's table of flag spellings):
   every `--flag` span of the row.
 A flag after a command whose sub-command is not named (`analyze ... --load`) must belong to one of
 its sub-commands. Placeholders (`<flags>`, `...`, `CKPT_DIR`) are skipped; a quoted message

@@ -4,7 +4,7 @@ Pure file parsing plus a few cheap calls into the code (the export decision, the
 - every relative link and `#anchor` of README.md, CONTRIBUTING.md, docs/*.md and benchmarks/README.md
   resolves (GitHub's heading slugs);
 - every test file and test function the documentation cites exists in tests/;
-- the table of exported Hugging Face classes in docs/hf-conversion.md (the one home of that rule) is
+- the table of exported Hugging Face classes in docs/conversion.md (the one home of that rule) is
   what mixln_megatron/hf/export_code.py decides, row by row;
 - every build line `[mixln_megatron] scheme=...` quoted in the documentation is what the code prints
   for those settings;
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "benchmarks" / "README.md",
         *sorted((ROOT / "docs").glob("*.md"))]
 BENCHMARKS = ROOT / "benchmarks" / "README.md"
-HF_CONVERSION = ROOT / "docs" / "hf-conversion.md"
+HF_CONVERSION = ROOT / "docs" / "conversion.md"
 FENCE = re.compile(r"^[ \t]*(```|~~~).*?^[ \t]*\1[^\n]*$", re.M | re.S)
 
 
@@ -235,7 +235,7 @@ def exported_class(settings_cell: str, moe_cell: str) -> tuple:
 
 
 def test_the_export_class_table_is_the_export_decision():
-    """docs/hf-conversion.md's table of exported classes: each row's class and remote-code column are
+    """docs/conversion.md's table of exported classes: each row's class and remote-code column are
     what the export code decides for that row's flags (a row per case of the rule)."""
     rows = table_rows(HF_CONVERSION.read_text(encoding="utf-8"))
     assert len(rows) >= 8, "the export-class table has too few rows"
@@ -247,7 +247,7 @@ def test_the_export_class_table_is_the_export_decision():
         if (documented, documented_code) != (got, needs_code):
             wrong.append(f"{model} {settings} {moe}: the doc says {documented} (remote code {remote!r}), "
                          f"the export gives {got} (remote code {needs_code})")
-    assert not wrong, "docs/hf-conversion.md's export-class table disagrees with the code:\n" + "\n".join(wrong)
+    assert not wrong, "docs/conversion.md's export-class table disagrees with the code:\n" + "\n".join(wrong)
 
 
 def test_the_export_class_check_can_fail():
@@ -436,7 +436,7 @@ def test_the_date_check_can_fail():
 
 
 # ------------------------------------------------------------------------------------ the unsupported list
-SUPPORT_HOME = ROOT / "docs" / "megatron-core-api.md"
+SUPPORT_HOME = ROOT / "docs" / "compatibility.md"
 
 
 def undocumented_refusals(text: str) -> list:
@@ -455,7 +455,7 @@ def undocumented_refusals(text: str) -> list:
 
 
 def test_the_unsupported_list_is_the_support_table():
-    """docs/megatron-core-api.md is the one page listing what Mix-LN refuses; it names every row."""
+    """docs/compatibility.md is the one page listing what Mix-LN refuses; it names every row."""
     section = SUPPORT_HOME.read_text(encoding="utf-8").split("## What is supported", 1)[1].split("\n## ", 1)[0]
     missing = undocumented_refusals(section)
     assert not missing, f"{rel(SUPPORT_HOME)} (What is supported) does not name these refusals of " \

@@ -1,4 +1,4 @@
-"""Configuration errors reach the user as one clear line (issue 12 item 4)."""
+"""Configuration errors reach the user as one clear line."""
 
 import contextlib
 import io
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mixln_megatron.dev.testing import run_python
+from harness.testing import run_python
 from mixln_megatron import cli, errors
 from mixln_megatron.errors import MixLNConfigError, MixLNError
 
@@ -93,7 +93,7 @@ def test_every_project_error_is_one_line_and_exit_2(monkeypatch, tmp_path, capsy
     assert cli.main(["convert", "to-hf"]) == 2
     captured = capsys.readouterr()
     assert captured.err == "mixln-megatron convert: error: refusing: --save lies inside --load\n"
-    from mixln_megatron.analysis.models import CheckpointError
+    from mixln_megatron.analysis.loading import CheckpointError
     from mixln_megatron.data.preprocess import PreprocessError
     from mixln_megatron.training.pretrain import MixLNPretrainUnsupported
     from mixln_megatron.model.support import MixLNUnsupportedError

@@ -1,4 +1,4 @@
-"""The test suite's launcher (mixln_megatron/dev/forked_ranks.py): python and single-node torchrun
+"""The test suite's launcher (tests/harness/forked_ranks.py): python and single-node torchrun
 commands run as children of one preloaded fork server, and behave as the commands would."""
 
 import os
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from mixln_megatron.dev import forked_ranks
+from harness import forked_ranks
 
 PY = sys.executable
 PROBE = """

@@ -130,7 +130,7 @@ REFERENCE_WORKER = os.path.join(REPO, "tests", "workers", "gpu_check_reference_w
 
 def _reference_phase(phase, tmp_path):
     """A phase of the reference worker in a fresh interpreter, as the GPU check runs them."""
-    from mixln_megatron.dev.testing import run_python
+    from harness.testing import run_python
 
     proc = run_python([sys.executable, REFERENCE_WORKER, phase, str(tmp_path)], timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

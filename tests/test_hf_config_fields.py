@@ -141,7 +141,7 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 4.0, "low_freq_fac
     lambda: _mixln(attention_scale=0.07, embedding_multiplier=2.0, logits_multiplier=0.4, glu_linear_offset=0.25),
 ], ids=["llama-fields", "mixln-forward-scalars"])
 def test_carried_fields_give_megatrons_forward_the_hf_logits(mcore_single, tmp_path, make):
-    from mixln_megatron.analysis.models import load_megatron_checkpoint
+    from mixln_megatron.analysis.loading import load_megatron_checkpoint
     from mixln_megatron.convert import convert_from_hf
 
     hf = _randomized(make()).eval()
@@ -169,13 +169,13 @@ def _mixln(**forward):
 
 
 def test_docs_table_is_current(tmp_path):
-    """docs/hf-conversion.md shows every row of the table as convert.hf_config_fields has it."""
-    from mixln_megatron.dev import hf_config_fields_table as table
+    """docs/conversion.md shows every row of the table as convert.hf_config_fields has it."""
+    import hf_config_fields_table as table
 
-    doc = Path(__file__).resolve().parents[1] / "docs" / "hf-conversion.md"
+    doc = Path(__file__).resolve().parents[1] / "docs" / "conversion.md"
     assert table.main(["--check", str(doc)]) == 0, (
-        "docs/hf-conversion.md is stale: python -m mixln_megatron.dev.hf_config_fields_table --write "
-        "docs/hf-conversion.md")
+        "docs/conversion.md is stale: python scripts/hf_config_fields_table.py --write "
+        "docs/conversion.md")
     rendered = table.render()
     assert all(f"| `{row.name}`" in rendered for row in T.TABLE)
     stale = tmp_path / "hf-conversion.md"

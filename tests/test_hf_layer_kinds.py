@@ -1,4 +1,4 @@
-"""Per-layer kinds in the Hugging Face model (issue 29): pre, post, deepnorm, sandwich in one network.
+"""Per-layer kinds in the Hugging Face model: pre, post, deepnorm, sandwich in one network.
 
 CPU, fp32, tiny configs. The reference below is a plain PyTorch forward written from the formulas
 (F = attention, then MLP; N an RMSNorm; s the LayerNorm-Scaling factor; a DeepNorm's alpha):
@@ -335,7 +335,7 @@ def test_config_json_unchanged_without_layer_kinds_and_roundtrip_with_them(tmp_p
     plain = MixLNLlamaConfig(post_ln_layers=1, mixln_scheme="mixln+lns", mixln_alpha="0.25", **TINY)
     plain.save_pretrained(tmp_path / "plain")
     saved = json.loads((tmp_path / "plain" / "config.json").read_text())
-    assert not {"layer_kinds", "deepnorm_alpha", "deepnorm_beta"} & set(saved)  # as before issue 29
+    assert not {"layer_kinds", "deepnorm_alpha", "deepnorm_beta"} & set(saved)  # as a config without per-layer kinds always saved
     back = MixLNLlamaConfig.from_pretrained(tmp_path / "plain")
     assert back.layer_kinds is None and back.deepnorm_alpha is None
     assert [back.layer_kind(i) for i in range(4)] == ["post", "pre", "pre", "pre"]

@@ -1,4 +1,4 @@
-"""model.hf_norm_names against the HF model code: each role's HF module runs where the role says.
+"""convert.mapping.HF_NORM_MODULES against the HF model code: each role's HF module runs where the role says.
 
 The conversion and the Bridge take every norm's HF name from that one table; a round trip cannot
 tell two names swapped (norms start at ones, and both directions would swap alike), so the table is
@@ -11,11 +11,11 @@ import torch
 pytest.importorskip("transformers")
 
 from mixln_megatron.hf import MixLNLlamaConfig, MixLNLlamaForCausalLM  # noqa: E402
-from mixln_megatron.model.hf_norm_names import HF_NORM_MODULES, NORM_A, NORM_B, NORM_C, NORM_D  # noqa: E402
+from mixln_megatron.convert.mapping import HF_NORM_MODULES, NORM_A, NORM_B, NORM_C, NORM_D  # noqa: E402
 
 KINDS = ["deepnorm", "sandwich", "post", "pre"]
 ATTN, MLP = "self_attn", "mlp"
-# What each role means (model.hf_norm_names), as the order of one layer's calls.
+# What each role means (convert.mapping.HF_NORM_MODULES), as the order of one layer's calls.
 ROLE_ORDER = {
     "pre": [NORM_A, ATTN, NORM_B, MLP],
     "sandwich": [NORM_A, ATTN, NORM_C, NORM_B, MLP, NORM_D],  # N_b on the attention output, N_d on the MLP's

@@ -1,4 +1,4 @@
-"""Servable exports (issue 19, item 6): what the Transformers backend of vLLM / SGLang
+"""Servable exports: what the Transformers backend of vLLM / SGLang
 (`--model-impl transformers`) relies on, checked with transformers alone (no serving engine here).
 
 The folder is a real export: a tiny Mix-LN model (P = 2 of 4 layers, GQA, fp32) written as a

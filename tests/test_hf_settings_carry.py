@@ -19,7 +19,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from mixln_megatron.convert import ConversionError  # noqa: E402
-from mixln_megatron.convert.forward_scalars import (  # noqa: E402
+from mixln_megatron.convert.shape import (  # noqa: E402
     ForwardScalars, args_getter, forward_scalars, mup_flags_for)
 from mixln_megatron.convert.shape import shape_from_hf_config  # noqa: E402
 
@@ -177,10 +177,10 @@ def test_megatron_hf_parity_of_forward_scalars(tmp_path, extra, want):
 
 def test_paths_that_cannot_carry_the_scalars_refuse_them_in_one_line():
     """The Megatron-Bridge bridges refuse muP / a softmax scale / a GLU offset of a built
-    TransformerConfig (their provider) with convert.forward_scalars.config_problem."""
+    TransformerConfig (their provider) with convert.shape.config_problem."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from mixln_megatron.convert.forward_scalars import config_problem
+    from mixln_megatron.convert.shape import config_problem
 
     def config(**flags):
         return TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, **flags)

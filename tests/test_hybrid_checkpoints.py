@@ -32,7 +32,7 @@ ARMS = "deepnorm:1,sandwich:2,post:3,pre:4"
 
 
 def _launch(workdir, jobs, name):
-    from mixln_megatron.dev.testing import torchrun
+    from harness.testing import torchrun
 
     path = os.path.join(workdir, f"{name}.json")
     with open(path, "w") as f:
@@ -104,7 +104,7 @@ def assert_same(a: dict, b: dict):
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
-# ------------------------------------------------------------------------------ item 1
+# ------------------------------------------------------------------------------ the settings record
 def test_hybrid_checkpoint_carries_the_settings_record(work):
     from mixln_megatron.convert.dcp_files import DCPFiles
 
@@ -143,7 +143,7 @@ def test_hybrid_reshards_tp2_to_tp1_and_back(work):
     assert diff <= 1e-5, diff
 
 
-# ------------------------------------------------------------------------------ item 2
+# ------------------------------------------------------------------------------ GPT <-> hybrid
 @pytest.mark.parametrize("name", ["gpt2_tp1", "gpt0_tp1", "gpt2_tp2", "gptarms_tp2"])
 def test_gpt_checkpoint_as_hybrid_gives_the_gpt_logits(work, name):
     d, summaries = work
@@ -226,7 +226,7 @@ def test_refusals_are_one_line_and_leave_nothing(work, tmp_path, capsys, monkeyp
     assert not os.path.exists(out) and not [e for e in os.listdir(tmp_path) if e.startswith(".out.")]
 
 
-# ------------------------------------------------------------------------------ item 3
+# ------------------------------------------------------------------------------ HF export
 @pytest.mark.parametrize("gpt,hybrid", [("gpt2_tp1", "gpt2_tp1_h"), ("gpt0_tp1", "gpt0_tp1_h"),
                                         ("hyb_tp2_g", "hyb_tp2"), ("gptarms_tp2", "gptarms_tp2_h")])
 def test_hf_export_of_a_hybrid_checkpoint_is_the_gpt_export(work, tmp_path, gpt, hybrid):
@@ -266,7 +266,7 @@ def test_inspect_describes_a_hybrid_checkpoint(work, capsys):
 def test_analysis_reads_a_hybrid_checkpoint_as_its_gpt_network(work, mcore_single):
     """The analysis loader reads a HybridModel checkpoint through convert's reader into the GPT
     model of the same network: the same weights and losses as its hybrid-to-gpt conversion."""
-    from mixln_megatron.analysis.models import load_megatron_checkpoint
+    from mixln_megatron.analysis.loading import load_megatron_checkpoint
 
     d, _ = work
     hybrid, gpt = load_megatron_checkpoint(f"{d}/hyb_tp2"), load_megatron_checkpoint(f"{d}/hyb_tp2_g")

@@ -1,4 +1,4 @@
-"""The spike scaler's state through `mixln-megatron convert gpt-to-hybrid` and back (issue 23).
+"""The spike scaler's state through `mixln-megatron convert gpt-to-hybrid` and back.
 
 One process (gloo, TP1 PP1): a tiny GPTModel Mix-LN (local backend, L = 4, P = 2, the scaler on
 the boundary blocks 2 and 3) trains SAVE_AT steps with the scaler and a spike injected at step 4,
@@ -40,7 +40,7 @@ BOUNDARY_NAMES = W.BOUNDARY_NAMES  # layer2.norm1.weight ... layer3.norm2.weight
 
 def build(kind, telemetry_path):
     """(config, model): W.build's model with the targets named explicitly ("boundary")."""
-    from mixln_megatron.dev.testing import build_gpt, build_hybrid, tiny_config
+    from harness.testing import build_gpt, build_hybrid, tiny_config
     from mixln_megatron.model.settings import MixLNSettings, SpikeSettings, TelemetrySettings
     from mixln_megatron.model.specs import get_mixln_decoder_block_spec, get_mixln_hybrid_stack_spec
     from mixln_megatron.training.hooks import install_training_hooks
@@ -105,7 +105,7 @@ def next_step(config, model, path) -> dict:
 
 @pytest.fixture(scope="module")
 def run(mcore_single, tmp_path_factory):
-    from mixln_megatron.dev.testing import hybrid_state_dict, randomize
+    from harness.testing import hybrid_state_dict, randomize
 
     d = str(tmp_path_factory.mktemp("hybrid_conv_state"))
     config, gpt = build("gpt", os.path.join(d, "gpt.jsonl"))

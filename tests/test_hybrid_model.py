@@ -1,7 +1,7 @@
-"""HybridModel Mix-LN is the GPTModel Mix-LN network (issue 23).
+"""HybridModel Mix-LN is the GPTModel Mix-LN network.
 
 A `*-*-...` HybridModel of L = 4 blocks (8 hybrid layers) with the GPT model's weights, mapped
-name for name (mixln_megatron.dev.testing.hybrid_key), gives the same logits and the same gradient
+name for name (harness.testing.hybrid_key), gives the same logits and the same gradient
 of every parameter as GPTModel Mix-LN, for P = 0, 2, L and the lns / mixln+lns schemes. Its layers
 are numbered by transformer block, hold one norm each where the block's norm belongs (checked
 against a functional reference per layer), and name it with the GPT model's (block, role).
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from mixln_megatron import compat
-from mixln_megatron.dev import testing as mu
+from harness import testing as mu
 
 needs_hybrid = pytest.mark.skipif(not compat.HYBRID_MODEL, reason="HybridModel Mix-LN needs megatron-core 0.19+")
 pytestmark = needs_hybrid
@@ -145,7 +145,7 @@ def expected_norm_modules(p):
 def test_layers_numbered_by_block_with_one_norm_each(mcore_single, p):
     from megatron.core.transformer.identity_op import IdentityOp
 
-    from mixln_megatron.model.norms import MixLNNorm
+    from mixln_megatron.model.backends import MixLNNorm
 
     hyb = hybrid_model(p)
     layers = hyb.decoder.layers
@@ -317,9 +317,9 @@ def no_megatron_lm_args(monkeypatch):
 def fresh_reports(monkeypatch):
     """The build line is printed once per process: start from none printed (the ERROR line is
     printed once per error)."""
-    from mixln_megatron.model import advice
+    from mixln_megatron.model import support
 
-    monkeypatch.setattr(advice, "_announced", set())
+    monkeypatch.setattr(support, "_announced", set())
 
 
 @pytest.mark.compat
@@ -409,7 +409,7 @@ def test_pipeline_splits_are_accepted(pattern):
 def test_spec_object_builds_mixln_and_prints_the_build_line_once(mcore_single, megatron_lm_args, fresh_reports,
                                                                 monkeypatch, capsys, env, pattern, line):
     from mixln_megatron.model.hybrid import MixLNHybridStack
-    from mixln_megatron.model.norms import MixLNNorm
+    from mixln_megatron.model.backends import MixLNNorm
 
     for name, value in env.items():
         monkeypatch.setenv(name, value)

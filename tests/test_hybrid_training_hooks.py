@@ -1,4 +1,4 @@
-"""The spike scaler and the telemetry on a Mix-LN HybridModel (issue 23): targets keyed (block,
+"""The spike scaler and the telemetry on a Mix-LN HybridModel: targets keyed (block,
 role), the four boundary norms of a `*-` model found also across pipeline stages, the spike state
 in torch_dist checkpoints of hybrid models, and telemetry rows per block, all compared with the
 GPTModel Mix-LN network of the same weights trained on the same batches.
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(not compat.HYBRID_MODEL, reason="Mix-LN on Hybri
 def reference(mcore_single, tmp_path_factory):
     """The GPT model and the HybridModel with the same weights, trained alike (TP1 PP1); the
     hybrid's initial weights saved to DIR/base for the pipeline worker."""
-    from mixln_megatron.dev.testing import randomize
+    from harness.testing import randomize
 
     workdir = str(tmp_path_factory.mktemp("hybrid_hooks"))
     gpt_config, gpt = W.build("gpt", os.path.join(workdir, "gpt.jsonl"))
@@ -157,7 +157,7 @@ def test_telemetry_rows_equal_norms_from_the_gradients(reference):
 
 def test_explicit_and_all_targets_name_the_same_norms(mcore_single, tmp_path):
     from mixln_megatron.training.spike import target_layers
-    from mixln_megatron.training.spike.targets import find_targets
+    from mixln_megatron.training.spike.state import find_targets
 
     _, hybrid = W.build("hybrid", str(tmp_path / "t.jsonl"))
     placement = hybrid.decoder.layers[0].placement
@@ -173,7 +173,7 @@ def test_install_spike_scaler_on_a_built_hybrid_model(mcore_single, tmp_path):
     """The megatron-core path: no hooks before the build; the scaler attaches to the built layers."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from mixln_megatron.dev.testing import build_hybrid, tiny_config
+    from harness.testing import build_hybrid, tiny_config
     from mixln_megatron.model.settings import MixLNSettings
     from mixln_megatron.model.specs import get_mixln_hybrid_stack_spec
     from mixln_megatron.training.spike import install_spike_scaler
@@ -195,7 +195,7 @@ def test_the_scaler_targets_every_norm_of_the_arms_layout_as_gpt_does(mcore_sing
     and steps on them."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from mixln_megatron.dev.testing import build_gpt, build_hybrid, tiny_config
+    from harness.testing import build_gpt, build_hybrid, tiny_config
     from mixln_megatron.model.settings import MixLNSettings
     from mixln_megatron.model.specs import get_mixln_decoder_block_spec, get_mixln_hybrid_stack_spec
     from mixln_megatron.training.spike import install_spike_scaler, remove_spike_scaler
@@ -236,7 +236,7 @@ def test_a_wrong_sized_state_names_block_and_hybrid_layer(reference, caplog):
 # ===================================================================================== two processes
 @pytest.fixture(scope="module")
 def pp2(reference):
-    from mixln_megatron.dev.testing import torchrun
+    from harness.testing import torchrun
 
     workdir = reference["workdir"]
     torchrun(WORKER, 2, "--phase", "pp2", "--workdir", workdir, timeout=900)

@@ -1,4 +1,5 @@
-"""The package's layers point down: no import cycles, and the model knows nothing above it.
+"""The package's layers point down: no import from a lower layer to a higher one, no import cycle,
+and nothing of the package imports the test harness or the scripts.
 
 The graph is built with `ast` from the source (imports inside functions count), so it needs no
 megatron and imports nothing: `import a.b` and `from a import b` point at the module b when it
@@ -13,15 +14,6 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mixln_megatron"
 TOP = PACKAGE.name
-
-# What the model layer (mixln_megatron.model, the plain-data spec factories included) must not
-# import: training, conversion, development aids, and the Megatron-LM edge above them.
-ABOVE_THE_MODEL = (
-    "mixln_megatron.training", "mixln_megatron.convert", "mixln_megatron.dev", "mixln_megatron.analysis",
-    "mixln_megatron.hf", "mixln_megatron.data", "mixln_megatron.spec", "mixln_megatron.megatron_args",
-    "mixln_megatron.cli",
-)
-
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
@@ -102,6 +94,57 @@ def _inside(module: str, packages) -> bool:
     return any(module == p or module.startswith(p + ".") for p in packages)
 
 
+# The package's layers, lowest first, by package (or top-level module). A module may import its
+# own layer and any layer below it, never one above. Why each sits where it does:
+# - ground floor: the one-line errors, reading untrusted input (confinement, the allow-list),
+#   staged output, the commands' parsing, progress and silenced warnings, release differences
+#   (compat) and the CPU/gloo harness that megatron code runs inside;
+# - model: the Mix-LN network (settings, placement, layers, specs) on megatron-core;
+# - hf: the Hugging Face model code, copied into exported folders (it imports nothing of ours);
+# - data: corpus -> indexed dataset;
+# - convert: checkpoint readers and writers, built on the model's and the HF model's names;
+# - training: hooks, telemetry, the spike scaler, the entry point and Megatron-LM's `--mixln-*`
+#   flags; it vets a --load checkpoint through convert;
+# - bridge: the optional Megatron-Bridge model, on the model, the HF model and the converter;
+# - spec: what Megatron-LM imports by name (`--spec mixln_megatron.spec ...`), with the hooks;
+# - analysis: the diagnostics, which build models as the --spec edge does;
+# - the command line and the package's own lazy re-exports.
+PACKAGE_LAYERS = (
+    ("ground floor", ("errors", "safe_output", "safe_unpickle", "input_root", "progress", "known_warnings",
+                      "cli_parsing", "compat", "cpu")),
+    ("model", ("model",)),
+    ("hf", ("hf",)),
+    ("data", ("data",)),
+    ("convert", ("convert",)),
+    ("training", ("training", "megatron_args")),
+    ("bridge", ("bridge",)),
+    ("spec", ("spec",)),
+    ("analysis", ("analysis",)),
+    ("cli", ("cli", "")),  # "": the package's __init__
+)
+LAYERS = tuple((name, tuple(f"{TOP}.{p}" if p else TOP for p in parts)) for name, parts in PACKAGE_LAYERS)
+# Development code lives outside the package: no package module imports it.
+OUTSIDE = ("harness", "tests", "scripts", "benchmarks", "examples")
+
+
+def layer_of(module: str):
+    """The index in LAYERS of the most specific prefix naming `module` (the package itself exactly)."""
+    best, length = None, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            hit = module == p if p == TOP else _inside(module, (p,))
+            if hit and len(p) > length:
+                best, length = i, len(p)
+    return best
+
+
+def upward_imports(graph: dict) -> list:
+    """`module (layer) -> target (layer)` for every import of a higher layer."""
+    return sorted(f"{m} ({LAYERS[layer_of(m)][0]}) -> {t} ({LAYERS[layer_of(t)][0]})"
+                  for m, targets in graph.items() for t in targets
+                  if layer_of(m) is not None and layer_of(t) is not None and layer_of(t) > layer_of(m))
+
+
 def test_the_graph_sees_imports_inside_functions():
     graph = import_graph()
     assert "mixln_megatron.model.layer" in graph["mixln_megatron.model.specs"]
@@ -114,81 +157,40 @@ def test_no_import_cycles():
     assert not found, "import cycles: " + "; ".join(" <-> ".join(g) for g in found)
 
 
-def test_the_model_imports_nothing_above_it():
-    graph = import_graph()
-    offenders = sorted(
-        f"{module} -> {target}"
-        for module, targets in graph.items() if _inside(module, ("mixln_megatron.model",))
-        for target in targets if _inside(target, ABOVE_THE_MODEL)
-    )
-    assert not offenders, offenders
-
-
-def test_the_release_module_and_errors_stay_below_the_model():
-    """compat.py (release differences only) and errors.py sit under the model, which may use
-    them: they never reach the model, training or the edge (compat reads a --load directory's
-    layout through convert.locate)."""
-    graph = import_graph()
-    above = ("mixln_megatron.model",) + tuple(p for p in ABOVE_THE_MODEL if p != "mixln_megatron.convert")
-    for module in ("mixln_megatron.compat", "mixln_megatron.errors"):
-        bad = sorted(t for t in graph[module] if _inside(t, above))
-        assert not bad, (module, bad)
-
-
-# The package's layers, lowest first. A module may import its own layer and any layer below it,
-# never one above. Why each sits where it does:
-# - foundation: the one-line errors, reading untrusted input (confinement, the allow-list), staged
-#   output, release differences (compat), the CPU harness that megatron code runs inside and the
-#   tests' process launcher (dev.forked_ranks);
-# - model: the Mix-LN network (settings, placement, layers, specs), the HF model code, data prep;
-# - training and conversion: hooks, telemetry, the spike scaler, the entry point; checkpoint
-#   readers and writers; test builders (dev.testing) that make real models from the model layer;
-# - edges: what Megatron-LM imports by name (--spec objects), the Megatron-Bridge model (optional),
-#   and the diagnostics built on the above;
-# - applications: the command line, the CPU demo (a script of user commands) and the package's
-#   own lazy re-exports.
-LAYERS = (
-    ("foundation", ("mixln_megatron.errors", "mixln_megatron.cli_parsing", "mixln_megatron.progress",
-                    "mixln_megatron.known_warnings",
-                    "mixln_megatron.input_root", "mixln_megatron.safe_output",
-                    "mixln_megatron.safe_unpickle", "mixln_megatron.compat", "mixln_megatron.dev.cpu",
-                    "mixln_megatron.dev.forked_ranks")),
-    ("model", ("mixln_megatron.model", "mixln_megatron.hf", "mixln_megatron.data", "mixln_megatron.dev.plots")),
-    ("training and conversion", ("mixln_megatron.training", "mixln_megatron.convert",
-                                 "mixln_megatron.megatron_args", "mixln_megatron.dev.testing")),
-    ("edges", ("mixln_megatron.spec", "mixln_megatron.analysis", "mixln_megatron.bridge")),
-    ("applications", ("mixln_megatron.cli", "mixln_megatron.dev.demo", "mixln_megatron.dev", "mixln_megatron")),
-)
-
-
-def layer_of(module: str) -> int:
-    """The index in LAYERS of the most specific prefix naming `module` (the package itself exactly)."""
-    best, length = None, -1
-    for i, (_, prefixes) in enumerate(LAYERS):
-        for p in prefixes:
-            hit = module == p if p == "mixln_megatron" else _inside(module, (p,))
-            if hit and len(p) > length:
-                best, length = i, len(p)
-    return best
-
-
 def test_every_module_has_a_layer():
     missing = sorted(m for m in import_graph() if layer_of(m) is None)
-    assert not missing, f"modules with no layer in LAYERS: {missing}"
+    assert not missing, f"modules with no layer in PACKAGE_LAYERS: {missing}"
 
 
 def test_imports_point_down_the_layers():
-    """An import of a higher layer fails here, naming both ends (issue 28: compat -> convert,
-    dev.demo -> analysis and dev.testing -> spec were such imports)."""
-    graph = import_graph()
-    upward = sorted(f"{m} ({LAYERS[layer_of(m)][0]}) -> {t} ({LAYERS[layer_of(t)][0]})"
-                    for m, targets in graph.items() for t in targets
-                    if layer_of(m) is not None and layer_of(t) is not None and layer_of(t) > layer_of(m))
+    """An import of a higher layer fails here, naming both ends and their layers (the model
+    importing the converter, compat importing convert, the analysis importing the command line)."""
+    upward = upward_imports(import_graph())
     assert not upward, "imports up a layer:\n" + "\n".join(upward)
 
 
 def test_the_layer_check_catches_an_upward_import():
-    assert layer_of("mixln_megatron.compat") < layer_of("mixln_megatron.convert.locate")
-    assert layer_of("mixln_megatron.dev.testing") < layer_of("mixln_megatron.spec")
-    assert layer_of("mixln_megatron.dev.demo") > layer_of("mixln_megatron.analysis.train_health")
-    assert layer_of("mixln_megatron") == len(LAYERS) - 1 and layer_of("mixln_megatron.model.layer") == 1
+    assert layer_of("mixln_megatron.compat") == 0 and layer_of("mixln_megatron.model.layer") == 1
+    assert layer_of("mixln_megatron") == len(LAYERS) - 1 and layer_of("mixln_megatron.cli") == len(LAYERS) - 1
+    assert layer_of("mixln_megatron.cli_parsing") == 0  # a longer name is not inside `cli`
+    graph = {"mixln_megatron.model.layer": {"mixln_megatron.convert.shape", "mixln_megatron.compat"},
+             "mixln_megatron.compat": {"mixln_megatron.errors"}}
+    assert upward_imports(graph) == ["mixln_megatron.model.layer (model) -> mixln_megatron.convert.shape (convert)"]
+
+
+def outside_imports() -> list:
+    """`module -> name` for every import (inside functions too) of development code outside the package."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{_module_name(path)} -> {n}" for n in names if n.split(".")[0] in OUTSIDE]
+    return found
+
+
+def test_the_package_imports_no_development_code():
+    """The test harness (tests/harness), the scripts and the benchmarks are not installed: a package
+    module importing them would fail for every user."""
+    found = outside_imports()
+    assert not found, found

@@ -13,7 +13,7 @@ Mix-LN's support check runs on it and the number of Post-LN layers is resolved f
 environment the launcher exported (plus what the --mixln-* flags export).
 
 Differences from a real run, all on CPU (megatron-core 0.19.2, no TransformerEngine, no GPU):
-  * mixln_megatron.dev.cpu.enable_training() answers validate_args' GPU-architecture query (asked
+  * mixln_megatron.cpu.enable_training() answers validate_args' GPU-architecture query (asked
     when TP > 1) with 0, i.e. pre-Blackwell, so validate_args also checks that a TP launcher
     exports CUDA_DEVICE_MAX_CONNECTIONS=1 (the shim's own default for it is removed first).
   * Data and tokenizer paths are placeholders and are not touched: validate_args does not open
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import pytest
 
-from mixln_megatron.dev.testing import run_python
+from harness.testing import run_python
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -136,7 +136,7 @@ echo "ModuleNotFoundError: No module named 'mixln_megatron'" >&2; exit 1
 
 # Runs once per launcher, each in a process of its own (parse_args reads sys.argv; the CPU shims
 # and os.environ are global): `python worker.py job result`, forked by run_python from the test
-# session's preloaded server (mixln_megatron/dev/forked_ranks.py), which imported torch and
+# session's preloaded server (tests/harness/forked_ranks.py), which imported torch and
 # megatron-core once; megatron.training and the shims are imported here, in each child.
 _WORKER = r"""
 import importlib.util, json, os, sys
@@ -145,7 +145,7 @@ with open(job_path) as f:
     job = json.load(f)
 import torch
 if not torch.cuda.is_available():
-    from mixln_megatron.dev import cpu
+    from mixln_megatron import cpu
     cpu.enable_training()
     os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)  # only the launcher's export counts
 for key in [k for k in os.environ if k.startswith("MIXLN_")]:
@@ -158,7 +158,7 @@ from megatron.training.argument_utils import gpt_config_from_args
 from megatron.core.transformer.spec_utils import import_module
 from mixln_megatron.megatron_args import add_mixln_args, apply_mixln_args
 from mixln_megatron.spec import settings_for_spec
-from mixln_megatron.model.layer import check_supported
+from mixln_megatron.model.support import check_supported
 from mixln_megatron.model.placement import resolve_placement
 
 argv = job["argv"]
@@ -230,7 +230,7 @@ placement = resolve_placement(args.num_layers, settings)
 out["post_ln_layers"] = placement.post_ln_layers
 out["placement"] = placement.describe()
 # mixln_megatron's launch-time advice (printed at model build) must have nothing to say
-from mixln_megatron.model.advice import findings
+from mixln_megatron.model.support import findings
 warmup = (int(args.lr_warmup_fraction * args.train_iters) if args.lr_warmup_fraction is not None
           else args.lr_warmup_iters)
 out["advice"] = findings(placement, args.train_iters, warmup)
@@ -593,11 +593,11 @@ def test_launcher_without_data_or_tokenizer_stops_in_one_line(name, variable, tm
     assert len(lines) == 1 and f"{variable}: set {variable} to" in lines[0], proc.stderr
 
 
-DOC = REPO / "docs" / "megatron-lm.md"
+DOC = REPO / "docs" / "training.md"
 
 
 def _launcher_table() -> dict:
-    """docs/megatron-lm.md's launcher table: script name -> its row."""
+    """docs/training.md's launcher table: script name -> its row."""
     text = DOC.read_text()
     section = text.split("## Launchers", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
@@ -607,7 +607,7 @@ def _launcher_table() -> dict:
 def test_docs_launcher_table_lists_every_launcher():
     table = _launcher_table()
     assert sorted(table) == _launchers_on_disk(), (
-        f"docs/megatron-lm.md's launcher table lists {sorted(table)}, examples/ has "
+        f"docs/training.md's launcher table lists {sorted(table)}, examples/ has "
         f"{_launchers_on_disk()}: one row per launcher")
     # compare_schemes.sh: the row names every MODEL the script takes
     models = re.findall(r"^\s+([a-z0-9]+)\) launcher=", (EXAMPLES / "compare_schemes.sh").read_text(), re.M)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixln_megatron.dev import testing as mu
+from harness import testing as mu
 
 pytestmark = pytest.mark.usefixtures("mcore_single")
 
@@ -134,7 +134,7 @@ def test_post_ln_variant_does_not_mutate_the_shared_spec():
 
 
 def test_whole_model_final_norm_and_post_ln_output_is_viewless():
-    from mixln_megatron.model.norms import MixLNNorm
+    from mixln_megatron.model.backends import MixLNNorm
     from mixln_megatron.spec import get_mixln_decoder_block_spec
 
     cfg = mu.tiny_config(num_layers=4)
@@ -156,7 +156,7 @@ def test_whole_model_final_norm_and_post_ln_output_is_viewless():
     ],
 )
 def test_unsupported_configurations_are_rejected(overrides, match):
-    from mixln_megatron.model.layer import MixLNUnsupportedError, check_supported
+    from mixln_megatron.model.support import MixLNUnsupportedError, check_supported
 
     cfg = mu.tiny_config(num_layers=4)
     for k, v in overrides.items():
@@ -166,7 +166,7 @@ def test_unsupported_configurations_are_rejected(overrides, match):
 
 
 def test_mla_is_rejected():
-    from mixln_megatron.model.layer import MixLNUnsupportedError, check_supported
+    from mixln_megatron.model.support import MixLNUnsupportedError, check_supported
 
     cfg = mu.tiny_config(num_layers=4)
     cfg.multi_latent_attention = True
@@ -188,7 +188,7 @@ def test_te_spec_without_te_names_the_local_spec():
 
 
 def test_context_parallel_with_local_backend_is_rejected():
-    from mixln_megatron.model.layer import MixLNUnsupportedError
+    from mixln_megatron.model.support import MixLNUnsupportedError
     from mixln_megatron.spec import get_mixln_decoder_block_spec
 
     cfg = mu.tiny_config(num_layers=4)
@@ -209,7 +209,7 @@ def test_spec_names_resolve_through_megatron_import_module():
 @pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
 @pytest.mark.parametrize("zero_centered", [False, True])
 def test_mixln_norm_matches_torch(normalization, zero_centered):
-    from mixln_megatron.model.norms import MixLNNorm
+    from mixln_megatron.model.backends import MixLNNorm
 
     cfg = mu.tiny_config(num_layers=4, normalization=normalization, layernorm_zero_centered_gamma=zero_centered)
     norm = MixLNNorm(config=cfg, hidden_size=64, eps=1e-5)

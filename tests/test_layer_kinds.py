@@ -1,4 +1,4 @@
-"""The four layer kinds (pre, post, deepnorm, sandwich; issue 29) on the Megatron side, one process.
+"""The four layer kinds (pre, post, deepnorm, sandwich) on the Megatron side, one process.
 
 Each kind against a plain PyTorch reference written from its formula (not from the project's
 modules): a single layer (outputs and every parameter's gradient, with and without linear biases)
@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixln_megatron.dev import testing as mu
+from harness import testing as mu
 
 pytestmark = pytest.mark.usefixtures("mcore_single")
 
@@ -445,8 +445,8 @@ def test_hybrid_model_builds_every_layer_kind_by_block():
 def test_spike_boundary_is_every_post_to_pre_change_and_none_is_announced(capsys):
     from mixln_megatron.model.placement import resolve_placement
     from mixln_megatron.model.settings import MixLNSettings, SpikeSettings
-    from mixln_megatron.training.spike.hook import install_on_config, resolve_spike_settings
-    from mixln_megatron.training.spike.targets import find_targets, target_layers
+    from mixln_megatron.training.spike.scaler import install_on_config, resolve_spike_settings
+    from mixln_megatron.training.spike.state import find_targets, target_layers
 
     def placement(layout, n=8):
         return resolve_placement(n, MixLNSettings(layout=layout))
@@ -515,7 +515,7 @@ def test_te_kinds_build_with_te_modules_and_their_checkpoint_round_trips(tmp_pat
     import transformer_engine.pytorch as te
     from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear
 
-    from mixln_megatron.dev import cpu
+    from mixln_megatron import cpu
     from mixln_megatron.model.settings import MixLNSettings
     from mixln_megatron.model.specs import get_mixln_decoder_block_spec
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from mixln_megatron.dev.testing import torchrun
+from harness.testing import torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "layer_kinds_worker.py")
 pytestmark = pytest.mark.mp

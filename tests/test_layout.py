@@ -1,4 +1,4 @@
-"""The per-layer layout (issue 29): the string, its refusals, its sources, its record. Pure Python."""
+"""The per-layer layout: the string, its refusals, its sources, its record. Pure Python."""
 
 import argparse
 import math

@@ -114,7 +114,8 @@ def test_the_scripts_themselves_fail_when_required(checkout):
 
 def test_in_the_tests_the_same_variable_turns_a_skip_into_a_failure(monkeypatch):
     """The te tests read the same variable with the same meaning (set to 1: required)."""
-    from mixln_megatron.dev import cpu, testing
+    from mixln_megatron import cpu
+    from harness import testing
 
     if cpu.te_unavailable_reason() is None:
         pytest.skip("TransformerEngine is importable here: no skip to turn into a failure")

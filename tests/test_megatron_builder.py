@@ -4,7 +4,7 @@ import json
 import os
 import sys
 
-from mixln_megatron.dev.testing import run_python
+from harness.testing import run_python
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "megatron_builder_worker.py")
 

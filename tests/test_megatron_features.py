@@ -8,7 +8,7 @@ the start-up is paid once. Each comparison also checks that the feature was real
 Megatron-LM arguments after validation, the model chunks' wrappers and DDP config, the optimizer,
 the model config, and how often megatron's activation checkpointing ran.
 
-docs/support-matrix.md names these tests (mixln_megatron/dev/support_matrix.py keeps it current).
+docs/compatibility.md's support matrix names these tests (scripts/support_matrix.py keeps it current).
 """
 
 import json
@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from mixln_megatron.dev.testing import torchrun
+from harness.testing import torchrun
 from test_pretrain import TINY, same_checkpoint
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "features_worker.py")
@@ -236,8 +236,8 @@ def test_layernorm_recompute_covers_the_pre_ln_norms_only(mcore_single):
     """megatron's `--recompute-modules layernorm` checkpoints a layer's input and pre-MLP norms;
     a Post-LN layer has neither (its N1 / N2 come after the residual adds) and recomputes no norm.
     (Running it needs TransformerEngine and a GPU: megatron-core's CheckpointWithoutOutput always
-    takes its fp8 path, docs/support-matrix.md.)"""
-    from mixln_megatron.dev import testing as mu
+    takes its fp8 path, docs/compatibility.md.)"""
+    from harness import testing as mu
 
     config = mu.tiny_config(recompute_granularity="selective", recompute_modules=["layernorm"])
     model = mu.build_gpt(config, mu.mixln_spec(config, post_ln_layers=2, vp_stage=None))

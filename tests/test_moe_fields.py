@@ -1,7 +1,7 @@
 """model.moe_fields: the one table of megatron-core's MoE settings names every one of the installed
 release's (`make test-compat` runs the walk and the flag check on 0.17, 0.18 and main too), each
 with a handling and the Megatron-LM flag its args hold it under; it is what convert, the analysis
-and the Bridge read, and what docs/moe.md shows."""
+and the Bridge read, and what docs/conversion.md shows."""
 
 from __future__ import annotations
 
@@ -107,14 +107,14 @@ def test_the_bridge_refuses_what_its_config_does_not_write():
 
 
 def test_docs_moe_table_is_current(tmp_path):
-    """docs/moe.md shows the table as model.moe_fields has it (python -m mixln_megatron.dev.moe_table --write)."""
+    """docs/conversion.md shows the MoE table as model.moe_fields has it (python scripts/moe_table.py --write)."""
     from pathlib import Path
 
-    from mixln_megatron.dev import moe_table
+    import moe_table
 
-    doc = Path(__file__).resolve().parents[1] / "docs" / "moe.md"
+    doc = Path(__file__).resolve().parents[1] / "docs" / "conversion.md"
     assert moe_table.main(["--check", str(doc)]) == 0, (
-        "docs/moe.md is stale: python -m mixln_megatron.dev.moe_table --write docs/moe.md")
+        "docs/conversion.md is stale: python scripts/moe_table.py --write docs/conversion.md")
     for row in mf.TABLE:
         assert f"| `{row.name}` |" in moe_table.render()
     stale = tmp_path / "moe.md"

@@ -9,7 +9,7 @@ The pattern rule accepts `E` only where a `-` belongs; HF conversion still refus
 import pytest
 
 from mixln_megatron import compat
-from mixln_megatron.dev import testing as mu
+from harness import testing as mu
 
 from test_hybrid_model import assert_same_network
 
@@ -69,11 +69,11 @@ def test_e_only_where_an_mlp_layer_belongs(pattern, where):
 
 
 def test_hf_conversion_still_refuses_e_in_one_line():
-    from mixln_megatron.convert import hybrid_keys
+    from mixln_megatron.convert.megatron_reader import pattern_problem
 
-    for problem in (hybrid_keys.pattern_problem("*E*-", "*E*-"), hybrid_keys.pattern_problem(None, "*E*-")):
+    for problem in (pattern_problem("*E*-", "*E*-"), pattern_problem(None, "*E*-")):
         assert problem is not None and "'E' (MoE)" in problem and "\n" not in problem, problem
-    assert hybrid_keys.pattern_problem("*-*-", "*-*-") is None
+    assert pattern_problem("*-*-", "*-*-") is None
 
 
 def test_e_layers_need_a_stack_spec_with_the_moe_layer(mcore_single):

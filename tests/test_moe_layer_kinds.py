@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixln_megatron.dev import testing as mu
+from harness import testing as mu
 
 from test_layer_kinds import assert_grads_equal, leaf_copy, randomize, ref_attention, rms
 
@@ -180,15 +180,15 @@ def test_moe_layer_freq_gives_dense_first_layers_every_kind():
 
 
 def test_stage_layer_ids_follow_the_pipeline_offset():
-    from mixln_megatron.model import moe_layers
+    from mixln_megatron.model import specs
 
     cfg = moe_config(num_layers=6, moe_layer_freq=2)
-    assert moe_layers.moe_layer_pattern(cfg) == [True, False, True, False, True, False]
+    assert specs.moe_layer_pattern(cfg) == [True, False, True, False, True, False]
     cfg.pipeline_model_parallel_size = 2  # pp_rank given: no parallel state needed
     cfg.num_layers_in_first_pipeline_stage = 2
     cfg.num_layers_in_last_pipeline_stage = 4
-    assert moe_layers.stage_layer_ids(cfg, 2, None, 0) == [0, 1]
-    assert moe_layers.stage_layer_ids(cfg, 4, None, 1) == [2, 3, 4, 5]
+    assert specs.stage_layer_ids(cfg, 2, None, 0) == [0, 1]
+    assert specs.stage_layer_ids(cfg, 4, None, 1) == [2, 3, 4, 5]
 
 
 def test_one_layer_spec_refuses_a_mixed_stack_and_a_bad_pattern():
@@ -234,7 +234,7 @@ def test_the_support_table_lets_moe_build_convert_and_analyse():
     cfg = moe_config()
     support.check_supported(cfg, backend="local")
     support.check_supported(cfg, backend="te", post_ln=True)
-    support.check(cfg, support.CONVERT)  # the HF export carries experts (convert.moe_shape refuses routing)
+    support.check(cfg, support.CONVERT)  # the HF export carries experts (convert.shape.moe_shape_of_args refuses routing)
     support.check(cfg, support.ANALYSIS)
     cfg.multi_latent_attention = True
     with pytest.raises(support.MixLNUnsupportedError, match="multi-latent"):

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from mixln_megatron.dev.testing import torchrun
+from harness.testing import torchrun
 
 from test_layer_kinds_parallel import assert_close as assert_same_figures  # eval and losses within its REL (1e-5)
 

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from mixln_megatron.dev import cpu
-from mixln_megatron.dev import testing as mu
+from mixln_megatron import cpu
+from harness import testing as mu
 
 WHY = mu.te_missing()
 pytestmark = [pytest.mark.te, pytest.mark.skipif(WHY is not None, reason=str(WHY))]

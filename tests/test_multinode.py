@@ -1,4 +1,4 @@
-"""docs/entry-point.md's several-nodes command, run as two torchrun agents on one machine.
+"""docs/training.md's several-nodes command, run as two torchrun agents on one machine.
 
 The fenced block of the page's "Several nodes" section is taken as written: its shell variables
 are set as two nodes would set them (NNODES=2, NODE_RANK 0 and 1, one worker each, the rendezvous
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGE = ROOT / "docs" / "entry-point.md"
+PAGE = ROOT / "docs" / "training.md"
 BIN = Path(sys.executable).parent  # the venv's torchrun
 ITERS = 2
 TINY = [
@@ -83,7 +83,7 @@ def test_two_nodes_train_and_save_one_checkpoint(tmp_path):
     step = ckpt / f"iter_{ITERS:07d}"
     assert {p.name for p in step.glob("*.distcp")} >= {"__0_0.distcp", "__1_0.distcp"}  # both nodes wrote
     from mixln_megatron.convert.inspect import describe_checkpoint
-    from mixln_megatron.convert.megatron_reader import open_checkpoint
+    from mixln_megatron.convert.inspect import open_checkpoint
     from mixln_megatron.convert.vet import vet_checkpoint
 
     vet_checkpoint(str(ckpt))  # every pickle of the save readable through the allow-list

@@ -7,7 +7,7 @@ import torch
 
 
 def _tiny_model(post_ln_layers=2):
-    from mixln_megatron.dev.testing import build_gpt, tiny_config
+    from harness.testing import build_gpt, tiny_config
     from mixln_megatron.model.settings import MixLNSettings
     from mixln_megatron.spec import get_mixln_decoder_block_spec
 
@@ -34,8 +34,8 @@ def test_both_kinds_name_their_two_norms(mcore_single):
 
 
 def test_consumers_use_the_layer_s_answer(mcore_single):
-    from mixln_megatron.analysis.grad_norms import layer_grad_norms
-    from mixln_megatron.dev.testing import batch
+    from mixln_megatron.analysis.diagnostics import layer_grad_norms
+    from harness.testing import batch
     from mixln_megatron.training.telemetry import norm_columns
 
     model = _tiny_model()

@@ -1,4 +1,4 @@
-"""Issue 28 item 3, "one fact, one place": the GPT <-> hybrid key rule (model.checkpoint_keys)
+"""One fact, one place: the GPT <-> hybrid key rule (model.checkpoint)
 against the keys built models write; which kind a checkpoint is; one cross-check of the saved settings.
 """
 
@@ -23,9 +23,9 @@ def _sharded_keys(model) -> set:
 @pytest.mark.parametrize("post_ln", [0, 1, BLOCKS])
 def test_every_hybrid_key_the_model_writes_is_the_gpt_key_the_converter_reads(mcore_single, post_ln):
     """Built GPTModel and HybridModel of one Mix-LN network: each hybrid layer's key sits in the
-    layer checkpoint_keys says, and names the stacked GPT key; and every GPT key has its hybrid twin."""
-    from mixln_megatron.dev.testing import build_gpt, build_hybrid, tiny_config
-    from mixln_megatron.model import checkpoint_keys as K
+    layer model.checkpoint says, and names the stacked GPT key; and every GPT key has its hybrid twin."""
+    from harness.testing import build_gpt, build_hybrid, tiny_config
+    from mixln_megatron.model import checkpoint as K
     from mixln_megatron.model.settings import MixLNSettings
     from mixln_megatron.model.specs import get_mixln_decoder_block_spec, get_mixln_hybrid_stack_spec
 
@@ -54,7 +54,7 @@ def test_every_hybrid_key_the_model_writes_is_the_gpt_key_the_converter_reads(mc
 
 
 def test_hybrid_state_key_follows_the_rule():
-    from mixln_megatron.model.checkpoint_keys import hybrid_state_key
+    from mixln_megatron.model.checkpoint import hybrid_state_key
 
     assert hybrid_state_key("decoder.layers.1.self_attention.linear_qkv.weight") == \
         "decoder.layers.2.self_attention.linear_qkv.weight"
@@ -66,7 +66,7 @@ def test_hybrid_state_key_follows_the_rule():
 
 
 def test_model_kind_tells_stacked_gpt_from_hybrid_and_refuses_per_layer_gpt():
-    from mixln_megatron.convert.hybrid_keys import GPT, HYBRID, model_kind
+    from mixln_megatron.convert.megatron_reader import GPT, HYBRID, model_kind
     from mixln_megatron.errors import UnsupportedModelError
 
     assert model_kind(["decoder.layers.mlp.linear_fc1.weight", "decoder.final_layernorm.weight",

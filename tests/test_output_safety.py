@@ -1,4 +1,4 @@
-"""Nothing a user does may lose a checkpoint or leave partial output (issue 12, items 1 and 2).
+"""Nothing a user does may lose a checkpoint or leave partial output.
 
 Refusals: an output that equals, contains or lies inside the input (symlinks and `..` resolved) and
 --overwrite over anything but a previous export of the same direction are refused before any work,
@@ -30,7 +30,7 @@ pytest.importorskip("transformers")
 
 from test_convert import make_llama_folder, no_leftovers, tensors  # noqa: E402
 
-from mixln_megatron.dev.testing import run_python, start_python
+from harness.testing import run_python, start_python
 from mixln_megatron.convert import ConversionError, convert_from_hf, convert_to_hf  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -74,7 +74,7 @@ def small(tmp_path_factory):
     return path
 
 
-# ----------------------------------------------------------------------------------------- item 1: refusals
+# ----------------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("where", ["same", "parent", "inside", "symlink", "dotdot"])
 def test_output_overlapping_the_input_is_refused_before_any_work(tmp_path, small, where):
     proj = tmp_path / "proj"
@@ -156,7 +156,7 @@ def test_old_output_is_back_when_the_replacement_fails(tmp_path, sources, monkey
 @pytest.mark.parametrize("existing", ["empty", "previous export"])
 def test_save_given_as_a_symlink_writes_through_it_and_leaves_nothing_beside(tmp_path, sources, existing):
     """--save as a link to a folder elsewhere (a scratch disk): the export lands in that folder, the
-    link stays a link, and no `.<name>.old-*` / `.tmp-*` entry is left beside either (issue 27 item 6)."""
+    link stays a link, and no `.<name>.old-*` / `.tmp-*` entry is left beside either."""
     target = tmp_path / "scratch" / "export"
     target.mkdir(parents=True)
     if existing == "previous export":
@@ -173,7 +173,7 @@ def test_save_given_as_a_symlink_writes_through_it_and_leaves_nothing_beside(tmp
     assert tree_hash(sources["mg"]) == sources["hash"]["mg"]
 
 
-# ----------------------------------------------------------------------------------------- item 2: real signals
+# ----------------------------------------------------------------------------------------- real signals
 def start(tmp_path, point, *args):
     marker = tmp_path / f"paused-{point}"
     proc = start_python([sys.executable, WORKER, point, str(marker), "--", *map(str, args)], cwd=REPO)

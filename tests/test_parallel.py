@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from mixln_megatron.dev.testing import single_process, torchrun
+from harness.testing import single_process, torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "parallel_worker.py")
 pytestmark = pytest.mark.mp

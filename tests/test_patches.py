@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from mixln_megatron.dev.testing import run_python
+from harness.testing import run_python
 
 REPO = Path(__file__).resolve().parents[1]
 PATCHES = REPO / "patches"
@@ -80,7 +80,7 @@ def _wheel_megatron_dir(release: str) -> Path:
     pytest.skip(f"megatron-core {pin} ({branch}) is not installed: its overlay {COMPAT / release} "
                 f"is absent; `scripts/compat_env.sh {release}` installs it (`make test-compat` does)")
 
-# A tiny, valid Megatron-LM command line for CPU (the flags of mixln_megatron.dev.cpu).
+# A tiny, valid Megatron-LM command line for CPU (the flags of mixln_megatron.cpu).
 BASE_ARGV = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "32", "--max-position-embeddings", "32",

@@ -11,10 +11,10 @@ import types
 import numpy as np
 import pytest
 
-from mixln_megatron.dev.testing import run_python
+from harness.testing import run_python
 from mixln_megatron.data import corpus
 from mixln_megatron.data import preprocess as pp
-from mixln_megatron.data.austen_dataset import prepare_austen_dataset
+from mixln_megatron.data.preprocess import prepare_austen_dataset
 from mixln_megatron.data.tokenizer import EOD_TOKEN, TokenizerSpec, load_tokenizer
 
 BENNET = "My dear Mr. Bennet, said his lady. Mrs. Long came."

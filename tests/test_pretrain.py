@@ -20,10 +20,11 @@ from argparse import Namespace
 
 import pytest
 
-from mixln_megatron.dev.testing import run_python, start_python
-from mixln_megatron.dev import testing as mu
+from harness.testing import run_python, start_python
+from harness import testing as mu
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(REPO, "scripts", "demo.py")
 # `python -m mixln_megatron.training.pretrain` with the write-results queue started by fork (its docstring)
 ENTRY = [os.path.join(REPO, "tests", "workers", "fork_queue.py"), "-m", "mixln_megatron.training.pretrain"]
 
@@ -218,7 +219,7 @@ def _stand_in_utils(directory, makefile: bool):
 
 
 def test_prebuilt_helpers_used_only_without_makefile(tmp_path):
-    from mixln_megatron.training import dataset_helpers as helpers
+    from mixln_megatron.training import pretrain as helpers
 
     with_makefile = _stand_in_utils(tmp_path / "src", makefile=True)
     original = with_makefile.compile_helpers
@@ -233,7 +234,7 @@ def test_prebuilt_helpers_used_only_without_makefile(tmp_path):
 
 
 def test_prebuilt_helpers_not_used_when_they_do_not_import(tmp_path, monkeypatch):
-    from mixln_megatron.training import dataset_helpers as helpers
+    from mixln_megatron.training import pretrain as helpers
 
     monkeypatch.setattr(helpers, "HELPERS_MODULE", "megatron.core.datasets.no_such_helpers_module")
     utils = _stand_in_utils(tmp_path / "wheel", makefile=False)
@@ -248,7 +249,7 @@ def test_prebuilt_helpers_premise_and_no_patch_at_import(tmp_path):
 
     import megatron.core.datasets.utils as real_utils
 
-    from mixln_megatron.training import dataset_helpers as helpers
+    from mixln_megatron.training import pretrain as helpers
 
     assert not getattr(real_utils.compile_helpers, "mixln_prebuilt", False)
     directory = os.path.dirname(real_utils.__file__)
@@ -292,7 +293,7 @@ def test_model_provider_builds_post_ln_layers_as_configured(mcore_single, monkey
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.training import global_vars
 
-    from mixln_megatron.model.norms import MixLNNorm
+    from mixln_megatron.model.backends import MixLNNorm
     from mixln_megatron.training.providers import model_provider
 
     # the provider reads the flags from Megatron-LM's global args (main binds its settings instead)
@@ -378,10 +379,10 @@ def test_pp2_and_tp2_resume_match_single_process(tmp_path):
 # ------------------------------------------------------------------ the demo, end to end (short)
 @pytest.mark.slow
 def test_demo_smoke(tmp_path):
-    """`python -m mixln_megatron.dev.demo` with a few iterations: both runs, PNG, JSON, RESULT line."""
+    """`python scripts/demo.py` with a few iterations: both runs, PNG, JSON, RESULT line."""
     out = tmp_path / "demo"
     proc = run_python(
-        [sys.executable, "-m", "mixln_megatron.dev.demo", "--out", str(out), "--iters", "4", "--eval-interval", "2"],
+        [sys.executable, str(DEMO), "--out", str(out), "--iters", "4", "--eval-interval", "2"],
         capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

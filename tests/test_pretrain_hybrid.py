@@ -1,4 +1,4 @@
-"""HybridModel pretraining with Mix-LN, on CPU with gloo (issue 23 item 2).
+"""HybridModel pretraining with Mix-LN, on CPU with gloo.
 
 Two ways in, both Megatron-LM's training loop:
   - the project's entry point, `mixln-megatron pretrain --hybrid-layer-pattern "*-*-..."`;
@@ -17,9 +17,9 @@ import sys
 
 import pytest
 
-from mixln_megatron.dev.testing import start_python
+from harness.testing import start_python
 from mixln_megatron import compat
-from mixln_megatron.dev import testing as mu
+from harness import testing as mu
 
 from test_pretrain import REPO, TINY, _env, finish, losses, start, train
 
@@ -239,7 +239,7 @@ def test_bad_pattern_is_printed_once_across_ranks():
     failure summary of such a refusal (`Root Cause ... exitcode : 2`, no rank's traceback) is
     checked with the real torchrun in test_errors.py::test_the_line_survives_when_rank_0_is_the_slow_one
     (the same errors.report / refusal path)."""
-    from mixln_megatron.dev import forked_ranks
+    from harness import forked_ranks
 
     proc = start_python(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

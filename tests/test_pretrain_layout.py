@@ -1,4 +1,4 @@
-"""`mixln-megatron pretrain` with a per-layer layout (issue 29): the entry point's --mixln-layout
+"""`mixln-megatron pretrain` with a per-layer layout: the entry point's --mixln-layout
 builds every kind in Megatron-LM's training loop, saves the layout with the checkpoint, resumes it
 from the checkpoint alone, and refuses a resume under another layout in one line, exit 2; for
 GPTModel and for HybridModel (--hybrid-layer-pattern, L `*-` blocks)."""

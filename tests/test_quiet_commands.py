@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from mixln_megatron import known_warnings
-from mixln_megatron.dev.testing import run_python
+from harness.testing import run_python
 
 REPO = Path(__file__).resolve().parents[1]
 # Megatron-LM's defaults: LayerNorm and a GELU MLP, which the Llama export cannot express.

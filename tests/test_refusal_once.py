@@ -112,7 +112,8 @@ def test_a_peer_of_rank_0_leaves_once_rank_0_printed(launched, capsys):
 def test_a_peer_of_rank_0_prints_when_rank_0_is_gone_without_the_line(launched, capsys, tmp_path):
     line = "[mixln_megatron] ERROR: x"
     launched(1, 1)
-    folder, claim, _ = errors._paths(line)
+    node = errors.NodeClaim("errors", line)
+    folder, claim = node.folder, node.claim
     os.makedirs(folder, exist_ok=True)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

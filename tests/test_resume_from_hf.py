@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from mixln_megatron.dev.testing import run_python
+from harness.testing import run_python
 from mixln_megatron.convert import convert_from_hf, convert_to_hf  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,7 +59,7 @@ def test_stock_llama_from_hf_resume_to_hf_keeps_epsilon_and_logits(mcore_single,
     config = json.loads((hf / "config.json").read_text())
     assert config["rms_norm_eps"] == EPS and config["post_ln_layers"] == 1
 
-    from mixln_megatron.analysis.models import load_hf_model, load_megatron_checkpoint
+    from mixln_megatron.analysis.loading import load_hf_model, load_megatron_checkpoint
 
     megatron = load_megatron_checkpoint(str(trained))
     assert megatron.module.config.layernorm_epsilon == EPS

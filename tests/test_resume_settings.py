@@ -1,5 +1,5 @@
-"""A resume reads the checkpoint's Mix-LN settings as strictly as `convert inspect` does (issue 28
-item 3): with --use-checkpoint-args, the saved args, the settings record and the content metadata
+"""A resume reads the checkpoint's Mix-LN settings as strictly as `convert inspect` does:
+with --use-checkpoint-args, the saved args, the settings record and the content metadata
 are cross-checked, and a checkpoint whose sources disagree is one line naming both, exit 2, before
 Megatron-LM builds anything, instead of the saved args silently winning."""
 

@@ -1,4 +1,4 @@
-"""Everything the training hooks install outside their own objects can be taken back (issue 28.4):
+"""Everything the training hooks install outside their own objects can be taken back:
 the optimizer's step wrapper, the finalize wrappers on the config, the layer-built callbacks on the
 config and the checkpoint holders on the layers; the settings record only adds its key to the
 metadata dict it is given."""
@@ -17,7 +17,7 @@ from mixln_megatron.model.settings import SpikeSettings
 def new_optimizer(mcore_single):
     """Makes megatron's own optimizer (get_megatron_optimizer, via dev.testing.TinyTrainer) over a
     one-layer stock GPT in DDP: `step` on its class, returning (success, grad norm, zeros)."""
-    from mixln_megatron.dev.testing import TinyTrainer, build_gpt, mixln_spec, tiny_config
+    from harness.testing import TinyTrainer, build_gpt, mixln_spec, tiny_config
 
     def make():
         config = tiny_config(num_layers=1, hidden=16, heads=2)
@@ -123,7 +123,7 @@ def test_finalize_wrappers_come_out_of_the_chain_in_any_order():
 
 
 def test_layer_callbacks_and_holders_are_taken_back(new_optimizer):
-    from mixln_megatron.dev.testing import build_gpt, tiny_config
+    from harness.testing import build_gpt, tiny_config
     from mixln_megatron.model.layer import _ON_LAYER_BUILT
     from mixln_megatron.model.settings import MixLNSettings
     from mixln_megatron.spec import get_mixln_decoder_block_spec

@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from mixln_megatron.dev.testing import torchrun
+from harness.testing import torchrun
 from test_pretrain import TINY, finish, start
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "scale_hooks_worker.py")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mixln_megatron.dev.testing import run_python
+from harness.testing import run_python
 from mixln_megatron.analysis import arms
 from mixln_megatron.model.placement import resolve_placement
 

@@ -123,7 +123,7 @@ def test_only_the_settings_module_reads_mixln_variables():
 
 
 def test_building_a_model_from_the_spec_installs_nothing(mcore_single):
-    from mixln_megatron.dev.testing import build_gpt, tiny_config
+    from harness.testing import build_gpt, tiny_config
     from mixln_megatron.spec import get_mixln_decoder_block_spec
 
     config = tiny_config(num_layers=4)
@@ -134,7 +134,7 @@ def test_building_a_model_from_the_spec_installs_nothing(mcore_single):
 
 
 def test_the_spec_functions_install_what_the_environment_asks(mcore_single):
-    from mixln_megatron.dev.testing import tiny_config
+    from harness.testing import tiny_config
     from mixln_megatron.training.spike import get_spike_scaler
     from mixln_megatron.spec import stock_decoder_spec
     from mixln_megatron.training.telemetry import get_telemetry

@@ -16,7 +16,7 @@ import inspect
 
 import pytest
 
-from mixln_megatron.dev import testing as mu
+from harness import testing as mu
 
 
 def _stand_in_te(monkeypatch):
@@ -88,7 +88,7 @@ def test_pre_ln_submodules_equal_megatron_stock_spec_for_each_flag(monkeypatch, 
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     from mixln_megatron.model import backends, support
-    from mixln_megatron.model.norms import MixLNNorm
+    from mixln_megatron.model.backends import MixLNNorm
 
     if backend == "te":
         _stand_in_te(monkeypatch)

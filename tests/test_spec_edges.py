@@ -11,7 +11,7 @@ import pytest
 
 from mixln_megatron import compat, spec
 from mixln_megatron.convert import cli as convert_cli
-from mixln_megatron.dev import testing as mu
+from harness import testing as mu
 from mixln_megatron.errors import MixLNConfigError
 from mixln_megatron.model.support import MixLNUnsupportedError
 

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from mixln_megatron.dev.testing import run_python
+from harness.testing import run_python
 from mixln_megatron.model.placement import Placement
 from mixln_megatron.training.spike import (
     ReferenceSpikeRule,
@@ -281,8 +281,8 @@ def test_targets():
 
 
 def test_the_spec_is_plain_data_and_install_training_hooks_installs(mcore_single):
-    from mixln_megatron.dev.testing import tiny_config
-    from mixln_megatron.dev.testing import build_gpt
+    from harness.testing import tiny_config
+    from harness.testing import build_gpt
     from mixln_megatron.model.layer import MixLNTransformerLayer
     from mixln_megatron.training.spike import HOLDER_NAME, SpikeGradsHook, get_spike_scaler
     from mixln_megatron.model.settings import MixLNSettings
@@ -323,7 +323,7 @@ def _ops_per_step(targets):
     from torch.overrides import TorchFunctionMode
 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from mixln_megatron.dev.testing import build_gpt, tiny_config
+    from harness.testing import build_gpt, tiny_config
     from mixln_megatron.model.settings import MixLNSettings
     from mixln_megatron.spec import get_mixln_decoder_block_spec
     from mixln_megatron.training.spike import install_spike_scaler
@@ -356,7 +356,7 @@ def test_checkpoint_state_is_replicated_tensors_per_target_layer(mcore_single):
     format-1 checkpoint (its content metadata names the layers) is asked for its objects."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    from mixln_megatron.dev.testing import build_gpt, tiny_config
+    from harness.testing import build_gpt, tiny_config
     from mixln_megatron.model.settings import MixLNSettings
     from mixln_megatron.spec import get_mixln_decoder_block_spec
     from mixln_megatron.training.hooks import install_training_hooks

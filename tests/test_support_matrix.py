@@ -1,5 +1,5 @@
-"""docs/support-matrix.md is the matrix mixln_megatron/dev/support_matrix.py generates; the tests it
-names exist; every refusal it prints is the line the code raises, on every path that refuses it."""
+"""docs/compatibility.md's support matrix is the one scripts/support_matrix.py generates; the tests
+it names exist; every refusal it prints is the line the code raises, on every path that refuses it."""
 
 import re
 from argparse import Namespace
@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from mixln_megatron.dev import support_matrix as sm
+import support_matrix as sm
 from mixln_megatron.errors import MixLNError
 
 REPO = Path(__file__).resolve().parents[1]
-DOC = REPO / "docs" / "support-matrix.md"
+DOC = REPO / "docs" / "compatibility.md"
 
 
 def test_the_documented_matrix_is_current():
     assert sm.main(["--check", str(DOC)]) == 0, (
-        "docs/support-matrix.md is stale: python -m mixln_megatron.dev.support_matrix --write docs/support-matrix.md")
+        "docs/compatibility.md is stale: python scripts/support_matrix.py --write docs/compatibility.md")
 
 
 def test_a_stale_matrix_is_found_and_rewritten(tmp_path):
@@ -61,7 +61,7 @@ def test_every_refusal_is_the_line_the_code_raises():
 def test_the_fsdp_refusals_are_the_same_line_on_the_stock_spec_path(name):
     """The entry point's line (the matrix) is what the stock --spec edge raises too."""
     from mixln_megatron import spec
-    from mixln_megatron.dev import testing as mu
+    from harness import testing as mu
     from mixln_megatron.model.support import MixLNUnsupportedError
 
     documented = next(sm.refusal_line(f) for f in sm.MATRIX if f.status == sm.REFUSED and f"[{name}=True]" in sm.refusal_line(f))

@@ -5,7 +5,7 @@ from argparse import Namespace
 
 import pytest
 
-from mixln_megatron.dev import testing as mu
+from harness import testing as mu
 from mixln_megatron.model import support
 
 
@@ -31,7 +31,7 @@ def test_config_field_and_argument_alias_are_both_rejected():
 
 
 def test_moe_is_refused_by_no_consumer():
-    """MoE trains, converts (convert.moe_shape refuses the routing HF cannot carry) and is analysed."""
+    """MoE trains, converts (convert.shape.moe_shape_of_args refuses the routing HF cannot carry) and is analysed."""
     for where in (support.LAYER, support.PRETRAIN, support.CONVERT, support.ANALYSIS):
         assert support.problems(Namespace(num_experts=8, num_moe_experts=8), where) == []
 
@@ -63,7 +63,7 @@ def test_all_problems_in_one_line():
 def test_entry_point_converter_and_analysis_use_the_table(monkeypatch):
     from types import SimpleNamespace
 
-    from mixln_megatron.analysis import models
+    from mixln_megatron.analysis import loading
     from mixln_megatron.convert import inspect as ckpt_inspect
     from mixln_megatron.convert import UnsupportedModelError
     from mixln_megatron.convert.shape import check_megatron_args_supported
@@ -77,8 +77,8 @@ def test_entry_point_converter_and_analysis_use_the_table(monkeypatch):
     saved = Namespace(heterogeneous_layers_config_path="x.json", num_layers=2)
     monkeypatch.setattr(ckpt_inspect, "inspect_checkpoint",
                         lambda path, iteration=None, moe=False: SimpleNamespace(format="torch_dist", path=path, args=saved))
-    with pytest.raises(models.CheckpointError, match="heterogeneous layers"):
-        models.inspect_for_analysis("ckpt", None)
+    with pytest.raises(loading.CheckpointError, match="heterogeneous layers"):
+        loading.inspect_for_analysis("ckpt", None)
 
 
 # ------------------------------------------------------------------ the FSDP wrappers, on every path
@@ -121,7 +121,7 @@ def test_the_spike_scaler_refuses_fsdp_chunks_in_the_tables_words():
 
     import torch
 
-    from mixln_megatron.training.spike.targets import Target, TargetSet
+    from mixln_megatron.training.spike.state import Target, TargetSet
 
     param = torch.nn.Parameter(torch.ones(4))
     param.main_grad = torch.zeros(4)

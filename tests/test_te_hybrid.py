@@ -12,8 +12,8 @@ parameters only; TE's forward needs a GPU). Run by `make test-te`; skipped witho
 import pytest
 
 from mixln_megatron import compat
-from mixln_megatron.dev import cpu
-from mixln_megatron.dev import testing as mu
+from mixln_megatron import cpu
+from harness import testing as mu
 
 WHY = mu.te_missing() or (None if compat.HYBRID_MODEL else "HybridModel Mix-LN needs megatron-core 0.19+")
 pytestmark = [pytest.mark.te, pytest.mark.skipif(WHY is not None, reason=str(WHY))]
@@ -55,12 +55,12 @@ def edge_settings(monkeypatch):
     """The --spec object reads MIXLN_* (no Megatron-LM args); its build line is printed once per placement."""
     import sys
 
-    from mixln_megatron.model import advice
+    from mixln_megatron.model import support
 
     global_vars = sys.modules.get("megatron.training.global_vars")
     if global_vars is not None:
         monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", None)
-    monkeypatch.setattr(advice, "_announced", set())
+    monkeypatch.setattr(support, "_announced", set())
     return lambda p: monkeypatch.setenv("MIXLN_POST_LN_LAYERS", str(p))
 
 

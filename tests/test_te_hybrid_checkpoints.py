@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from mixln_megatron import compat
-from mixln_megatron.dev import cpu
-from mixln_megatron.dev import testing as mu
+from mixln_megatron import cpu
+from harness import testing as mu
 
 WHY = mu.te_missing() or (None if compat.HYBRID_MODEL else "HybridModel Mix-LN needs megatron-core 0.19+")
 pytestmark = [pytest.mark.te, pytest.mark.skipif(WHY is not None, reason=str(WHY))]

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from mixln_megatron.dev.testing import run_python
-from mixln_megatron.dev import testing as mu
+from harness.testing import run_python
+from harness import testing as mu
 
 WHY = mu.te_missing()
 pytestmark = [pytest.mark.te, pytest.mark.mp, pytest.mark.skipif(WHY is not None, reason=str(WHY))]

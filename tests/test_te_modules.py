@@ -15,8 +15,8 @@ parameters and state only; TE's forward needs a GPU). Run by `make test-te`; ski
 import pytest
 import torch
 
-from mixln_megatron.dev import cpu
-from mixln_megatron.dev import testing as mu
+from mixln_megatron import cpu
+from harness import testing as mu
 
 WHY = mu.te_missing()
 pytestmark = [pytest.mark.te, pytest.mark.skipif(WHY is not None, reason=str(WHY))]
@@ -111,7 +111,7 @@ def test_norm_parameters_spike_targets_and_telemetry_find_te_norms(normalization
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from mixln_megatron.training.spike import target_layers
-    from mixln_megatron.training.spike.targets import find_targets
+    from mixln_megatron.training.spike.state import find_targets
     from mixln_megatron.training.telemetry import COLUMNS, GradTelemetry, norm_columns
 
     cfg = config(normalization)

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from mixln_megatron.dev import testing as mu
+from harness import testing as mu
 
 WHY = mu.te_missing()
 pytestmark = [pytest.mark.te, pytest.mark.mp, pytest.mark.skipif(WHY is not None, reason=str(WHY))]

@@ -17,7 +17,7 @@ import functools
 import pytest
 import torch
 
-from mixln_megatron.dev import testing as mu
+from harness import testing as mu
 
 TE_WHY = mu.te_missing()
 # A test on the real TE classes (marked te: make test-te); its stand-in twin runs only where TE is absent.
@@ -95,8 +95,8 @@ def test_post_ln_variant_of_megatrons_te_spec_has_plain_te_linears():
 
 WORKER_CODE = r'''
 import os, sys, torch
-from mixln_megatron.dev import testing as mu
-from mixln_megatron.model.norms import MixLNNorm
+from harness import testing as mu
+from mixln_megatron.model.backends import MixLNNorm
 
 class NormWithExtraState(MixLNNorm):
     """Stands in for TE's RMSNorm, which always emits `_extra_state` (empty without fp8)."""
@@ -151,7 +151,7 @@ if __name__ == "__main__":
     pytest.param("te", marks=[pytest.mark.te, needs_te]),  # TE's RMSNorm and linears, built on the CPU
 ])
 def test_norm_extra_state_in_post_ln_layers_only_saves_and_loads(tmp_path, norms):
-    from mixln_megatron.dev.testing import torchrun
+    from harness.testing import torchrun
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER_CODE)
@@ -191,7 +191,7 @@ def test_lns_output_scaling_of_a_fused_norm_linear_is_exact(bias, skip_bias_add)
 def test_non_empty_post_ln_extra_state_is_not_dropped_silently():
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from mixln_megatron.model.norms import MixLNNorm
+    from mixln_megatron.model.backends import MixLNNorm
     from mixln_megatron.spec import MixLNTransformerLayerSpec
 
     class NormWithFp8State(MixLNNorm):
@@ -292,7 +292,7 @@ def test_post_ln_te_linear_honours_overlap_disable_switches_in_real_te():
         TELayerNormColumnParallelLinear,
     )
 
-    from mixln_megatron.dev import cpu
+    from mixln_megatron import cpu
     from mixln_megatron.model.backends import post_ln_linear
 
     cfg = mu.tiny_config(num_layers=2)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from mixln_megatron.dev.testing import single_process, torchrun
+from harness.testing import single_process, torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "telemetry_worker.py")
 pytestmark = pytest.mark.mp

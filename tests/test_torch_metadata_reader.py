@@ -24,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _iteration_dir(load) -> str:
-    from mixln_megatron.convert.locate import resolve_checkpoint_dir
+    from mixln_megatron.convert.megatron_reader import resolve_checkpoint_dir
 
     return resolve_checkpoint_dir(str(load))[0]
 
@@ -70,7 +70,7 @@ def test_a_key_checking_load_is_refused_in_one_line_before_megatron_reads(bases,
 
     from mixln_megatron import compat, spec
     from mixln_megatron.convert.vet import check_load_dir, vet_load_args
-    from mixln_megatron.dev import testing
+    from harness import testing
 
     # this torch's reader verdict replaced by the one megatron's reader gives torch 2.15's properties
     monkeypatch.setattr(compat, "_reader_problem", compat.metadata_reader_problem(_strided_properties()))

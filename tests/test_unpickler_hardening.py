@@ -1,4 +1,4 @@
-"""safe_unpickle as an attacker sees it (issue 27, item 5): a file may not change the classes it is
+"""safe_unpickle as an attacker sees it: a file may not change the classes it is
 allowed to name, number its memo beyond what it wrote, import torch submodules by naming them, or
 hide a deflate bomb in a torch.save archive; and a refusal names the globals the file really names.
 

@@ -1,4 +1,4 @@
-"""Checkpoints are untrusted input: no code from a checkpoint ever runs (issue 19, item 2).
+"""Checkpoints are untrusted input: no code from a checkpoint ever runs.
 
 Real checkpoints (a tiny Mix-LN model written by `convert from-hf` as torch_dist, with both
 common.pt and megatron-core 0.19's `common_state` item, and as legacy per-rank files) are built once;
@@ -37,7 +37,7 @@ import torch
 pytest.importorskip("transformers")
 
 import payloads as P  # noqa: E402
-from mixln_megatron.dev.testing import run_python
+from harness.testing import run_python
 from mixln_megatron import cli  # noqa: E402
 from mixln_megatron.errors import MixLNError  # noqa: E402
 

@@ -1,4 +1,5 @@
-"""Hugging Face folders are untrusted input (issue 27, items 1, 3 and 4: the HF folder side).
+"""Hugging Face folders are untrusted input: reads stay inside the folder, and the index,
+config.json, safetensors headers and checkpoint args are checked before they are used.
 
 A real folder is made once with the project's own commands (a tiny Mix-LN model saved by
 mixln_megatron.hf.save_hf_folder, `convert from-hf`, then `convert to-hf --max-shard-size 40KB`: an
@@ -205,7 +206,7 @@ def test_untouched_copy_converts_and_the_secret_would(base, tmp_path, capsys):
     assert rc == 0, output
 
 
-# ------------------------------------------------------------------------------ reads stay inside (item 1)
+# ------------------------------------------------------------------------------ reads stay inside
 def _point_shard_at(target):
     def change(d):
         d["weight_map"].update({k: target for k, v in d["weight_map"].items() if v == SHARD})
@@ -245,7 +246,7 @@ def test_small_files_as_symlinks_out_are_refused(base, tmp_path, capsys, link):
     assert_refused(case, rc, output, err, [case.hf / link], ["symlink", "outside"])
 
 
-# ------------------------------------------------------------------------------ the index (item 4)
+# ------------------------------------------------------------------------------ the index
 @pytest.mark.parametrize("damage,says", [
     ("missing", r"weight_map.*missing"),
     ("list", r"weight_map.*JSON array"),
@@ -279,7 +280,7 @@ def test_from_hf_refuses_a_bad_index(base, tmp_path, capsys, damage, says):
     assert_refused(case, rc, output, err, [case.hf / INDEX], [says])
 
 
-# ------------------------------------------------------------------------------ config.json (items 3, 4)
+# ------------------------------------------------------------------------------ config.json
 def _set(key, value):
     def change(d):
         d[key] = value
@@ -304,7 +305,7 @@ CONFIG_DAMAGES = {
     "rope-theta-list": (_set("rope_parameters", {"rope_theta": [1], "rope_type": "default"}),
                         r"rope_theta must be a number"),
     "rope-parameters-string": (_set("rope_parameters", "default"), r"rope_parameters must be an object or null"),
-    "post-ln-string": (_set("post_ln_layers", "two"), r"post_ln_layers must be a non-negative integer"),
+    "post-ln-string": (_set("post_ln_layers", "two"), r"post_ln_layers must be an integer"),
     "tie-string": (_set("tie_word_embeddings", "no"), r"tie_word_embeddings must be true or false"),
     "intermediate-wrong": (_set("intermediate_size", 128), r"does not match its config\.json.*gate_proj"),
 }
@@ -328,7 +329,7 @@ def test_from_hf_config_of_a_billion_is_one_line_at_bounded_memory(base, tmp_pat
     assert rss < RSS_BOUND_MIB, f"peak RSS {rss:.0f} MiB >= {RSS_BOUND_MIB} MiB"
 
 
-# ------------------------------------------------------------------------------ safetensors headers (items 3, 4)
+# ------------------------------------------------------------------------------ safetensors headers
 def _first_tensor(header):
     return min((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
 
@@ -445,7 +446,7 @@ def test_shard_that_is_a_fifo_is_refused(base, tmp_path, capsys):
     assert_refused(case, rc, output, err, [case.hf / SHARD], ["not a regular file"])
 
 
-# ------------------------------------------------------------------------------ analyze --hf (item 4)
+# ------------------------------------------------------------------------------ analyze --hf
 def _bin_payload_folder(case):
     """The folder's weights replaced by one pytorch_model.bin whose pickle calls os.system."""
     for f in os.listdir(case.hf):
@@ -516,7 +517,7 @@ def test_analyze_hf_untouched_copy_still_loads(base, tmp_path):
     """The loader that validates first gives the model transformers' own from_pretrained gives."""
     from transformers import AutoModelForCausalLM
 
-    from mixln_megatron.analysis.models import load_hf_model
+    from mixln_megatron.analysis.loading import load_hf_model
     from mixln_megatron.hf import register_auto_classes
 
     case = Case(tmp_path, base)
@@ -528,7 +529,7 @@ def test_analyze_hf_untouched_copy_still_loads(base, tmp_path):
         assert torch.equal(lm.module(input_ids=ids).logits, ref(input_ids=ids).logits)
 
 
-# ------------------------------------------------------------------------------ checkpoint args (item 4)
+# ------------------------------------------------------------------------------ checkpoint args
 @pytest.fixture(scope="module")
 def legacy_ckpt(mixln_checkpoints):
     """The run's shared legacy checkpoint of the same model (conftest.mixln_checkpoints); copied before changes."""

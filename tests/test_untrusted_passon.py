@@ -1,4 +1,4 @@
-"""Payloads are never passed on (issue 27, item 2): gpt-to-hybrid / hybrid-to-gpt write a byte item
+"""Payloads are never passed on: gpt-to-hybrid / hybrid-to-gpt write a byte item
 only after it passed the allow-list (convert.vet.check_byte_item).
 
 A real Mix-LN torch_dist checkpoint (`convert from-hf`, GPTModel; its HybridModel conversion for
@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from mixln_megatron.dev.testing import run_python
+from harness.testing import run_python
 import torch
 
 pytest.importorskip("transformers")
@@ -131,7 +131,7 @@ TE_L, TE_P = 4, 2
 
 def _te_why():
     from mixln_megatron import compat
-    from mixln_megatron.dev import testing as mu
+    from harness import testing as mu
 
     return mu.te_missing() or (None if compat.HYBRID_MODEL else "HybridModel Mix-LN needs megatron-core 0.19+")
 
@@ -169,8 +169,8 @@ def _te_megatron_lm_args(kind):
 
 
 def _te_model(kind):
-    from mixln_megatron.dev import cpu
-    from mixln_megatron.dev import testing as mu
+    from mixln_megatron import cpu
+    from harness import testing as mu
     from mixln_megatron.model.specs import get_mixln_decoder_block_spec, get_mixln_hybrid_stack_spec
 
     with cpu.te_modules():
@@ -191,7 +191,7 @@ def te_gpt(request, tmp_path_factory):
     request.getfixturevalue("mcore_single")
     from megatron.core import dist_checkpointing
 
-    from mixln_megatron.dev import testing as mu
+    from harness import testing as mu
 
     root = tmp_path_factory.mktemp("te_passon")
     model = _te_model("gpt")
@@ -290,7 +290,7 @@ def test_payload_in_a_real_te_extra_state_is_refused(te_gpt, tmp_path, monkeypat
     {"recipe", "extra_fp8_variables"}) with a payload inside. TE 2.20's own set_extra_state refuses
     such a pickle unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 (older TE 2.x pickle.loads it
     unconditionally): with that opt-in it runs the payload, which shows the item is live."""
-    from mixln_megatron.dev import cpu
+    from mixln_megatron import cpu
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(te_gpt["ckpt"], ckpt)

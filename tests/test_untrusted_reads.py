@@ -1,4 +1,4 @@
-"""Reads stay inside the input and cost what the files hold (issue 27, the torch_dist / pickle side).
+"""Reads stay inside the input and cost what the files hold: the torch_dist / pickle side.
 
 Real checkpoints (a tiny Mix-LN model written by `convert from-hf` as torch_dist and legacy torch,
 and its HybridModel made by `convert gpt-to-hybrid`) are copied once per case and damaged the way

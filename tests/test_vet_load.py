@@ -1,4 +1,4 @@
-"""`mixln-megatron pretrain --load` vets the checkpoint before Megatron-LM unpickles it (issue 27, item 7).
+"""`mixln-megatron pretrain --load` vets the checkpoint before Megatron-LM unpickles it.
 
 A real torch_dist checkpoint (`convert from-hf` of a tiny stock Llama, Mix-LN P = 1, local modules)
 and its legacy copy get a payload (tests/payloads.py) in `.metadata` (0.19's layout: no common.pt;
@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from mixln_megatron.dev.testing import run_python
+from harness.testing import run_python
 
 transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
@@ -113,7 +113,7 @@ KINDS = ["torch_dist-.metadata", "torch_dist-common.pt", "torch_dist-mixln_setti
          "legacy-model_optim_rng.pt"]
 
 
-# The .metadata case (the issue's) runs by default and on every release; the other file kinds
+# The .metadata case (the file Megatron-LM unpickles first) runs by default and on every release; the other file kinds
 # cost a pretrain process each and are covered in-process by test_untrusted_checkpoints' vetting
 # cases (the same vet_checkpoint, every file kind), so they are marked slow.
 @pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.compat) if k == "torch_dist-.metadata"

@@ -1,4 +1,4 @@
-"""What Weights & Biases keeps of our reports, read back from a real offline run (issue 28.2).
+"""What Weights & Biases keeps of our reports, read back from a real offline run.
 
 Megatron-LM (with TensorBoard on) logs to W&B every iteration at step=iteration, and W&B drops
 any log below its current step. The spike scaler reports the rows of a whole logging interval at
@@ -98,7 +98,7 @@ def _megatron_globals(tensorboard, wandb_writer, args) -> types.ModuleType:
 
 def test_wandb_keeps_every_spike_row_and_telemetry_record(tmp_path, monkeypatch):
     from mixln_megatron.training import telemetry
-    from mixln_megatron.training.spike.stats import StepStats
+    from mixln_megatron.training.spike.rule import StepStats
 
     for name in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path / name.lower()))

@@ -256,7 +256,7 @@ def build(run: Run, layout: dict):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    from mixln_megatron.dev.testing import build_gpt, tiny_config
+    from harness.testing import build_gpt, tiny_config
     from mixln_megatron.training.spike import get_spike_scaler, install_spike_scaler
     from mixln_megatron.spec import get_mixln_decoder_block_spec
     from mixln_megatron.training.hooks import install_training_hooks
@@ -330,7 +330,7 @@ def train_step(run: Run, config, model, optimizer, scaler=None, size=None) -> No
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from mixln_megatron.dev.testing import batch
+    from harness.testing import batch
 
     size = size or _size({})
     ids, labels, pos, mask = batch(seed=1000 + run.step, b=size["global_batch"], s=size["seq"])
@@ -457,7 +457,7 @@ def _scaler_state(scaler) -> dict:
 def run_layout(name: str, layout: dict, out_dir: str, steps: int) -> None:
     from megatron.core import parallel_state as ps
 
-    from mixln_megatron.dev.testing import init_distributed
+    from harness.testing import init_distributed
 
     init_distributed(tp=layout.get("tp", 1), pp=layout.get("pp", 1), seed=1234)
     run = Run(name, bench=bool(layout.get("bench")))
@@ -630,7 +630,7 @@ _mlm_datasets.is_distributed = True
 
 
 def run_megatron_lm(out_dir: str, tag: str, megatron_argv) -> None:
-    from mixln_megatron.dev import cpu
+    from mixln_megatron import cpu
 
     cpu.enable_training()
     # The megatron-core wheel ships the prebuilt dataset helpers but no Makefile, and
@@ -691,7 +691,7 @@ def main():
     torch.set_num_threads(1)
     logging.getLogger("megatron").setLevel(logging.WARNING)
     os.makedirs(args.out, exist_ok=True)
-    from mixln_megatron.dev.testing import init_distributed
+    from harness.testing import init_distributed
 
     init_distributed()
     for name in args.layouts.split(","):

@@ -8,22 +8,16 @@
                      in place of accuracy), same model sources
   train-health       plots of the per-layer telemetry a training run logged (analysis.train_health)
 
-Each writes <out-dir>/<name>.json and <out-dir>/<name>.png and prints a short table. Everything
-runs on CPU in one process. Text: --text FILE (paragraphs separated by blank lines), default the
-shipped Austen corpus; tokenizer: --tokenizer-model DIR (a Hugging Face tokenizer directory), default
-the tokenizer in the HF folder if it has one, else the one named in the Megatron checkpoint's
-args if that directory exists here, else the shipped byte-level BPE.
-
-Megatron checkpoints are read directly into a megatron-core GPTModel (no conversion): the shape
-comes from the args Megatron-LM saved with the checkpoint, P / scheme from its Mix-LN record.
-Flags are Megatron-LM's where it has one (--load, --tokenizer-model, --mixln-*); the old spellings
-(--megatron, --tokenizer, --post-ln-layers, --scheme, --alpha, train-health's --out) still work.
-A refusal (a bad input or option) is one stderr line and exit status 2.
+Each writes <out-dir>/<name>.json and <out-dir>/<name>.png and prints a short table (docs/commands.md).
+The tokenizer: --tokenizer-model DIR, else the HF folder's own, else the one named in the Megatron
+checkpoint's args if that directory exists here, else the shipped byte-level BPE. A refusal (a bad
+input or option) is one stderr line and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -31,10 +25,16 @@ import sys
 import time
 from typing import Optional, Sequence
 
+import torch
+
+from .. import cpu
 from ..cli_parsing import CommandParser, add_flag, refused
+from ..convert.megatron_reader import announce_checkpoint_read
+from ..data.tokenizer import TokenizerSpec, load_tokenizer
 from ..errors import MixLNError
 from ..known_warnings import quiet_known_warnings
-from .grad_norms import DEFAULT_VARIANTS, VARIANTS
+from . import diagnostics, loading, models
+from .diagnostics import DEFAULT_VARIANTS, VARIANTS
 
 
 def _seeds(text: str):
@@ -56,7 +56,7 @@ def _embedding_std(text: str):
     if text in ("megatron", "default"):
         return None
     if text == "reference":
-        return math.sqrt(2.0 / 5.0)
+        return models.REFERENCE_EMBEDDING_STD
     try:
         value = float(text)
     except ValueError:
@@ -140,8 +140,6 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
 
 
 def _tokenizer_spec(a, lm=None):
-    from ..data import TokenizerSpec
-
     if a.tokenizer_model:
         return TokenizerSpec.hf_dir(a.tokenizer_model)
     hf = getattr(a, "hf", None)
@@ -162,28 +160,21 @@ def _write_json(path: str, payload: dict) -> None:
 
 
 def _run_grad_norms(a) -> int:
-    from . import grad_norms, textdata
-    from .models import FreshShape
-
     spec = _tokenizer_spec(a)
-    tokens = textdata.corpus_tokens(a.text, spec, a.cache_dir)
-    from ..data import load_tokenizer
-
+    tokens = models.corpus_tokens(a.text, spec, a.cache_dir)
     vocab = int(math.ceil(load_tokenizer(spec).vocab_size / 128) * 128)  # Megatron-style padding
-    shape = FreshShape(
+    shape = models.FreshShape(
         num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
         ffn_hidden_size=a.ffn_hidden_size, vocab_size=vocab, seq_length=a.seq_length,
         init_method_std=a.init_method_std, embedding_init_std=a.embedding_std,
     )
-    batch_list = textdata.batches(tokens, a.seq_length, a.batch_size, a.num_batches, seed=a.data_seed)
+    batch_list = models.batches(tokens, a.seq_length, a.batch_size, a.num_batches, seed=a.data_seed)
     moe = {}
     if a.num_experts:
-        from .moe import fresh_moe_fields
-
         expert_ffn = a.moe_ffn_hidden_size or max(1, shape.ffn // a.moe_router_topk)  # active width = dense
-        moe = fresh_moe_fields(a.num_experts, a.moe_router_topk, expert_ffn)
+        moe = loading.fresh_moe_fields(a.num_experts, a.moe_router_topk, expert_ffn)
     t0 = time.time()
-    result = grad_norms.measure_at_init(shape, batch_list, a.variants, a.mixln_alpha, a.seeds, a.exclude_norms,
+    result = diagnostics.measure_at_init(shape, batch_list, a.variants, a.mixln_alpha, a.seeds, a.exclude_norms,
                                         config_overrides=moe)
     if moe:
         result["moe"] = {"num_experts": a.num_experts, "moe_router_topk": a.moe_router_topk,
@@ -191,16 +182,16 @@ def _run_grad_norms(a) -> int:
     result.update(
         when="at initialization", text=a.text or "shipped Austen corpus",
         tokens_per_gradient=a.batch_size * a.num_batches * a.seq_length, seconds=round(time.time() - t0, 1),
-        checks=grad_norms.qualitative_checks(result),
+        checks=diagnostics.qualitative_checks(result),
     )
     base = os.path.join(a.out_dir, "grad_norms")
     _write_json(base + ".json", result)
-    grad_norms.plot_profiles(result, base + ".png",
+    diagnostics.plot_profiles(result, base + ".png",
                              title=f"per-layer gradient norm at initialization\n{shape.describe()}")
     where = f", MoE {a.num_experts} experts top-{a.moe_router_topk}" if moe else ""
     print(f"per-layer gradient norms at initialization: {shape.describe()}{where}, {len(a.seeds)} seed(s), "
           f"{result['tokens_per_gradient']} tokens")
-    print(grad_norms.format_table(result))
+    print(diagnostics.format_table(result))
     for name, ok in result["checks"].items():
         print(f"  {name}: {ok}")
     print(f"wrote {base}.json and {base}.png")
@@ -208,30 +199,26 @@ def _run_grad_norms(a) -> int:
 
 
 def _load(a):
-    from .models import load_model
-
     if a.load:
-        return load_model(megatron=a.load, iteration=a.iteration, post_ln_layers=a.mixln_post_ln_layers,
-                          scheme=a.mixln_scheme)
+        return loading.load_megatron_checkpoint(a.load, iteration=a.iteration, post_ln_layers=a.mixln_post_ln_layers,
+                                                scheme=a.mixln_scheme)
     if a.mixln_post_ln_layers is not None or a.mixln_scheme is not None:
         raise ValueError("--mixln-post-ln-layers / --mixln-scheme apply to Megatron checkpoints; an HF folder's "
                          "config says them")
-    return load_model(hf=a.hf)
+    return loading.load_hf_model(a.hf)
 
 
 def _eval_batches(a, lm):
-    from . import textdata
-
     spec = _tokenizer_spec(a, lm)
-    tokens = textdata.corpus_tokens(a.text, spec, a.cache_dir)
+    tokens = models.corpus_tokens(a.text, spec, a.cache_dir)
     seq = a.seq_length
     max_pos = getattr(getattr(lm.module, "config", None), "max_position_embeddings", None)
     if lm.kind == "megatron":
         max_pos = getattr(lm.module, "max_sequence_length", None)
     if max_pos and seq > max_pos:
         seq = int(max_pos)
-    out = textdata.eval_batches(tokens, a.tokens, seq, a.batch_size)
-    textdata.check_vocab(out, lm.vocab_size)
+    out = models.eval_batches(tokens, a.tokens, seq, a.batch_size)
+    models.check_vocab(out, lm.vocab_size)
     return out, seq
 
 
@@ -249,10 +236,8 @@ def _measure_checkpoint(a, compute, name):
 
 
 def _run_angular(a) -> int:
-    from . import angular
-
-    lm, result, base = _measure_checkpoint(a, angular.angular_distance_matrix, "angular_distance")
-    angular.plot_heatmap(result, base + ".png", title=f"angular distance, {lm.describe()[:90]}")
+    lm, result, base = _measure_checkpoint(a, diagnostics.angular_distance_matrix, "angular_distance")
+    diagnostics.plot_heatmap(result, base + ".png", title=f"angular distance, {lm.describe()[:90]}")
     print(lm.describe())
     print(f"angular distance over {result['tokens']} tokens; d(x_l, x_l+1) per layer:")
     print("  " + " ".join(f"{x:.3f}" for x in result["adjacent"]))
@@ -261,10 +246,8 @@ def _run_angular(a) -> int:
 
 
 def _run_layer_drop(a) -> int:
-    from . import layer_drop
-
-    lm, result, base = _measure_checkpoint(a, layer_drop.layer_drop, "layer_drop")
-    layer_drop.plot_layer_drop(result, base + ".png")
+    lm, result, base = _measure_checkpoint(a, diagnostics.layer_drop, "layer_drop")
+    diagnostics.plot_layer_drop(result, base + ".png")
     print(lm.describe())
     b = result["baseline"]
     print(f"baseline perplexity {b['ppl']:.3f} over {b['tokens']} tokens")
@@ -277,12 +260,6 @@ def _run_layer_drop(a) -> int:
 
 def _megatron_on_this_machine():
     """The command owns its process: without CUDA it enters the CPU harness for the analyses."""
-    import contextlib
-
-    import torch
-
-    from ..dev import cpu
-
     return contextlib.nullcontext() if torch.cuda.is_available() else cpu.harness()
 
 
@@ -293,20 +270,15 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
     where = f"{prog} {argv[0]}" if argv and not argv[0].startswith("-") else prog  # the refusal line's command
     try:
         if argv[:1] == ["train-health"]:  # analysis.train_health parses its own arguments
-            from . import train_health
+            from . import train_health  # heavy: megatron, through the telemetry's file name
 
             return train_health.main(argv[1:], prog=where)
         a = build_parser(prog).parse_args(argv)
         if getattr(a, "load", None):
-            from ..convert.announce import announce_checkpoint_read
-            from .models import inspect_for_analysis
-
             announce_checkpoint_read(a.load, a.iteration)  # a large .metadata: say so before reading it
-            inspect_for_analysis(a.load, a.iteration)  # refuse a bad checkpoint before megatron is imported
+            loading.inspect_for_analysis(a.load, a.iteration)  # refuse a bad checkpoint before megatron is imported
         if getattr(a, "hf", None):
-            from .models import check_hf_folder
-
-            check_hf_folder(a.hf)  # refuse a bad folder (confined, validated) before the harness or transformers
+            loading.check_hf_folder(a.hf)  # refuse a bad folder (confined, validated) before the harness or transformers
         if a.command == "grad-norms" and (a.num_layers < 1 or a.batch_size < 1 or a.num_batches < 1 or not a.seeds):
             raise ValueError("--num-layers, --batch-size, --num-batches must be positive and --seeds non-empty")
         if a.command == "grad-norms" and a.num_experts is not None and not 1 <= a.moe_router_topk <= a.num_experts:

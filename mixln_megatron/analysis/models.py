@@ -1,60 +1,48 @@
-"""Models the analyses run on: fresh megatron-core GPTs, Megatron torch_dist checkpoints, HF folders.
+"""What the analyses run on: a model behind one small interface (LanguageModel), and fixed
+batches of real text.
 
-Everything here runs in one process: on CPU inside the caller's mixln_megatron.dev.cpu.harness()
-(the command line enters it) + a single-rank gloo group, which is enough for the model sizes the diagnostics are meant for. On a machine with
-CUDA the megatron models are moved to the current GPU instead (that path is untested here).
-
-Three ways in, one interface out (`LanguageModel`):
-  build_megatron_gpt(shape, post_ln_layers=, scheme=, seed=)   a fresh GPTModel from our spec
-  load_megatron_checkpoint(path)                                a torch_dist checkpoint saved by
-        Megatron-LM (`--ckpt-format torch_dist`), read by convert's checkpoint reader (the one
-        loader; every pickle through the allow-list) into a megatron-core GPTModel built from
-        the model arguments stored in the checkpoint; Mix-LN settings as convert.inspect reads
-        them (record, content metadata, saved --mixln-* arguments). No conversion to HF.
-  load_hf_model(path)                                           a Hugging Face folder (stock LLaMA
-        or our mixln_llama export): read and validated by convert's HFCheckpoint (confined to the
-        folder, safetensors or allow-listed .bin), built from its checked config.
-
-LanguageModel gives the analyses what they need and nothing else:
-  token_losses(ids, labels) -> [b, s] per-token cross-entropy (nats)
-  layer_states(ids)         -> L + 1 tensors [b, s, h]: the input of every decoder layer, then the
-                               output of the last layer (before the final norm)
-  bypass(i)                 -> context manager in which decoder layer i (0-based) is the identity
-  layers                    -> the decoder layers (for per-layer gradient norms)
+Fresh megatron-core GPTs are built here; checkpoints and HF folders are read by analysis.loading.
+Everything runs in one process: on CPU inside the caller's mixln_megatron.cpu.harness() and a
+single-rank gloo group, enough for the model sizes the diagnostics are meant for; with CUDA the
+megatron models go to the current GPU (untested here). The text batches are fixed by a data seed
+independent of the model seed, so every variant sees the same tokens in the same order.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
-from typing import List, Optional, Sequence
+import os
+import tempfile
+from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..model import support
+from .. import cpu
+from ..data.corpus import austen_paragraphs, split_paragraphs
+from ..data.preprocess import prepare_austen_dataset
+from ..data.tokenizer import load_tokenizer
+from ..model.settings import analysis_cache_dir
 
-# Embedding init std of the Mix-LN reference training code, as stated in the fidelity issue (megatron: 0.02).
+# Embedding init std of the Mix-LN reference training code (megatron's default: 0.02).
 REFERENCE_EMBEDDING_STD = math.sqrt(2.0 / 5.0)
 
 
 # ----------------------------------------------------------------------------------- single process
 def ensure_megatron_cpu(seed: int = 1234) -> None:
-    """A one-rank gloo group and megatron's parallel state (TP = PP = 1), once.
-
-    Without CUDA the caller must have entered the CPU harness (`with mixln_megatron.dev.cpu.
-    harness(): ...`, as the analysis command line does): a library does not patch the process.
-    Reuses a process group / parallel state that already exists (e.g. inside tests).
-    """
-    from megatron.core import parallel_state as ps
-
-    from ..dev import cpu, testing
+    """A one-rank gloo group and megatron's parallel state (TP = PP = 1), once (reused if they exist), and
+    the seeds. Without CUDA the caller enters the CPU harness: a library does not patch the process."""
+    from megatron.core import parallel_state as ps  # heavy
 
     if not torch.cuda.is_available() and not cpu.is_enabled():
         raise RuntimeError("megatron-core needs the CPU harness on a machine without CUDA: run this inside "
-                           "`with mixln_megatron.dev.cpu.harness(): ...`")
-    testing.init_process_group("gloo")
+                           "`with mixln_megatron.cpu.harness(): ...`")
+    if not torch.distributed.is_initialized():  # one rank: an in-memory store, no port to bind
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     if torch.distributed.get_world_size() != 1:
         raise RuntimeError("the analysis tools run in a single process (world size 1), not under torchrun")
     if not ps.model_parallel_is_initialized():
@@ -63,7 +51,7 @@ def ensure_megatron_cpu(seed: int = 1234) -> None:
 
 
 def seed_everything(seed: int) -> None:
-    from megatron.core import tensor_parallel
+    from megatron.core import tensor_parallel  # heavy
 
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -101,7 +89,7 @@ class FreshShape:
 
 
 def megatron_config(shape: FreshShape, **overrides):
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig  # heavy
 
     cfg = dict(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size,
@@ -121,8 +109,6 @@ def megatron_config(shape: FreshShape, **overrides):
 @contextlib.contextmanager
 def _quiet_gpt_deprecation():
     """megatron-core 0.19 logs a deprecation notice for every GPTModel built; noise in sweeps."""
-    import logging
-
     logger = logging.getLogger("megatron.core.models.gpt.gpt_model")
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -139,6 +125,19 @@ def _to_device(model):
     return model
 
 
+def gpt_model(config, settings, shape: FreshShape, **kwargs):
+    """A megatron-core GPTModel over the Mix-LN block spec (local backend) of `settings`."""
+    from megatron.core.models.gpt import GPTModel  # heavy
+
+    from ..model.specs import get_mixln_decoder_block_spec  # heavy: megatron
+
+    spec = get_mixln_decoder_block_spec(config, backend="local", **settings)
+    with _quiet_gpt_deprecation():
+        return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=shape.vocab_size,
+                        max_sequence_length=shape.seq_length,
+                        share_embeddings_and_output_weights=not shape.untie_embeddings, **kwargs)
+
+
 def build_megatron_gpt(
     shape: FreshShape,
     post_ln_layers: int = 0,
@@ -149,29 +148,17 @@ def build_megatron_gpt(
 ):
     """A fresh megatron-core GPTModel over our spec (local backend) on CPU, seeded. `settings`
     (a MixLNSettings, e.g. with a per-layer layout) replaces post_ln_layers / scheme."""
-    from megatron.core.models.gpt import GPTModel
-
-    from ..spec import get_mixln_decoder_block_spec
-
-    ensure_megatron_cpu(seed)
-    seed_everything(seed)
+    ensure_megatron_cpu(seed)  # and seeds
     config = megatron_config(shape, **(config_overrides or {}))
-    if settings is not None:
-        spec = get_mixln_decoder_block_spec(config, backend="local", settings=settings)
-    else:
-        spec = get_mixln_decoder_block_spec(config, backend="local", post_ln_layers=post_ln_layers, scheme=scheme)
-    with _quiet_gpt_deprecation():
-        model = GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=shape.vocab_size,
-            max_sequence_length=shape.seq_length, position_embedding_type="rope",
-            share_embeddings_and_output_weights=not shape.untie_embeddings,
-        )
-    return MegatronLM(_to_device(model))
+    layout = {"settings": settings} if settings is not None else {"post_ln_layers": post_ln_layers, "scheme": scheme}
+    return MegatronLM(_to_device(gpt_model(config, layout, shape, position_embedding_type="rope")))
 
 
 # ----------------------------------------------------------------------------------- interface
 class LanguageModel:
-    """What the analyses need from a causal LM (see the module docstring)."""
+    """What the analyses need from a causal LM: `layers` (the decoder layers), `token_losses(ids,
+    labels)` ([b, s] cross-entropy, nats), `layer_states(ids)` (L + 1 tensors [b, s, h]: every
+    decoder layer's input, then the last layer's output before the final norm) and `bypass(i)`."""
 
     module: torch.nn.Module
     kind: str = "?"
@@ -220,6 +207,11 @@ def _causal_mask(s: int) -> torch.Tensor:
     return torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), 1)
 
 
+def _token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[b, s] per-token cross-entropy of [b, s, V] logits, with torch's fused kernel."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(labels)
+
+
 class MegatronLM(LanguageModel):
     """A megatron-core GPTModel (TP = PP = 1, on CPU)."""
 
@@ -249,13 +241,10 @@ class MegatronLM(LanguageModel):
         return ids.to(dev), pos, _causal_mask(s).to(dev)
 
     def token_losses(self, ids, labels):
-        """Per-token cross-entropy from the logits with torch's fused kernel (same value as
-        megatron's vocab-parallel cross-entropy at TP = 1, a few times cheaper on CPU)."""
+        """Torch's cross-entropy: megatron's vocab-parallel one's value at TP = 1, cheaper on CPU."""
         ids, pos, mask = self._inputs(ids)
         logits = self.module(ids, pos, mask).float()  # [b, s, V]
-        labels = labels.to(logits.device)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                               reduction="none").view_as(labels)
+        return _token_cross_entropy(logits, labels.to(logits.device))
 
     def layer_states(self, ids):
         states: List[torch.Tensor] = []
@@ -313,9 +302,7 @@ class HFLM(LanguageModel):
         return int(self.module.config.vocab_size)
 
     def token_losses(self, ids, labels):
-        logits = self.module(input_ids=ids, use_cache=False).logits.float()
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                               reduction="none").view_as(labels)
+        return _token_cross_entropy(self.module(input_ids=ids, use_cache=False).logits.float(), labels)
 
     def layer_states(self, ids):
         """hidden_states[0..L-1] of output_hidden_states (the layer inputs) and the last layer's output.
@@ -355,270 +342,127 @@ class HFLM(LanguageModel):
                 f"(post_ln_layers={post}, scheme={scheme}), from {self.source}")
 
 
-# ----------------------------------------------------------------------------------- loading
-def _hf_classes(model_type: str):
-    if model_type == "mixln_llama":
-        from ..hf import MixLNLlamaConfig, MixLNLlamaForCausalLM
-
-        return MixLNLlamaConfig, MixLNLlamaForCausalLM
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaConfig, LlamaForCausalLM
+# ----------------------------------------------------------------------------------- text
+def default_cache_dir() -> str:
+    """MIXLN_ANALYSIS_CACHE, else a folder in the system's temporary directory."""
+    return analysis_cache_dir() or os.path.join(tempfile.gettempdir(), "mixln_megatron_data")
 
 
-def check_hf_folder(path: str):
-    """Validate an HF folder before anything reads it for the analyses: -> (HFCheckpoint, config,
-    model class). One ConversionError (a MixLNError: one line, exit 2) for anything wrong.
+def _read_indexed(prefix: str) -> np.ndarray:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset  # heavy
 
-    The folder is untrusted input (issue 27): it is read by convert's HFCheckpoint (every file
-    confined to the folder; config.json, the index and every safetensors header validated; a .bin
-    through the allow-listed unpickler), its config fields checked for type and range, the layers
-    of the weight names against num_hidden_layers, and every tensor the model needs by name and
-    shape against the headers (on a meta-device model: no memory), all before the model is built.
+    ds = IndexedDataset(prefix, mmap=True)
+    parts = [np.asarray(ds[i]) for i in range(len(ds))]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+def corpus_tokens(
+    text_file: Optional[str] = None,
+    tokenizer=None,
+    cache_dir: Optional[str] = None,
+    max_chars: Optional[int] = None,
+) -> np.ndarray:
+    """The token stream of `text_file` (default: the shipped corpus), EOD after every paragraph.
+
+    `tokenizer`: a mixln_megatron.data.tokenizer.TokenizerSpec (default: the shipped byte-level BPE).
     """
-    import os
-
-    from ..convert.from_hf import check_layers_against_files
-    from ..convert.hf_folder import HFCheckpoint
-    from ..convert.shape import hf_config_shape
-
-    hf = HFCheckpoint(path)
-    refuse_moe_hf_folder(hf.path, hf.config)
-    hf.check_listing()  # transformers' tokenizer loader may read any file of the folder later
-    config_path = os.path.join(hf.path, "config.json")
-    shape = hf_config_shape(hf.config, config_path, megatron=False)
-    check_layers_against_files(hf, shape)
-    config_class, model_class = _hf_classes(hf.config["model_type"])
-    try:
-        config = config_class.from_dict(dict(hf.config))
-        with torch.device("meta"):  # names and shapes only: no memory
-            expected = {k: tuple(v.shape) for k, v in model_class(config).state_dict().items()}
-    except (ValueError, TypeError, KeyError, AttributeError, AssertionError, RuntimeError) as e:
-        raise ConversionError(f"{config_path} does not describe a model transformers can build: {one_line(e)}") from None
-    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    problems = []
-    for name, want in expected.items():
-        if not hf.has(name):
-            if name not in tied:
-                problems.append(f"missing {name}")
-        elif tuple(hf.shape(name)) != want:
-            problems.append(f"{name} has shape {tuple(hf.shape(name))}, config.json implies {want}")
-        if len(problems) > 8:
-            break
-    if problems:
-        raise ConversionError(f"{hf.path} does not match its config.json: " + "; ".join(problems))
-    return hf, config, model_class
+    if text_file is None and tokenizer is None:
+        prefix = prepare_austen_dataset(cache_dir or default_cache_dir(), max_chars=max_chars)
+        return _read_indexed(prefix)
+    tok = load_tokenizer(tokenizer)
+    if text_file is None:
+        paragraphs = austen_paragraphs(max_chars=max_chars)
+    else:
+        with open(text_file, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        if max_chars is not None:
+            text = text[:max_chars]
+        paragraphs = split_paragraphs(text)
+    if not paragraphs:
+        raise ValueError(f"{text_file or 'the corpus'}: no text found")
+    eod = tok.eod_id
+    out: List[int] = []
+    step = 512
+    for i in range(0, len(paragraphs), step):
+        for ids in tok.encode_batch(paragraphs[i:i + step]):
+            out.extend(ids)
+            if eod is not None:
+                out.append(eod)
+    return np.asarray(out, dtype=np.int64)
 
 
-def refuse_moe_hf_folder(path: str, config: dict) -> None:
-    """The analyses read MoE models from Megatron checkpoints only: the HF loader here fills a
-    LLaMA-family model tensor by tensor and knows no experts."""
-    model_type = str(config.get("model_type", ""))
-    if config.get("num_local_experts") or config.get("num_experts") or model_type.endswith("moe") \
-            or model_type == "mixtral":
-        raise ConversionError(
-            f"{path} is an MoE Hugging Face model ({config.get('model_type')}): analyze reads MoE models from Megatron "
-            "torch_dist checkpoints only; pass --load DIR (convert an HF folder with `mixln-megatron convert from-hf`)")
+def split_train_valid(tokens: np.ndarray, valid_every: int = 20, block: int = 8192) -> Tuple[np.ndarray, np.ndarray]:
+    """Blocks of `block` tokens; block i is validation when i % valid_every == valid_every - 1."""
+    n_blocks = (len(tokens) + block - 1) // block
+    train, valid = [], []
+    for i in range(n_blocks):
+        (valid if i % valid_every == valid_every - 1 else train).append(tokens[i * block:(i + 1) * block])
+    if not valid:
+        raise ValueError(f"too few tokens ({len(tokens)}) for a validation split of 1/{valid_every} of {block}-token blocks")
+    return np.concatenate(train), np.concatenate(valid)
 
 
-def load_hf_model(path: str) -> HFLM:
-    """A Hugging Face folder: stock LLaMA, or our mixln_llama export (never remote code), validated
-    by check_hf_folder. transformers never opens a weight file here: the model is built from the
-    validated config and its parameters are filled from HFCheckpoint, tensor by tensor."""
-    hf, config, model_class = check_hf_folder(path)
-    model = model_class(config).to(torch.float32)
-    with torch.no_grad():
-        for name, param in model.state_dict().items():
-            if hf.has(name):
-                param.copy_(hf.get(name))
-    model.eval()
-    return HFLM(model, source=hf.path)
+def windows(tokens: np.ndarray, seq_len: int) -> torch.Tensor:
+    """All non-overlapping windows of seq_len + 1 tokens, in order: LongTensor [n, seq_len + 1]."""
+    w = seq_len + 1
+    n = len(tokens) // w
+    if n == 0:
+        raise ValueError(f"need at least {w} tokens, got {len(tokens)}")
+    return torch.from_numpy(np.ascontiguousarray(tokens[: n * w].reshape(n, w)))
 
 
-from ..errors import ConversionError, MixLNError, one_line  # noqa: E402  (cli.main prints it in one line, exit 2)
+def batches(
+    tokens: np.ndarray,
+    seq_len: int,
+    batch_size: int,
+    num_batches: Optional[int] = None,
+    seed: Optional[int] = None,
+) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """(ids, labels) batches of non-overlapping windows.
 
-
-class CheckpointError(MixLNError, ValueError):
-    """A checkpoint cannot be read by the analysis tools; the message says why."""
-
-
-def inspect_for_analysis(path: str, iteration: Optional[int]):
-    """The checkpoint's args, shape and Mix-LN record (convert.inspect, shared with the converter),
-    refused in one line if the analysis loader cannot build its model."""
-    from ..convert.inspect import inspect_checkpoint
-
-    try:  # MoE layers are read (analysis.moe builds megatron's own); MLA / MTP stay refused
-        info = inspect_checkpoint(path, iteration, moe=True)
-    except ConversionError as e:
-        raise CheckpointError(str(e)) from None
-    if info.format != "torch_dist":
-        raise CheckpointError(f"{info.path} is a {info.format} checkpoint; the analysis tools read "
-                              "--ckpt-format torch_dist checkpoints only")
-    support.check(info.args, support.ANALYSIS, error=CheckpointError)  # mixln_megatron.model.support.TABLE
-    return info
-
-
-def _config_from_shape(a, embedding_rows: Optional[int] = None, args=None):
-    """The model to build (FreshShape) + TransformerConfig for CPU inference from convert's ArgsShape
-    (and the saved `args` for the MoE settings, analysis.moe). The vocabulary is the args'
-    padded_vocab_size, else the saved embedding's rows (args saved before Megatron-LM built its
-    tokenizer have none)."""
-    from .moe import moe_config_fields
-
-    vocab = a.padded_vocab_size if a.padded_vocab_size is not None else embedding_rows
-    if vocab is None:
-        raise CheckpointError("the checkpoint's saved args have no padded_vocab_size")
-    shape = FreshShape(
-        num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
-        ffn_hidden_size=a.ffn_hidden_size, vocab_size=vocab, seq_length=a.max_position_embeddings,
-        num_query_groups=a.num_query_groups, untie_embeddings=a.untie_embeddings,
-    )
-    overrides = {"kv_channels": a.kv_channels}
-    if a.qk_layernorm:
-        overrides["qk_layernorm"] = True
-    overrides.update(moe_config_fields(args))  # {} for a dense model
-    # muP's flags and the GLU offset as saved: megatron's own __post_init__ derives what the model uses
-    overrides.update(a.mup or {})
-    if a.forward.glu_linear_offset:
-        overrides["glu_linear_offset"] = a.forward.glu_linear_offset
-    return shape, megatron_config(
-        shape, normalization=a.normalization, layernorm_epsilon=a.norm_epsilon,
-        gated_linear_unit=a.swiglu, activation_func=F.silu if a.swiglu else F.gelu,
-        add_bias_linear=a.add_bias_linear, add_qkv_bias=a.add_qkv_bias,
-        layernorm_zero_centered_gamma=a.zero_centered_gamma, rotary_interleaved=a.rotary_interleaved,
-        **overrides,
-    )
-
-
-def _state_from_reader(model, reader, num_layers: int, record: dict) -> dict:
-    """The model's state dict with every tensor read by convert's checkpoint reader (TP = PP = 1).
-
-    Layer tensors are read by role (both norm layouts, TE or local names, see convert.mapping);
-    a layer tensor without a role (e.g. qk-layernorm weights) is read from its stacked key. The
-    Mix-LN record is the checkpoint's, so that the layers' own check refuses other settings.
+    seed None: windows in corpus order, spread evenly over the stream when fewer than all are
+    asked for; otherwise a permutation drawn from `seed` (cycled if more batches are asked for
+    than the stream holds).
     """
-    from ..convert import mapping as M
-    from ..model.checkpoint import RECORD_NAME
-
-    state = model.state_dict()
-    by_layer = {}
-    for key, value in state.items():
-        if key.endswith(RECORD_NAME):
-            state[key] = record
-            continue
-        if key.endswith("_extra_state") or not torch.is_tensor(value):
-            continue
-        if key.startswith(M.TD_LAYER_PREFIX):
-            index, _, name = key[len(M.TD_LAYER_PREFIX):].partition(".")
-            by_layer.setdefault(int(index), []).append((key, name))
-        elif key == M.TD_EMBEDDING:
-            state[key] = reader.read_vocab_rows("embedding", 0, value.shape[0])
-        elif key == M.TD_OUTPUT:
-            state[key] = reader.read_vocab_rows("output", 0, value.shape[0])
-        elif key == M.TD_FINAL_NORM:
-            state[key] = reader.read_final_norm()
+    all_w = windows(tokens, seq_len)
+    n = all_w.shape[0]
+    if num_batches is None:
+        num_batches = n // batch_size
+        if num_batches == 0:
+            raise ValueError(f"{n} windows of {seq_len + 1} tokens do not fill one batch of {batch_size}")
+    need = num_batches * batch_size
+    if seed is None:
+        if need <= n:
+            idx = torch.linspace(0, n - 1, need).round().long() if need < n else torch.arange(n)
         else:
-            raise CheckpointError(f"{reader.path}: the analysis loader does not know the model tensor {key}")
-    for layer in range(num_layers):
-        named = by_layer.get(layer, [])
-        roles = {name: role for _, name in named if (role := _layer_role(name)) is not None}
-        tensors = reader.read_layer(layer, sorted(set(roles.values())))
-        for key, name in named:
-            if name in roles:
-                state[key] = tensors[roles[name]]
-                continue
-            state[key] = _read_unmapped(reader, layer, name)
-    return state
+            idx = torch.arange(need) % n
+    else:
+        g = torch.Generator().manual_seed(int(seed))
+        perms = [torch.randperm(n, generator=g) for _ in range((need + n - 1) // n)]
+        idx = torch.cat(perms)[:need]
+    chosen = all_w[idx]
+    out = []
+    for i in range(num_batches):
+        w = chosen[i * batch_size:(i + 1) * batch_size]
+        out.append((w[:, :-1].contiguous(), w[:, 1:].contiguous()))
+    return out
 
 
-def _layer_role(name: str) -> Optional[str]:
-    """convert.mapping's role of a model layer tensor (layer-local name), dense or MoE; None for
-    a tensor without one (e.g. qk-layernorm weights)."""
-    from ..convert import mapping as M
-    from .moe import local_expert
-
-    if name in M.LEGACY_LAYER_NAMES:
-        return M.LEGACY_LAYER_NAMES[name]
-    expert = local_expert(name)
-    if expert is not None:
-        return M.expert_role(*expert)
-    return {n: role for role, n in M.MOE_ROLE_NAMES.items() if role not in M.EXPERT_ROLES}.get(name)
+def eval_batches(
+    tokens: np.ndarray, num_tokens: int, seq_len: int, batch_size: int = 8
+) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Windows spread evenly over the stream covering `num_tokens` predicted tokens (fewer if the
+    text is shorter), grouped into batches of `batch_size` sequences."""
+    n_windows = min(max(1, -(-int(num_tokens) // seq_len)), len(tokens) // (seq_len + 1))
+    single = batches(tokens, seq_len, 1, num_batches=n_windows)
+    return [(torch.cat([w[0] for w in single[i:i + batch_size]]),
+             torch.cat([w[1] for w in single[i:i + batch_size]]))
+            for i in range(0, len(single), batch_size)]
 
 
-def _read_unmapped(reader, layer: int, name: str):
-    """A layer tensor without a role: its row of the key stacked over the layers, or the layer's
-    own key (megatron saves mixed dense / MoE stacks one key per layer)."""
-    from ..convert import mapping as M
-
-    stacked = M.TD_LAYER_PREFIX + name
-    own = f"{M.TD_LAYER_PREFIX}{layer}.{name}"
-    if reader.has(stacked):
-        shape = reader.global_shape(stacked)
-        return reader.read(stacked, (layer,) + (0,) * (len(shape) - 1), (1,) + shape[1:])[0]
-    if reader.has(own):
-        return reader.read(own, (0,) * len(reader.global_shape(own)), reader.global_shape(own))
-    raise CheckpointError(f"{reader.path}: parameters missing from the checkpoint: {stacked}")
-
-
-def load_megatron_checkpoint(
-    path: str,
-    iteration: Optional[int] = None,
-    post_ln_layers: Optional[int] = None,
-    scheme: Optional[str] = None,
-) -> MegatronLM:
-    """A torch_dist checkpoint (Megatron-LM layout) in a megatron-core GPTModel on CPU.
-
-    The model shape comes from the `args` Megatron-LM stores in the checkpoint; post_ln_layers /
-    scheme override the Mix-LN settings found in it (convert.inspect cross-checks its sources).
-    Only TP = PP = 1 in memory; the checkpoint may have been saved with any parallel layout.
-    """
-    from megatron.core.models.gpt import GPTModel
-
-    from ..model.placement import resolve_placement
-    from ..model.settings import MixLNSettings, layered
-    from ..spec import get_mixln_decoder_block_spec
-    from .moe import plain_glu_rows
-
-    ensure_megatron_cpu()
-    info = inspect_for_analysis(path, iteration)
-    ckpt_dir, a = info.path, info.shape
-    # The checkpoint's placement (every layer's kind, a per-layer layout included); the caller's
-    # post_ln_layers / scheme override it, as a command line would.
-    saved = MixLNSettings.from_checkpoint(info.record) or MixLNSettings(post_ln_layers=0)
-    given = MixLNSettings(post_ln_layers=post_ln_layers, scheme=scheme,
-                          sources={"post_ln_layers": "command line", "scheme": "command line"})
-    mixln_settings = layered(given, saved)
-    shape, config = _config_from_shape(a, getattr(info.reader, "padded_vocab_size", None), info.args)
-    placement = dataclasses.replace(  # where the kinds came from, as inspect names it
-        resolve_placement(config.num_layers, mixln_settings),
-        source="command line" if post_ln_layers is not None else info.record_source)
-    spec = get_mixln_decoder_block_spec(config, backend="local", settings=mixln_settings)
-    with _quiet_gpt_deprecation():
-        model = GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=shape.vocab_size,
-            max_sequence_length=shape.seq_length,
-            position_embedding_type=a.position_embedding_type, rotary_percent=a.rotary_percent,
-            rotary_base=a.rotary_base, seq_len_interpolation_factor=a.rotary_seq_len_interpolation_factor,
-            rope_scaling=a.use_rope_scaling, rope_scaling_factor=a.rope_scaling_factor,
-            share_embeddings_and_output_weights=not shape.untie_embeddings,
-        )
-    try:
-        info.reader.check_layer_kinds(placement.kinds)  # and the sandwich layers' rows of the stacked norms
-        state = _state_from_reader(model, info.reader, config.num_layers, info.reader.settings_record or info.record)
-        plain_glu_rows(state, info.args)  # TE grouped GEMM's interleaved fc1 rows, for sequential experts
-        model.load_state_dict(state, strict=True)
-    except (ConversionError, RuntimeError) as e:  # RuntimeError: the layers' Mix-LN settings check
-        raise CheckpointError(f"{ckpt_dir}: {one_line(e)}") from None
-    model = _to_device(model)
-    model.eval()
-    lm = MegatronLM(model, source=ckpt_dir, placement=placement)
-    lm.saved_args = info.args
-    return lm
-
-
-def load_model(megatron: Optional[str] = None, hf: Optional[str] = None, **kwargs) -> LanguageModel:
-    if (megatron is None) == (hf is None):
-        raise ValueError("give exactly one of a Megatron checkpoint and a Hugging Face folder")
-    if hf is not None:
-        return load_hf_model(hf)
-    return load_megatron_checkpoint(megatron, **kwargs)
+def check_vocab(batch_list, vocab_size: int, what: str = "the model") -> None:
+    top = max(int(ids.max()) for ids, _ in batch_list)
+    top = max(top, max(int(lab.max()) for _, lab in batch_list))
+    if top >= vocab_size:
+        raise ValueError(f"token id {top} is outside the vocabulary of {what} ({vocab_size}); "
+                         "pass the tokenizer the model was trained with (--tokenizer-model)")

@@ -16,9 +16,10 @@ import glob
 import json
 import math
 import os
+import sys
 from typing import List, Optional
 
-from ..cli_parsing import CommandParser, add_flag
+from ..cli_parsing import CommandParser, add_flag, refused
 from ..model.layout import boundaries, first_p_kinds
 from ..training.telemetry import JSONL_NAME
 
@@ -169,10 +170,6 @@ def main(argv=None, prog: Optional[str] = None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
-    from ..cli_parsing import refused
-
     _prog = "python -m mixln_megatron.analysis.train_health"
     try:
         sys.exit(main(prog=_prog))

@@ -4,29 +4,14 @@
     models = provider.provide_distributed_model(wrap_with_ddp=False)   # any TP / PP
     save_megatron_checkpoint(models, "ckpt/")                          # collective: every rank
 
-Bridge's own `AutoBridge.save_megatron_model` (megatron.bridge.training) writes a Bridge training
-checkpoint: no Megatron-LM `args` in its common state (Bridge keeps its settings in
-run_config.yaml), Bridge's content metadata without the Mix-LN entry, and `iter_0000000` with the
-tracker at 0, so Megatron-LM would look for optimizer and RNG state it does not hold. Megatron-LM
-and this package's readers need the args (the model shape) and read the Mix-LN settings from
-the record. So this writes the layout Megatron-LM (and `mixln-megatron convert from-hf`) uses for a
-converted checkpoint, through megatron-core's dist_checkpointing:
-
-    <path>/latest_checkpointed_iteration.txt   "release" (written last, by rank 0)
-    <path>/release/                            model.sharded_state_dict() under "model", common
-                                               state {args, iteration 0, checkpoint_version 3.0},
-                                               content metadata with the "mixln" settings entry
-
-- the tensors and the Mix-LN settings record come from the model itself (its sharded_state_dict,
-  the same call Megatron-LM's save makes), so the record is the one `pretrain` writes;
-- the args are convert.written_args.megatron_args_namespace of the model's shape (read back from the
-  provider through the bridge's megatron_to_hf_config), its TP / PP, vocabulary padding, dtype,
-  backend and P / scheme: the args `convert from-hf` writes.
-A `release` checkpoint is a fresh start for Megatron-LM (no optimizer / RNG state is looked for).
-An existing non-empty `path` is refused: nothing is overwritten or deleted. Every rank writes into
-one hidden temporary folder beside `path` (rank 0 stages it, as `convert from-hf` does), renamed
-to `path` once all ranks are done: a failed or killed save leaves no half-written checkpoint (a
-killed one's temporary folder is removed by the next save to the same path).
+Bridge's own `AutoBridge.save_megatron_model` writes a Bridge training checkpoint: no Megatron-LM
+`args` (the model shape) in its common state, no Mix-LN settings record, and `iter_0000000`, for
+which Megatron-LM would look for optimizer and RNG state. This writes what `convert from-hf` writes
+instead: a `release` checkpoint (a fresh start, no optimizer / RNG state looked for) with
+model.sharded_state_dict() (the tensors and the record `pretrain` writes) and the args `convert
+from-hf` writes, through megatron-core's dist_checkpointing. An existing non-empty `path` is
+refused; every rank writes into one hidden temporary folder beside `path`, renamed once all ranks
+are done, so a failed or killed save leaves no half-written checkpoint.
 """
 
 from __future__ import annotations
@@ -37,14 +22,21 @@ from typing import Iterator, Optional
 
 import torch
 
+from ..convert.from_hf import CONTENT_METADATA_BASE, megatron_args_namespace
+from ..convert.shape import padded_vocab_size, shape_from_hf_config
 from ..errors import ConversionError
+from ..model.placement import Placement
+from ..safe_output import MEGATRON_FOLDER, output_path, staged_dir, sweep_stale
+from .llama import MixLNLlamaBridge
+from .moe import MixLNMoeBridge
+from .provider import MixLNModelProvider
 
 RELEASE = "release"
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def _provider_of(models):
-    from megatron.core.utils import get_model_config
+    from megatron.core.utils import get_model_config  # heavy
 
     return get_model_config(models[0])
 
@@ -52,11 +44,7 @@ def _provider_of(models):
 def hf_config_of(provider) -> dict:
     """The HF config dict of a provider, by the bridge of its kind (ours for a MixLNModelProvider,
     the MoE one when it has experts; Bridge's Llama otherwise)."""
-    from megatron.bridge.models.llama.llama_bridge import LlamaBridge
-
-    from .llama import MixLNLlamaBridge
-    from .moe import MixLNMoeBridge
-    from .provider import MixLNModelProvider
+    from megatron.bridge.models.llama.llama_bridge import LlamaBridge  # optional
 
     bridge = LlamaBridge
     if isinstance(provider, MixLNModelProvider):
@@ -67,8 +55,6 @@ def hf_config_of(provider) -> dict:
 def _vocab_padding(provider, tp: int):
     """(padded vocabulary rows, make_vocab_size_divisible_by to record): the rows the model has, and
     a divisor under which Megatron-LM's padding rule gives those rows back."""
-    from ..convert.shape import padded_vocab_size
-
     vocab = int(provider.vocab_size)
     divisible = int(getattr(provider, "make_vocab_size_divisible_by", 128) or 1)
     rows = padded_vocab_size(vocab, divisible, tp) if getattr(provider, "should_pad_vocab", False) else vocab
@@ -81,10 +67,7 @@ def _vocab_padding(provider, tp: int):
 
 def checkpoint_args(models, record: dict, tokenizer_model: Optional[str] = None, source: str = "megatron-bridge"):
     """The Megatron-LM args (argparse.Namespace) of a Bridge-built model, as `convert from-hf` writes them."""
-    from megatron.core import parallel_state as ps
-
-    from ..convert.shape import shape_from_hf_config
-    from ..convert.written_args import megatron_args_namespace
+    from megatron.core import parallel_state as ps  # heavy
 
     provider = _provider_of(models)
     shape = shape_from_hf_config(hf_config_of(provider), "the Bridge provider's config")
@@ -110,9 +93,7 @@ def save_megatron_checkpoint(models, path: str, *, tokenizer_model: Optional[str
     in `path` (see the module doc). Collective: every rank of the model's process groups calls it.
     `tokenizer_model`: recorded as a HuggingFaceTokenizer (e.g. the HF folder the model came from).
     Returns the iteration directory."""
-    from megatron.core import dist_checkpointing
-
-    from ..convert.from_hf import CONTENT_METADATA_BASE
+    from megatron.core import dist_checkpointing  # heavy
 
     models = list(models) if isinstance(models, (list, tuple)) else [models]
     # The content metadata Megatron-LM saves: the model adds its Mix-LN entry while it describes
@@ -124,8 +105,6 @@ def save_megatron_checkpoint(models, path: str, *, tokenizer_model: Optional[str
         state = {f"model{i}": m.sharded_state_dict(metadata=metadata) for i, m in enumerate(models)}
     record = metadata.get("mixln")
     if record is None:  # Bridge's own Llama spec (a P = 0 folder on the TE backend): a stock model
-        from ..model.placement import Placement
-
         record = Placement(int(_provider_of(models).num_layers), 0, "mixln").record()
     state.update(args=checkpoint_args(models, record, tokenizer_model, source), checkpoint_version=3.0,
                  iteration=0, num_floating_point_operations_so_far=0)
@@ -145,8 +124,6 @@ def _staged_on_rank_0(path: str) -> Iterator[tuple]:
     (on every rank), removes what killed saves to it left, and stages the folder with
     safe_output.staged_dir; its name goes to the other ranks. Rank 0 renames it to `path` when the
     block ends on rank 0 without an error, and removes it when it does not."""
-    from ..safe_output import MEGATRON_FOLDER, output_path, staged_dir, sweep_stale
-
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     with contextlib.ExitStack() as stack:
         found = None

@@ -1,23 +1,15 @@
 """The Megatron-Bridge bridge of `MixLNLlamaForCausalLM` (HF folders with model_type "mixln_llama").
 
 Built on Bridge's Llama bridge (megatron.bridge.models.llama.LlamaBridge in 0.6.2: provider,
-RoPE scaling, the embedding / attention / MLP / final-norm mappings) with two additions:
-  - the provider is a MixLNModelProvider carrying the layout of the HF config (P, scheme, alpha);
-  - the Post-LN layers' norms, which a Llama layer does not have:
-        Megatron (both backends)                        HF (the Mix-LN model code)
-        decoder.layers.<i>.post_attention_layernorm.*   model.layers.<i>.post_attention_layernorm.*  (N1)
-        decoder.layers.<i>.post_mlp_layernorm.*         model.layers.<i>.post_feedforward_layernorm.* (N2)
-    Pre-LN layers keep Llama's names (TE: linear_qkv / linear_fc1 .layer_norm_weight; local:
-    input_layernorm / pre_mlp_layernorm), so every first-P layout (any P, lns, mixln+lns) is one
-    registry: a layer only has the parameters of its kind and each name maps to one HF tensor.
-The comparison arms (an HF config with layer_kinds: the provider gets the layout): a deepnorm
-layer has a Post-LN layer's norms; a sandwich layer has Gemma 2's four (model.layout):
-        decoder.layers.<i>.attn_output_layernorm.*      model.layers.<i>.post_attention_layernorm.*  (N_b)
-        decoder.layers.<i>.mlp_output_layernorm.*       model.layers.<i>.post_feedforward_layernorm.* (N_d)
-        its MLP pre-norm                                model.layers.<i>.pre_feedforward_layernorm.*
-    where a Pre-LN layer's MLP pre-norm is HF's post_attention_layernorm: with sandwich layers the
-    MLP pre-norm is mapped layer by layer (the only name whose HF name depends on the kind).
-LNS scales norm outputs, never stored weights, so its tensors map like the plain scheme's.
+RoPE scaling, the embedding / attention / MLP / final-norm mappings) with two additions: the
+provider is a MixLNModelProvider carrying the HF config's layout, and the norms a Llama layer does
+not have are mapped (POST_LN_NORMS, SANDWICH_OUTPUT_NORMS; HF names are convert.mapping's).
+A layer only has the parameters of its kind and each name maps to one HF tensor, so every first-P
+layout is one registry. The one name whose HF name depends on the kind is the MLP pre-norm
+(post_attention_layernorm in a Pre-LN layer, pre_feedforward_layernorm in a sandwich layer, whose
+post_attention_layernorm is Gemma 2's norm after attention): with sandwich layers it is mapped
+layer by layer. LNS scales norm outputs, never stored weights, so its tensors map like the plain
+scheme's.
 """
 
 from __future__ import annotations
@@ -28,21 +20,23 @@ from megatron.bridge.models.conversion.param_mapping import AutoMapping
 from megatron.bridge.models.llama.llama_bridge import LlamaBridge
 from megatron.core.models.gpt.gpt_model import GPTModel
 
-from ..convert.forward_scalars import config_problem
+from ..convert.mapping import NORM_A, NORM_B, NORM_C, NORM_D, hf_norm_module
+from ..convert.shape import config_problem
 from ..errors import MixLNError
 from ..hf.configuration_mixln_llama import FORWARD_SCALAR_DEFAULTS as FORWARD_FIELDS  # refused by this path
+from ..hf.configuration_mixln_llama import mixln_fields
 from ..hf.export_code import MIXLN_ARCHITECTURES, export_config_fields
 from ..model import support
-from ..model.layout import KINDS, POST, POST_LN_KINDS, SANDWICH
-from ..model.hf_norm_names import NORM_A, NORM_B, NORM_C, NORM_D, hf_norm_module
+from ..model.placement import resolve_placement
+from ..model.layout import KINDS, POST, POST_LN_KINDS, SANDWICH, first_p_kinds, layout_text, leading_post_count
 from .conversion_tasks import build_tasks
-from .provider import MixLNModelProvider
+from .provider import MixLNModelProvider, mixln_settings
 
 MIXLN_ARCHITECTURE = MIXLN_ARCHITECTURES[0]  # "MixLNLlamaForCausalLM", the auto_map class name
 MIXLN_MODEL_TYPE = "mixln_llama"
 
 # Megatron name (inside decoder.layers.<i>.) -> HF name (inside model.layers.<i>.) of the Post-LN
-# norms; the HF names are model.hf_norm_names' (a deepnorm layer's are the same).
+# norms; the HF names are convert.mapping's (a deepnorm layer's are the same).
 POST_LN_NORMS = {
     "post_attention_layernorm": hf_norm_module(POST, NORM_B),  # N1, after the attention residual add
     "post_mlp_layernorm": hf_norm_module(POST, NORM_A),  # N2, after the MLP residual add
@@ -85,8 +79,6 @@ def _register_module_types() -> None:
 
 def _kinds_of(hf_config) -> list:
     """Every layer's kind of an HF config (layer_kinds, or Mix-LN's first P)."""
-    from ..model.layout import first_p_kinds
-
     kinds = getattr(hf_config, "layer_kinds", None)
     if kinds is not None:
         return list(kinds)
@@ -96,18 +88,14 @@ def _kinds_of(hf_config) -> list:
 def _layout_of(hf_config) -> dict:
     """The provider fields of an HF config (P, scheme, alpha; a per-layer layout and DeepNorm's
     constants), checked the way the HF model code checks them."""
-    from ..hf.configuration_mixln_llama import _check_mixln_fields
-    from ..model.layout import layout_text, leading_post_count
-
-    post_ln = getattr(hf_config, "post_ln_layers", 0)
-    scheme = getattr(hf_config, "mixln_scheme", "mixln")
-    kinds = getattr(hf_config, "layer_kinds", None)
-    dn_alpha, dn_beta = getattr(hf_config, "deepnorm_alpha", None), getattr(hf_config, "deepnorm_beta", None)
-    _check_mixln_fields(post_ln, scheme, hf_config.num_hidden_layers, kinds, dn_alpha, dn_beta)
-    fields = {"post_ln_layers": post_ln, "mixln_scheme": scheme, "mixln_alpha": getattr(hf_config, "mixln_alpha", None),
-              "mixln_layout": None, "mixln_deepnorm_alpha": None, "mixln_deepnorm_beta": None}
+    read = mixln_fields(lambda name, default: getattr(hf_config, name, default), hf_config.num_hidden_layers)
+    kinds = read["layer_kinds"]
+    fields = {"post_ln_layers": read["post_ln_layers"], "mixln_scheme": read["mixln_scheme"],
+              "mixln_alpha": read["mixln_alpha"], "mixln_layout": None, "mixln_deepnorm_alpha": None,
+              "mixln_deepnorm_beta": None}
     if kinds is not None and leading_post_count(kinds) is None:  # a first-P layer_kinds says no more than P
-        fields.update(mixln_layout=layout_text(kinds), mixln_deepnorm_alpha=dn_alpha, mixln_deepnorm_beta=dn_beta)
+        fields.update(mixln_layout=layout_text(kinds), mixln_deepnorm_alpha=read["deepnorm_alpha"],
+                      mixln_deepnorm_beta=read["deepnorm_beta"])
     return fields
 
 
@@ -129,18 +117,9 @@ def layout_mappings(kinds) -> tuple:
     source=MIXLN_ARCHITECTURE, target=GPTModel, provider=MixLNModelProvider, model_type=MIXLN_MODEL_TYPE
 )
 class MixLNLlamaBridge(LlamaBridge):
-    """Megatron-Bridge bridge for Mix-LN / LNS LLaMA (MixLNLlamaForCausalLM <-> GPTModel).
-
-    Used through AutoBridge (the class is found by config.auto_map["AutoModelForCausalLM"]):
-        >>> import mixln_megatron.bridge
-        >>> bridge = AutoBridge.from_hf_pretrained(folder, trust_remote_code=True)
-        >>> provider = bridge.to_megatron_provider()   # MixLNModelProvider
-
-    Biases: this bridge maps none (Bridge's Llama mappings are weights only), and the mixln_llama
-    config cannot hold megatron's q/k/v-only bias (add_qkv_bias; LLaMA's attention_bias is on o_proj
-    too). A provider with add_bias_linear or add_qkv_bias is refused when exported
-    (check_provider_biases), never written as LLaMA's attention_bias / mlp_bias.
-    """
+    """Megatron-Bridge bridge for Mix-LN / LNS LLaMA (MixLNLlamaForCausalLM <-> GPTModel), used through
+    AutoBridge (found by config.auto_map["AutoModelForCausalLM"]). It maps no bias (Bridge's Llama mappings
+    are weights only): see check_provider_biases."""
 
     # What check_provider_biases says and raises (the MoE bridge has its own).
     NO_BIAS = "the Mix-LN Llama bridge maps no bias (on q, k, v, o_proj or the MLP)"
@@ -166,7 +145,7 @@ class MixLNLlamaBridge(LlamaBridge):
 
     @classmethod
     def check_forward_scalars(cls, config) -> None:
-        """Refuse, in one line, muP / a softmax scale / a GLU offset (convert.forward_scalars) and
+        """Refuse, in one line, muP / a softmax scale / a GLU offset (convert.shape's forward scalars) and
         the export's other refusals: the Bridge's config mapping would drop them, and the HF model
         would be another one."""
         problem = config_problem(config)
@@ -189,9 +168,6 @@ class MixLNLlamaBridge(LlamaBridge):
 
     @classmethod
     def megatron_to_hf_config(cls, provider) -> dict:
-        from ..model.placement import resolve_placement
-        from .provider import mixln_settings
-
         cls.check_provider_biases(provider)
         cls.check_forward_scalars(provider)
         hf_config = super().megatron_to_hf_config(provider)

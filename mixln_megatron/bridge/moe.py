@@ -1,32 +1,12 @@
 """The Megatron-Bridge bridge of `MixLNMoeForCausalLM` (HF folders with model_type "mixln_moe").
 
 The Mix-LN Llama bridge (bridge.llama: provider, layout, every norm of every kind, which an MoE
-layer names as a dense one does) plus the MoE MLP, in the hub's per-expert names that the
-folders hold on disk (hf.modeling_mixln_moe; transformers fuses them on load, Bridge reads the
-files):
-    Megatron (decoder.layers.<i>.mlp.)                    HF (model.layers.<i>.mlp.)
-    router.weight                                         gate.weight
-    experts.local_experts.<e>.linear_fc1.weight           experts.<e>.gate_proj.weight ; up_proj (rows)
-      (TE grouped GEMM: experts.linear_fc1.weight<e>)
-    experts.local_experts.<e>.linear_fc2.weight           experts.<e>.down_proj.weight
-      (TE grouped GEMM: experts.linear_fc2.weight<e>)
-    shared_experts.linear_fc1.weight / linear_fc2.weight  shared_expert.{gate,up}_proj / down_proj
-    shared_experts.gate_weight                            shared_expert_gate.weight
-    (decoder.layers.<i>.) self_attention.linear_qkv.bias  (model.layers.<i>.) self_attn.{q,k,v}_proj.bias
-      (qkv_bias <-> add_qkv_bias: Bridge's QKVMapping, the weight's interleaving)
-and the routing in the provider: experts, top-k, expert width, the dense layers (mlp_only_layers
-<-> moe_layer_freq), the shared expert and its gate, renormalised top-k (norm_topk_prob) or
-megatron's --moe-router-pre-softmax, and an fp32 router (router_dtype "float32" <->
-moe_router_dtype "fp32"). A provider with any other routing (model.moe_fields.TABLE: score
-function, expert bias, groups, sinkhorn, scaling, fp64 routing, capacity, probabilities on the
-input, latent, GLU interleave...) or with biases beyond q/k/v's (add_bias_linear) is refused in one
-line when exported, as is a folder with LLaMA's attention_bias / mlp_bias (on o_proj and the MLPs).
-How the experts run (dispatcher, grouped GEMM, fusions) is megatron's default (allgather,
-sequential experts); on GPUs set the provider's moe_token_dispatcher_type / moe_grouped_gemm as for
-any Megatron MoE model.
-
-Stock Mixtral / Qwen2-MoE folders (what an all-Pre-LN MoE model exports as) are not this bridge's:
-Bridge 0.6.2 has no bridge for them; `mixln-megatron convert from-hf` reads them.
+layer names as a dense one does) plus the MoE MLP (moe_mappings), in the hub's per-expert names the
+folders hold on disk (transformers fuses them on load, Bridge reads the files), the q/k/v-only bias,
+and the routing in the provider (moe_provider_fields / hf_moe_fields); any other routing
+(model.moe_fields.TABLE, the Bridge column) and LLaMA's attention_bias / mlp_bias are refused in one
+line. How the experts run (dispatcher, grouped GEMM) is megatron's default; on GPUs set the
+provider's moe_token_dispatcher_type / moe_grouped_gemm as for any Megatron MoE model.
 """
 
 from __future__ import annotations
@@ -36,6 +16,7 @@ from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
 from megatron.bridge.models.conversion.param_mapping import AutoMapping, GatedMLPMapping, QKVMapping
 from megatron.core.models.gpt.gpt_model import GPTModel
 
+from ..hf.export_code import export_config_fields, moe_export_config_fields
 from ..model import moe_fields
 from .llama import MixLNBridgeError, MixLNLlamaBridge
 from .provider import MixLNModelProvider
@@ -137,12 +118,7 @@ def hf_moe_fields(provider) -> dict:
     source=MOE_ARCHITECTURE, target=GPTModel, provider=MixLNModelProvider, model_type=MOE_MODEL_TYPE
 )
 class MixLNMoeBridge(MixLNLlamaBridge):
-    """Megatron-Bridge bridge for Mix-LN MoE models (MixLNMoeForCausalLM <-> GPTModel with MoE layers).
-
-        >>> import mixln_megatron.bridge
-        >>> bridge = AutoBridge.from_hf_pretrained(folder, trust_remote_code=True)
-        >>> provider = bridge.to_megatron_provider()   # MixLNModelProvider with num_moe_experts
-    """
+    """Megatron-Bridge bridge for Mix-LN MoE models (MixLNMoeForCausalLM <-> GPTModel with MoE layers)."""
 
     # check_provider_biases (the dense bridge's): add_qkv_bias is carried as qkv_bias
     NO_BIAS = "the Mix-LN MoE model has no bias on o_proj, the MLPs or the experts"
@@ -157,8 +133,6 @@ class MixLNMoeBridge(MixLNLlamaBridge):
 
     @classmethod
     def megatron_to_hf_config(cls, provider) -> dict:
-        from ..hf.export_code import export_config_fields, moe_export_config_fields
-
         # Llama's and the Mix-LN fields, biases checked (no attention_bias / mlp_bias: add_qkv_bias is qkv_bias)
         hf_config = super().megatron_to_hf_config(provider)
         dense_keys = export_config_fields(int(getattr(provider, "post_ln_layers", 0)),

@@ -90,7 +90,7 @@ def use_local_backend(provider, cpu: bool = False):
     (a P = 0 folder) gets the Mix-LN spec at P = 0, which is the stock Llama network.
     cpu=True also turns off the fusions that need CUDA kernels (CUDA_ONLY_FUSIONS), runs MoE
     layers as a CPU can (CPU_MOE_EXECUTION) and initialises parameters on the CPU, for
-    megatron-core under mixln_megatron.dev.cpu.
+    megatron-core under mixln_megatron.cpu.
     Returns the provider."""
     provider.mixln_backend = "local"
     provider.transformer_layer_spec = mixln_block_spec
@@ -100,7 +100,7 @@ def use_local_backend(provider, cpu: bool = False):
             if hasattr(provider, name):
                 setattr(provider, name, False)
         provider.use_cpu_initialization = True
-        if getattr(provider, "num_moe_experts", None):  # what runs in a CPU process (docs/moe.md)
+        if getattr(provider, "num_moe_experts", None):  # what runs in a CPU process (docs/compatibility.md)
             for name, value in CPU_MOE_EXECUTION.items():
                 setattr(provider, name, value)
     return provider

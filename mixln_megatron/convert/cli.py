@@ -1,30 +1,9 @@
-"""`mixln-megatron convert to-hf | from-hf | gpt-to-hybrid | hybrid-to-gpt | inspect`: the command line of
-mixln_megatron.convert.
+"""`mixln-megatron convert to-hf | from-hf | gpt-to-hybrid | hybrid-to-gpt | inspect [--check]`: the
+command line of mixln_megatron.convert (`--help` for each sub-command's flags).
 
-    mixln-megatron convert to-hf --load CKPT_DIR [--ckpt-step N] --save HF_DIR
-        [--dtype auto|bfloat16|float16|float32] [--tokenizer-model DIR] [--vocab-size N]
-        [--max-shard-size 5GB] [--overwrite] [--no-progress]
-
-    mixln-megatron convert from-hf --load HF_DIR --save CKPT_DIR [--tp N] [--pp M]
-        [--ckpt-format torch_dist|torch] [--transformer-impl transformer_engine|local]
-        [--dtype auto|...] [--make-vocab-size-divisible-by 128]
-        [--mixln-post-ln-layers P | --mixln-alpha A] [--mixln-scheme S] [--tokenizer-model PATH]
-        [--overwrite] [--no-progress]
-
-    mixln-megatron convert gpt-to-hybrid --load CKPT_DIR --save CKPT_DIR [--ckpt-step N] [--overwrite]
-    mixln-megatron convert hybrid-to-gpt --load CKPT_DIR --save CKPT_DIR [--ckpt-step N] [--overwrite]
-        (torch_dist model weights, Mix-LN norms and settings record kept; optimizer / RNG state
-        are not converted: resume with --no-load-optim --no-load-rng, or --finetune)
-
-    mixln-megatron convert inspect --load CKPT_DIR [--ckpt-step N] [--json]
-    mixln-megatron convert inspect --check --load CKPT_DIR [--ckpt-step N]
-        (vets the checkpoint before a stock `pretrain_gpt.py --load`: every pickle Megatron-LM's load
-        would read, through the allow-list (convert.vet); exit 0 and one line saying it is clean, or
-        the refusal line and exit 2)
-
-Exit status: 0 on success, 2 when the conversion is refused or fails, or for a usage error (one
-stderr line says why; no output is left behind), 1 on an unexpected error, 128 + N when stopped by signal N (SIGINT,
-SIGTERM, SIGHUP: the temporary output is removed and the previous output, if any, is kept).
+Exit status (docs/commands.md): 0 on success, 2 when refused or failed or for a usage error (one
+stderr line says why; no output is left behind), 1 on an unexpected error, 128 + N when stopped by
+signal N (the temporary output is removed and the previous output, if any, is kept).
 """
 
 from __future__ import annotations
@@ -39,7 +18,6 @@ from ..cli_parsing import CommandParser, add_flag, refused
 from ..errors import MixLNError
 from ..known_warnings import quiet_known_warnings
 from ..safe_output import Interrupted, signals_as_interrupt
-from .announce import announce_checkpoint_read
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _shard_size(text: str) -> str:
     """--max-shard-size, checked as it is parsed: a usage error, not a traceback at the write."""
-    from .to_hf import parse_size
+    from .to_hf import parse_size  # heavy: torch, imported when the flag is parsed
 
     try:
         if parse_size(text) > 0:
@@ -158,6 +136,7 @@ def _direction(sub, name: str, summary: str, description: str, *, load: str, sav
 def main(argv: Optional[Sequence[str]] = None) -> int:
     quiet_known_warnings()  # reading a Megatron-LM checkpoint's args imports megatron-core
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from .megatron_reader import announce_checkpoint_read  # heavy: torch, after the warnings are silenced
     try:
         with signals_as_interrupt():
             if args.command != "from-hf":  # it reads a Megatron-LM checkpoint: say so first when it is large
@@ -176,7 +155,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _run(args) -> int:
     """Run one sub-command; refusals raise MixLNError (mostly ConversionError)."""
     if args.command in ("gpt-to-hybrid", "hybrid-to-gpt"):
-        from .gpt_hybrid import convert_gpt_to_hybrid, convert_hybrid_to_gpt
+        from .gpt_hybrid import convert_gpt_to_hybrid, convert_hybrid_to_gpt  # heavy: torch, imported when the command runs
 
         run = convert_gpt_to_hybrid if args.command == "gpt-to-hybrid" else convert_hybrid_to_gpt
         summary = run(args.load, args.save, iteration=args.iteration, overwrite=args.overwrite,
@@ -192,7 +171,7 @@ def _run(args) -> int:
               + (f" --hybrid-layer-pattern '{summary['hybrid_pattern']}'" if entry == "pretrain_hybrid.py" else ""))
         return 0
     if args.command == "inspect" and args.check:
-        from .vet import vet_checkpoint
+        from .vet import vet_checkpoint  # heavy: torch, imported when the command runs
 
         report = vet_checkpoint(args.load, args.iteration)
         if args.json:
@@ -202,7 +181,7 @@ def _run(args) -> int:
             print(f"[mixln-megatron convert] {report.line()}")
         return 0
     if args.command == "inspect":
-        from .inspect import describe_checkpoint
+        from .inspect import describe_checkpoint  # heavy: torch, imported when the command runs
 
         info = describe_checkpoint(args.load, args.iteration)
         if args.json:
@@ -212,7 +191,7 @@ def _run(args) -> int:
                 print(f"{key}: {value}")
         return 0
     if args.command == "to-hf":
-        from .to_hf import convert_to_hf
+        from .to_hf import convert_to_hf  # heavy: torch, imported when the command runs
 
         summary = convert_to_hf(
             args.load, args.save, iteration=args.iteration, dtype=args.dtype, tokenizer=args.tokenizer_model,
@@ -233,7 +212,7 @@ def _run(args) -> int:
                   "trust_remote_code=True); serve with vLLM / SGLang through their Transformers backend "
                   "(--model-impl transformers --trust-remote-code)")
     else:
-        from .from_hf import convert_from_hf
+        from .from_hf import convert_from_hf  # heavy: torch, imported when the command runs
 
         summary = convert_from_hf(
             args.load, args.save, tp=args.tp, pp=args.pp, ckpt_format=args.ckpt_format, dtype=args.dtype,

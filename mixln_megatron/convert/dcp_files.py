@@ -1,4 +1,4 @@
-"""A torch_dist checkpoint's files read with torch.distributed.checkpoint, without process groups.
+"""A torch_dist checkpoint's files, read and written with torch.distributed.checkpoint, without process groups.
 
     files = DCPFiles(iter_dir)
     files.tensors      {key: TensorStorageMetadata}  (global size, dtype, saved chunks)
@@ -6,34 +6,34 @@
     files.read_object(key)               a byte item (ShardedObject), through the allow-list
     files.read_raw(key)                  a byte item's stored bytes (copied, never unpickled)
 
-Everything goes through DCP's public pieces: its FileSystemReader reads the chunks and
-`create_read_items_for_chunk_list` plans the sub-box reads (the resharding DCP itself uses);
-`dcp.load(..., no_dist=True)` runs the plan. Two things are ours, because DCP's defaults unpickle
-without an allow-list: FileSystemReader.read_metadata is plain `pickle.load`, and the default
-planner's load_bytes is `torch.load(weights_only=False)`. Here the `.metadata` and every byte
-item go through mixln_megatron.safe_unpickle instead; tensors are loaded by DCP with
-`torch.load(weights_only=True)`.
+    writer = LazyTorchDistWriter()
+    writer.tensor(key, global_shape, offsets, sizes, dtype, produce)   # produce() -> the chunk
+    writer.object(unique_key, value)          # a ShardedObject (megatron stores [value])
+    writer.raw_object(unique_key, data)       # a byte item copied verbatim from another checkpoint
+    writer.save(out_dir, on_write)
 
-The iteration folder is untrusted input (mixln_megatron.input_root): SafeFileSystemReader is DCP's
-FileSystemReader confined to it. `.metadata` is read as a bounded regular file; before anything
-is read through it, every storage entry must name a plain file of the folder (no '/', no '..',
-not absolute, not a link out, a regular file) with an offset and length inside that file, items
-of one file may not overlap, a byte item is at most LIMITS["byte item"] bytes, and every tensor
-entry is well formed (a torch.Size global size, chunks of the same rank inside it). DCP then
-opens files only through the folder (a confined FileSystem), and every torch.save slice it hands
-torch is checked as a stored zip first (no deflate bomb). Every refusal is one ConversionError
-line that names the file; DCP's own failure text (a traceback) never reaches the user.
+DCP's public pieces read the chunks and plan the sub-box reads; two are replaced because they
+unpickle without an allow-list (FileSystemReader.read_metadata, the planner's load_bytes): the
+`.metadata` and every byte item go through mixln_megatron.safe_unpickle. The folder is untrusted
+input, confined and checked before anything is read through it (check_metadata; the rules:
+docs/untrusted-input.md). Writing produces each chunk only when DCP's writer asks for it (one chunk
+held at a time), in megatron-core's dist_checkpointing layout; the caller writes the common state.
 """
 
 from __future__ import annotations
 
+import gc
 import io
+import itertools
+import json
 import math
 import os
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -41,8 +41,10 @@ from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, StorageMeta, TensorProperties,
                                                    TensorStorageMetadata)
-from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, ReadItem, SavePlan, TensorWriteData,
+                                                  WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..errors import ConversionError, MixLNError, UnsafeCheckpointError
@@ -131,8 +133,6 @@ def read_checked_metadata(root: InputRoot):
     """(Metadata, {byte item: its storage entry}) of the folder's `.metadata`: read within its bound,
     through the allow-list, checked (check_metadata), with the garbage collector paused (the objects
     hold no cycles, and collecting over millions of them would cost more than the read)."""
-    import gc
-
     path = os.path.join(root.given, METADATA)
     st = os.stat(root.check_file(METADATA))
     identity = (root.path(METADATA), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -236,10 +236,6 @@ class _Problem(Exception):
 def _check_columns(md, root: InputRoot) -> Optional[Dict[str, _StorageInfo]]:
     """check_metadata's checks over whole columns: None (or _Problem) where any fails. Only exact
     classes pass (the allow-list builds no subclasses); torch.Size holds int64 values only."""
-    import itertools
-
-    import numpy as np
-
     def column(values, count):
         return np.fromiter(itertools.chain.from_iterable(values), dtype=np.int64, count=count)
 
@@ -512,8 +508,83 @@ class DCPFiles:
 
     def read_object(self, key: str, what: str):
         """The value of the byte item `key` (a torch.save archive), through the allow-list."""
-        where = self._item_file(key)
-        raw = self._load({}, [key]).raw.get(key)
-        if raw is None:
-            raise ConversionError(f"{where}: no data was read for {key}")
-        return load_torch(raw, what=f"{where} ({what}, item {key})")
+        return load_torch(self.read_raw(key), what=f"{self._item_file(key)} ({what}, item {key})")
+
+
+# ------------------------------------------------------------------------------- writing
+TORCH_DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+
+
+def torch_save_bytes(obj) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+class _LazySavePlanner(DefaultSavePlanner):
+    """Save planner whose data is produced only when the storage writer asks for it."""
+
+    def __init__(self, items, producers, on_write):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._items, self._producers, self._on_write = items, producers, on_write
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
+        self.state_dict = {}
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self):
+        self.plan = SavePlan(list(self._items))
+        return self.plan
+
+    def resolve_data(self, write_item):
+        offset = write_item.index.offset
+        key = (write_item.index.fqn, tuple(offset) if offset is not None else None)
+        data = self._producers.pop(key)()
+        self._on_write(data)
+        return data
+
+
+class LazyTorchDistWriter:
+    """The write plan of one torch_dist checkpoint: tensor chunks and byte items, produced lazily."""
+
+    def __init__(self):
+        self.items: List = []
+        self._producers: Dict[tuple, Callable] = {}
+
+    def tensor(self, key: str, global_shape, offsets, sizes, dtype: torch.dtype, produce: Callable) -> None:
+        """The chunk [offsets, offsets + sizes) of the global tensor `key`; produce() returns it."""
+        self.items.append(WriteItem(
+            index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                properties=TensorProperties(dtype=dtype), size=torch.Size(global_shape)),
+        ))
+        self._producers[(key, tuple(offsets))] = lambda: produce().contiguous()
+
+    def raw_object(self, unique_key: str, data: Callable) -> None:
+        """A byte item (megatron's ShardedObject `unique_key`); data() returns its bytes."""
+        self.items.append(WriteItem(index=MetadataIndex(unique_key), type=WriteItemType.BYTE_IO))
+        self._producers[(unique_key, None)] = lambda: io.BytesIO(data())
+
+    def object(self, unique_key: str, value) -> None:
+        """A ShardedObject holding `value` (megatron-core saves the list [value])."""
+        self.raw_object(unique_key, lambda: torch_save_bytes([value]).getvalue())
+
+    def save(self, out_dir: str, on_write: Optional[Callable] = None, metadata: Optional[dict] = None) -> None:
+        planner = _LazySavePlanner(self.items, self._producers, on_write or (lambda data: None))
+        writer = dcp.FileSystemWriter(out_dir, single_file_per_rank=True, thread_count=1, sync_files=True)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+        except CheckpointException as e:
+            for failure in getattr(e, "failures", {}).values():
+                inner = failure[0] if isinstance(failure, tuple) else failure
+                if not isinstance(inner, Exception):
+                    raise inner from None  # Ctrl-C / SIGTERM inside torch's writer: stop, not "failed"
+                if isinstance(inner, (ConversionError, OSError)):
+                    raise inner from None  # e.g. an unreadable input shard: the message says which
+            raise ConversionError(f"writing the torch_dist checkpoint failed: {e}") from None
+        with open(os.path.join(out_dir, "metadata.json"), "w") as f:
+            json.dump(metadata or TORCH_DIST_METADATA, f)

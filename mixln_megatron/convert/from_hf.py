@@ -1,77 +1,47 @@
 """Hugging Face folder -> Megatron-LM checkpoint that Megatron-LM (and `mixln-megatron pretrain`)
-loads to continue training or fine-tune.
+loads to continue training or fine-tune (what it accepts and writes: docs/conversion.md).
 
-Input: a Mix-LN / LNS folder (model_type mixln_llama, e.g. from `convert to-hf`; with `layer_kinds`,
-any layout of pre, post, deepnorm and sandwich layers, model.layout) or a stock Llama
-folder (model_type llama). A stock folder becomes a Pre-LN model (P = 0) unless the user asks
-for Mix-LN explicitly (--post-ln-layers / --mixln-alpha): then layers 1..P become Post-LN layers
-with N1 := post_attention_layernorm and N2 := input_layernorm of the Llama weights (a different
-network; meant as an initialisation for Mix-LN fine-tuning, and announced as such).
-MoE folders: Mix-LN MoE (mixln_moe, e.g. from `convert to-hf`), stock Mixtral and Qwen2-MoE (the
-hub's per-expert names; Qwen2-MoE's / mixln_moe's qkv_bias as --add-qkv-bias), written as
-torch_dist only, with per-layer keys when dense and MoE layers mix (as megatron saves them) and the
-MoE args (--num-experts, --moe-layer-freq, --moe-router-dtype fp32 for a mixln_moe router_dtype
-"float32", ...) recorded; the written fc1s are plain [gate; up] and no top-k scaling factor is set.
+A stock folder becomes Pre-LN (P = 0) unless Mix-LN is asked for explicitly: then layers 1..P are
+Post-LN with N1 := post_attention_layernorm and N2 := input_layernorm (a different network, an
+initialisation for Mix-LN fine-tuning, announced as such). Output: iteration `release` (loaded as
+iteration 0, no optimizer / RNG state), torch_dist (layout-free; --tp only sets the vocabulary
+padding) or legacy per-rank files for exactly --tp x --pp, with args carrying the model-defining
+fields and the integer P (or the layout); MoE as torch_dist only, fc1 plain [gate; up].
 
-Output (written into a temporary directory renamed to --save at the end):
-  latest_checkpointed_iteration.txt   "release"
-  release/                            Megatron-LM's name for a converted (not trained) checkpoint:
-                                      loaded as iteration 0, without optimizer / RNG state
-                                      (there is none), so training continues with a fresh
-                                      optimizer and its first save is iter_<N>.
-  torch_dist (default): release/{.metadata, __0_0.distcp, metadata.json} with the common state
-      (args, iteration 0, content metadata with the Mix-LN record) inside, and the Mix-LN
-      settings record `decoder.layers.mixln_settings` unless the model is stock (format 2 with the
-      layout for a layout other than Mix-LN's first P); sandwich layers' output norms under
-      decoder.layers.mixln_norm_c / _d, stacked over the sandwich layers (model.layer).
-      torch_dist is layout-free: Megatron reshards it to any TP / PP / VPP at load time. --tp
-      only decides the vocabulary padding (make_vocab_size_divisible_by x TP, which the loading
-      run must reproduce) and, like --pp, is recorded in the args.
-  torch (legacy, --ckpt-format torch): release/mp_rank_TT[_PPP]/model_optim_rng.pt, one file per
-      TP x PP rank; the loading run must use exactly this --tp / --pp (Megatron checks both), and
-      the module names follow --transformer-impl (TE fused-norm names or local names).
-
-The args carried (argparse.Namespace, as Megatron-LM saves them): the model shape and flavour
-(RMSNorm, SwiGLU, RoPE base / scaling, biases, tied embeddings, GQA), vocab_size /
-padded_vocab_size / make_vocab_size_divisible_by, the tokenizer (HuggingFaceTokenizer on the HF
-folder when it holds tokenizer files), params dtype, TP / PP, the --spec of the Mix-LN layer when
-the model is not stock, and the integer P as mixln_post_ln_layers (alpha is only informational),
-or for another layout mixln_layout and DeepNorm's mixln_deepnorm_alpha / _beta (text, as the
---mixln-* flags take them). A layer_kinds without deepnorm_beta gets DeepNet's default beta (it
-only shapes an initialisation, never these weights).
-Reading: hf_folder, hf_roles; writing: megatron_writers (one chunk or one rank file in memory).
-
-The folder is untrusted input (issue 27): hf_folder confines every read to it and validates the
-index and every safetensors header, shape.shape_from_hf_config checks each config field's type and
-range, and the config is checked against the files (the layers the weight names show, then every
-tensor's shape in the headers, hf_roles.HFRoleSource.check) before any plan is built, so a
-config.json claiming 10**9 layers is one line at bounded memory, never a 10**9-layer plan.
+One way through: hf_folder reads the folder, mapping.HFRoleSource gives each role's rows (the role
+map to-hf uses, read backwards), the writers here write them one chunk (torch_dist) or one rank's
+state dict (legacy) at a time. The folder is untrusted input: its config is checked against the
+files (layers, then every tensor's shape: HFRoleSource.check) before any plan is built, so a
+config.json claiming 10**9 layers is one line at bounded memory.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import time
-from typing import Optional, Tuple
+from collections import OrderedDict
+from typing import List, Optional, Tuple
 
 import torch
 
 from ..errors import ConversionError
-from .staging import prepare_output, staged_output_dir
+from ..model.layout import DEEPNORM, first_p_kinds, layout_text, parse_layout
+from ..model.placement import MixLNConfigError, MixLNSettings, Placement, resolve_placement
+from ..progress import bar as progress_bar
+from ..safe_output import MEGATRON_FOLDER, prepare_output, staged_dir
 from . import mapping as M
+from .dcp_files import LazyTorchDistWriter
 from .hf_folder import HFCheckpoint
-from .hf_roles import HFRoleSource
-from .locate import TRACKER
-from .megatron_writers import write_legacy, write_torch_dist
-from .shape import ModelShape, check_tp_divisibility, padded_vocab_size, shape_from_hf_config
-from .written_args import launch_flags, megatron_args_namespace, placement_flags
+from .mapping import DTYPES, HFRoleSource, megatron_row_chunks, split_tp_shard
+from .megatron_reader import TRACKER
+from .shape import ModelShape, check_tp_divisibility, mup_flags_for, padded_vocab_size, shape_from_hf_config
 
 RELEASE = "release"
 MIXLN_MODEL_TYPES = ("mixln_llama", "mixln_moe")  # folders that carry their Mix-LN settings (else stock)
 CONTENT_METADATA_BASE = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+PIECE_BYTES = 8 << 20  # largest piece converted / written at once
 
 
 # --------------------------------------------------------------------------- checks
@@ -95,96 +65,28 @@ def check_layers_against_files(hf: HFCheckpoint, shape: ModelShape) -> None:
                           f"{len(found)} decoder layers ({detail}); the config does not match the files")
 
 
-def _layout_fields(config: dict, num_layers: int, source: str = "config.json"):
-    """(layer kinds or None, deepnorm_alpha, deepnorm_beta) of a mixln_llama config.json, checked as
-    untrusted input: layer_kinds a list of one known kind per layer (num_hidden_layers entries, itself
-    bounded by shape.BOUNDS), deepnorm_alpha / deepnorm_beta finite numbers > 0 or null."""
-    from ..model.layout import KINDS
-
-    kinds = config.get("layer_kinds")
-    bad = f"invalid Mix-LN fields in {source}"
-    if kinds is not None:
-        if not isinstance(kinds, list):
-            raise ConversionError(f"{bad}: layer_kinds must be a list with one of {', '.join(KINDS)} per layer, got "
-                                  f"{_shown(kinds)}")
-        if len(kinds) != num_layers:
-            raise ConversionError(f"{bad}: layer_kinds has {len(kinds)} entries but num_hidden_layers is {num_layers}: "
-                                  "one kind per layer")
-        wrong = next(((i, k) for i, k in enumerate(kinds) if not isinstance(k, str) or k not in KINDS), None)
-        if wrong is not None:
-            raise ConversionError(f"{bad}: layer_kinds[{wrong[0]}] is {_shown(wrong[1])}, not one of {', '.join(KINDS)}")
-        kinds = tuple(kinds)
-    constants = []
-    for name in ("deepnorm_alpha", "deepnorm_beta"):
-        value = config.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value) or value <= 0):
-            raise ConversionError(f"{bad}: {name} must be a finite number > 0 or null, got {_shown(value)}")
-        constants.append(None if value is None else float(value))
-    return (kinds, *constants)
-
-
-def _shown(value, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _mixln_fields(config: dict, source: str = "config.json"):
-    """(post_ln_layers, scheme, alpha) of a mixln_llama config.json, type-checked."""
-    p = config.get("post_ln_layers", 0)
-    if p is None:
-        p = 0
-    if not isinstance(p, int) or isinstance(p, bool) or p < 0:
-        raise ConversionError(f"invalid Mix-LN fields in {source}: post_ln_layers must be a non-negative "
-                              f"integer, got {p!r:.60}")
-    scheme = config.get("mixln_scheme", "mixln")
-    if scheme is None:
-        scheme = "mixln"
-    if not isinstance(scheme, str):
-        raise ConversionError(f"invalid Mix-LN fields in {source}: mixln_scheme must be a string, got {scheme!r:.60}")
-    alpha = config.get("mixln_alpha")
-    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))):
-        raise ConversionError(f"invalid Mix-LN fields in {source}: mixln_alpha must be a number or null, got "
-                              f"{alpha!r:.60}")
-    return p, scheme, alpha
-
-
 # --------------------------------------------------------------------------- settings
 def folder_placement(config: dict, num_layers: int, source: str = "config.json"):
-    """The model.placement.Placement of a mixln_llama config.json: Mix-LN's first P layers from
-    post_ln_layers, or every layer's kind from layer_kinds (DeepNorm's alpha from the folder, its
-    beta too when recorded, else DeepNet's default: beta only shapes the initialisation)."""
-    from ..model.layout import DEEPNORM, layout_text
-    from ..model.placement import MixLNConfigError, MixLNSettings, Placement, resolve_placement
+    """The model.placement.Placement of a mixln_llama / mixln_moe config.json, its Mix-LN fields read
+    as the HF config class reads them (hf.configuration_mixln_llama.mixln_fields); a missing DeepNorm
+    beta is DeepNet's default (it only shapes the initialisation)."""
+    from ..hf.configuration_mixln_llama import MixLNConfigValueError, mixln_fields  # optional: imports transformers
 
-    post_ln, scheme, alpha = _mixln_fields(config, source)
-    kinds, dn_alpha, dn_beta = _layout_fields(config, num_layers, source)
     try:
+        fields = mixln_fields(config.get, num_layers)
+        post_ln, scheme, kinds = fields["post_ln_layers"], fields["mixln_scheme"], fields["layer_kinds"]
         if kinds is None:
-            if dn_alpha is not None or dn_beta is not None:
-                raise MixLNConfigError("deepnorm_alpha / deepnorm_beta are set but there is no layer_kinds")
-            return Placement(num_layers, post_ln, scheme, alpha)
-        if DEEPNORM in kinds and dn_alpha is None:
-            raise MixLNConfigError("layer_kinds has deepnorm layers but deepnorm_alpha is null")
-        if DEEPNORM not in kinds and (dn_alpha is not None or dn_beta is not None):
-            raise MixLNConfigError("deepnorm_alpha / deepnorm_beta are set but no layer is deepnorm")
-        deepnorm = {"deepnorm_alpha": dn_alpha, **({"deepnorm_beta": dn_beta} if dn_beta is not None else {})} \
-            if DEEPNORM in kinds else {}
-        placement = resolve_placement(num_layers, MixLNSettings(layout=layout_text(kinds), scheme=scheme,
-                                                                **deepnorm))
-        if placement.post_ln_layers != post_ln:
-            raise MixLNConfigError(f"post_ln_layers is {post_ln} but layer_kinds has {placement.post_ln_layers} "
-                                   "post / deepnorm layers: post_ln_layers must count them")
-        return placement
-    except MixLNConfigError as e:
+            return Placement(num_layers, post_ln, scheme, fields["mixln_alpha"])
+        deepnorm = {} if DEEPNORM not in kinds else {"deepnorm_alpha": fields["deepnorm_alpha"], **(
+            {"deepnorm_beta": fields["deepnorm_beta"]} if fields["deepnorm_beta"] is not None else {})}
+        return resolve_placement(num_layers, MixLNSettings(layout=layout_text(kinds), scheme=scheme, **deepnorm))
+    except (MixLNConfigValueError, MixLNConfigError) as e:
         raise ConversionError(f"invalid Mix-LN fields in {source}: {e}") from None
 
 
 def resolve_settings(config: dict, num_layers: int, post_ln_layers=None, alpha=None, scheme=None,
                      source: str = "config.json") -> Tuple[dict, str, bool]:
     """(placement record, description, whether a stock folder is turned into Mix-LN)."""
-    from ..model.placement import MixLNConfigError, MixLNSettings, Placement, resolve_placement
-
     explicit = post_ln_layers is not None or alpha is not None or scheme is not None
     try:
         asked = resolve_placement(num_layers, MixLNSettings(alpha=alpha, post_ln_layers=post_ln_layers,
@@ -238,9 +140,7 @@ def convert_from_hf(
 ) -> dict:
     """Convert the HF folder `load` into a Megatron-LM checkpoint directory `save` (see module doc)."""
     t0 = time.time()
-    from ..safe_output import MEGATRON_FOLDER
-
-    prepare_output(load, save, MEGATRON_FOLDER, overwrite)  # before any work: never lose the input or a foreign folder
+    prepare_output([load], save, MEGATRON_FOLDER, overwrite, ConversionError)  # before any work: never lose the input or a foreign folder
     if ckpt_format not in ("torch_dist", "torch"):
         raise ConversionError(f"--ckpt-format must be torch_dist or torch, got {ckpt_format!r}")
     if transformer_impl not in ("transformer_engine", "local"):
@@ -294,12 +194,10 @@ def convert_from_hf(
     common = {"args": ns, "checkpoint_version": 3.0, "iteration": 0, "num_floating_point_operations_so_far": 0,
               "content_metadata": {**CONTENT_METADATA_BASE, "mixln": dict(record)}}
     total = _total_bytes(shape, padded, out_dtype, ckpt_format, pp, kinds)
-    with staged_output_dir(save, overwrite, MEGATRON_FOLDER) as tmp:
+    with staged_dir(save, MEGATRON_FOLDER, overwrite, ConversionError) as tmp:
         release = os.path.join(tmp, RELEASE)
         os.makedirs(release)
-        from .to_hf import _progress
-
-        bar = _progress(progress, total, f"from-hf {os.path.basename(os.path.abspath(save))}")
+        bar = progress_bar(total, f"from-hf {os.path.basename(os.path.abspath(save))}", enabled=progress)
         try:
             if ckpt_format == "torch_dist":
                 write_torch_dist(release, src, shape, padded, record, common, stock, bar)
@@ -323,8 +221,6 @@ def convert_from_hf(
 def _record_kinds(record: dict, num_layers: int):
     """Every layer's kind of a placement record (model.placement.Placement.record(): format 1 is
     Mix-LN's first P layers post, format 2 names its layout)."""
-    from ..model.layout import first_p_kinds, parse_layout
-
     if record.get("layout") is not None:
         return parse_layout(record["layout"], num_layers, "the placement record")
     return first_p_kinds(num_layers, int(record["post_ln_layers"]))
@@ -337,9 +233,7 @@ def _total_bytes(shape: ModelShape, padded: int, dtype, ckpt_format: str, pp: in
         n += padded * shape.hidden_size
     moe_layers = shape.moe.moe_layers if shape.moe is not None else (False,) * shape.num_layers
     for role, shp in shape.megatron_layer_shapes().items():
-        k = 1
-        for s in shp:
-            k *= s
+        k = math.prod(shp)
         if role in M.DENSE_MLP_ROLES:
             n += k * sum(not m for m in moe_layers)
         elif role in M.MOE_ROLE_NAMES:
@@ -347,3 +241,353 @@ def _total_bytes(shape: ModelShape, padded: int, dtype, ckpt_format: str, pp: in
         else:
             n += k * shape.num_layers
     return n * dtype.itemsize
+
+
+# --------------------------------------------------------------------------- writers
+def write_torch_dist(out_dir: str, src: HFRoleSource, shape: ModelShape, padded_vocab: int, record: dict,
+                     common: dict, stock: bool, bar) -> None:
+    """A megatron-core torch_dist checkpoint in `out_dir`, one chunk in memory at a time."""
+    dtype = src.dtype
+    plan = LazyTorchDistWriter()
+
+    def tensor(key, global_shape, offsets, sizes, produce):
+        plan.tensor(key, global_shape, offsets, sizes, dtype, produce)
+
+    h, L = shape.hidden_size, shape.num_layers
+    block = max(1, PIECE_BYTES // (h * dtype.itemsize))
+
+    def vocab(key, hf_name):
+        for start in range(0, padded_vocab, block):
+            stop = min(padded_vocab, start + block)
+            tensor(key, (padded_vocab, h), (start, 0), (stop - start, h),
+                   lambda a=start, b=stop: src.vocab_rows(hf_name, a, b))
+
+    vocab(M.TD_EMBEDDING, M.HF_EMBEDDING)
+    layer_shapes = shape.megatron_layer_shapes()
+    sandwiches = len(src.sandwich_rows)
+    # megatron keeps one key per layer (no layer axis) when dense and MoE layers mix
+    per_layer = shape.moe is not None and not all(shape.moe.moe_layers)
+    lead = (lambda layer: ((), ())) if per_layer else (lambda layer: ((L,), (layer,)))
+    for layer in range(L):
+        prefix = f"{M.TD_LAYER_PREFIX}{layer}." if per_layer else M.TD_LAYER_PREFIX
+        lead_shape, lead_offset = lead(layer)
+        ones = (1,) * len(lead_shape)
+        for role in src.layer_roles(layer):
+            if role in M.SANDWICH_NORM_NAMES and per_layer:  # the layer's own [hidden]
+                tensor(prefix + M.SANDWICH_NORM_NAMES[role], (h,), (0,), (h,),
+                       lambda l=layer, r=role: src.role_rows(l, r, 0, h))
+                continue
+            if role in M.SANDWICH_NORM_NAMES:  # stacked over the S sandwich layers only (model.layer)
+                tensor(M.TD_LAYER_PREFIX + M.SANDWICH_NORM_NAMES[role], (sandwiches, h), (src.sandwich_rows[layer], 0),
+                       (1, h), lambda l=layer, r=role: src.role_rows(l, r, 0, h).unsqueeze(0))
+                continue
+            if src.is_moe_layer(layer) and (role in M.MOE_ROLE_NAMES or M.split_expert_role(role)):
+                _moe_role(tensor, src, shape, layer, role, prefix + M.td_layer_name(role, not stock),
+                          lead_shape, lead_offset, dtype)
+                continue
+            shp = layer_shapes[role]
+            row_bytes = dtype.itemsize * (shp[1] if len(shp) > 1 else 1)
+            # Chunks of <= PIECE_BYTES: megatron-core reshards them at load like any other layout.
+            for a, b in megatron_row_chunks(role, shape, row_bytes, PIECE_BYTES):
+                tensor(prefix + M.td_layer_name(role, not stock), (*lead_shape, *shp),
+                       lead_offset + (a,) + (0,) * (len(shp) - 1), (*ones, b - a, *shp[1:]),
+                       lambda l=layer, r=role, a=a, b=b, o=ones, s=shp: src.role_rows(l, r, a, b).reshape(
+                           *o, b - a, *s[1:]))
+        for name in _extra_state_objects(src, shape, layer, L, per_layer):
+            plan.object(name, None)
+    tensor(M.TD_FINAL_NORM, (h,), (0,), (h,), lambda: src.hf_tensor(M.HF_FINAL_NORM))
+    plan.object("decoder.final_layernorm._extra_state/shard_0_1", None)
+    if not shape.tie_embeddings:
+        vocab(M.TD_OUTPUT, M.HF_OUTPUT)
+    if not stock:  # global layer 1's record (per-layer keys: its own)
+        plan.object(f"{M.TD_LAYER_PREFIX}0.{M.TD_SETTINGS_RECORD[len(M.TD_LAYER_PREFIX):]}/shard_0_1" if per_layer
+                    else f"{M.TD_SETTINGS_RECORD}/shard_0_1", record)
+    plan.object("common_state/shard_0_1", common)
+
+    def on_write(data):
+        if isinstance(data, torch.Tensor):
+            bar.update(data.numel() * data.element_size())
+
+    plan.save(out_dir, on_write)
+    # The same common state as common.pt too: megatron-core 0.19 reads the object above, 0.17 /
+    # 0.18 only common.pt; with both, every supported release loads the output.
+    torch.save(common, os.path.join(out_dir, "common.pt"))
+
+
+def _moe_role(tensor, src: HFRoleSource, shape: ModelShape, layer: int, role: str, key: str, lead_shape, lead_offset,
+              dtype) -> None:
+    """One MoE role's chunks: the router / shared expert as one tensor, an expert as its row e of the
+    layer's [E, rows, columns] tensor; an fc1's chunks lie inside its gate or up half."""
+    parts = src.parts(layer, role)
+    rows, cols = sum(p[1][0] for p in parts), parts[0][1][1]
+    expert = M.split_expert_role(role)
+    e_shape, e_offset = ((shape.moe.num_experts,), (expert[0],)) if expert else ((), ())
+    ones = (1,) * (len(lead_shape) + len(e_shape))
+    per = max(1, PIECE_BYTES // max(1, cols * dtype.itemsize))
+    start = 0
+    for _, (part_rows, _) in parts:
+        for a in range(start, start + part_rows, per):
+            b = min(start + part_rows, a + per)
+            tensor(key, (*lead_shape, *e_shape, rows, cols), lead_offset + e_offset + (a, 0), (*ones, b - a, cols),
+                   lambda a=a, b=b: src.role_rows(layer, role, a, b).reshape(*ones, b - a, cols))
+        start += part_rows
+
+
+def _extra_state_objects(src: HFRoleSource, shape: ModelShape, layer: int, L: int, per_layer: bool):
+    """The (empty) `_extra_state` objects megatron-core saves for a layer's linears, under its shard names."""
+    prefix = f"{M.TD_LAYER_PREFIX}{layer}." if per_layer else M.TD_LAYER_PREFIX
+    one = "shard_0_1" if per_layer else f"shard_{layer}_{L}"
+    modules = list(M.EXTRA_STATE_MODULES[:2])
+    if not src.is_moe_layer(layer):
+        return [f"{prefix}{m}._extra_state/{one}" for m in M.EXTRA_STATE_MODULES]
+    if shape.moe.shared_ffn is not None:
+        modules += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
+    names = [f"{prefix}{m}._extra_state/{one}" for m in modules]
+    e_count = shape.moe.num_experts
+    for fc in ("linear_fc1", "linear_fc2"):
+        for e in range(e_count):
+            shard = f"shard_{e}_{e_count}" if per_layer else f"shard_{layer}.{e}_{L}.{e_count}"
+            names.append(f"{prefix}mlp.experts.experts.{fc}._extra_state/{shard}")
+    return names
+
+
+def write_legacy(out_dir: str, src: HFRoleSource, shape: ModelShape, padded_vocab: int, record: dict, common: dict,
+                 stock: bool, tp: int, pp: int, transformer_impl: str, bar) -> None:
+    """release/mp_rank_TT[_PPP]/model_optim_rng.pt files (one rank's state dict in memory at a time)."""
+    L = shape.num_layers
+    per_stage = L // pp
+    for p in range(pp):
+        layers = range(p * per_stage, (p + 1) * per_stage)
+        for t in range(tp):
+            model = OrderedDict()
+            rows = padded_vocab // tp
+            if p == 0:
+                model[M.TD_EMBEDDING] = src.vocab_rows(M.HF_EMBEDDING, t * rows, (t + 1) * rows)
+            for local, layer in enumerate(layers):
+                names = M.legacy_write_names(transformer_impl, src.kinds[layer])
+                prefix = f"decoder.layers.{local}."
+                for role in src.layer_roles(layer):
+                    full = src.role(layer, role)
+                    name = names[role] if role in names else M.LAYER_ROLE_NAMES[role]
+                    model[prefix + name] = split_tp_shard(role, full, tp, t)
+                    del full
+                for module in M.EXTRA_STATE_MODULES:
+                    model[f"{prefix}{module}._extra_state"] = None
+                if layer == 0 and not stock:
+                    model[prefix + "mixln_settings"] = dict(record)
+            if p == pp - 1:
+                model[M.TD_FINAL_NORM] = src.hf_tensor(M.HF_FINAL_NORM)
+                if not shape.tie_embeddings:
+                    model[M.TD_OUTPUT] = src.vocab_rows(M.HF_OUTPUT, t * rows, (t + 1) * rows)
+                elif pp > 1:
+                    # Tied weights: the last stage keeps its own copy of the embedding for the output.
+                    model[M.TD_OUTPUT] = src.vocab_rows(M.HF_EMBEDDING, t * rows, (t + 1) * rows)
+                model["output_layer._extra_state"] = None
+            state = {"args": common["args"], "checkpoint_version": 3.0, "iteration": 0, "model": model,
+                     "num_floating_point_operations_so_far": 0}
+            name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+            os.makedirs(os.path.join(out_dir, name))
+            torch.save(state, os.path.join(out_dir, name, "model_optim_rng.pt"))
+            bar.update(sum(v.numel() * v.element_size() for v in model.values() if torch.is_tensor(v)))
+            del model, state
+
+
+# --------------------------------------------------------------------------- the args a written checkpoint carries
+# ModelShape's fields carry Megatron-LM's argument names.
+SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+              "kv_channels", "max_position_embeddings")
+# What every Llama is in Megatron-LM's terms (RMSNorm, SwiGLU, full RoPE, dense, no dropout).
+LLAMA_FIXED_ARGS = dict(
+    normalization="RMSNorm", layernorm_zero_centered_gamma=False, apply_layernorm_1p=False, swiglu=True,
+    squared_relu=False, position_embedding_type="rope", add_position_embedding=True,
+    use_rotary_position_embeddings=False, rotary_percent=1.0, rotary_interleaved=False,
+    apply_query_key_layer_scaling=False, attention_dropout=0.0, hidden_dropout=0.0, num_experts=None,
+    moe_layer_freq=1, mtp_num_layers=None, multi_latent_attention=False, vocab_file=None, merge_file=None,
+)
+# A converted checkpoint starts training afresh: no optimizer / RNG state, no data consumed, one
+# model replica, and P (not alpha) recorded.
+FRESH_START_ARGS = dict(
+    virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1, context_parallel_size=1,
+    data_parallel_size=1, data_parallel_random_init=False, no_save_optim=True, no_save_rng=True, iteration=0,
+    consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0, mixln_alpha=None,
+)
+
+def megatron_args_namespace(
+    shape: ModelShape,
+    *,
+    tp: int,
+    pp: int,
+    ckpt_format: str,
+    params_dtype,
+    padded_vocab: int,
+    make_vocab_size_divisible_by: int,
+    placement_record: dict,
+    transformer_impl: str,
+    tokenizer_type: Optional[str],
+    tokenizer_model: Optional[str],
+    source: str,
+) -> argparse.Namespace:
+    """The args a converted checkpoint carries: the model-defining ones (plus what Megatron-LM's
+    load_checkpoint compares); training's (batch sizes, lr, data) are left to the run that loads it."""
+    stock = not M.uses_mixln_layout(placement_record)
+    spec = None
+    if not stock:
+        spec = ["mixln_megatron.spec",
+                "mixln_layer_spec" if transformer_impl == "transformer_engine" else "mixln_local_layer_spec"]
+    scaling = shape.rope_scaling or {}
+    return argparse.Namespace(
+        **moe_args(shape),
+        **forward_args(shape),
+        **{name: getattr(shape, name) for name in SHAPE_ARGS},
+        **{k: v for k, v in LLAMA_FIXED_ARGS.items() if shape.moe is None or k not in ("num_experts", "moe_layer_freq")},
+        **FRESH_START_ARGS,
+        group_query_attention=shape.num_query_groups != shape.num_attention_heads,
+        seq_length=shape.max_position_embeddings,
+        encoder_seq_length=shape.max_position_embeddings,
+        layernorm_epsilon=shape.norm_epsilon,
+        norm_epsilon=shape.norm_epsilon,
+        add_bias_linear=shape.add_bias_linear,
+        add_qkv_bias=shape.add_bias_linear or shape.add_qkv_bias,
+        rotary_base=shape.rotary_base,
+        rotary_seq_len_interpolation_factor=(
+            scaling.get("factor") if scaling.get("rope_type") == "linear" else None),
+        use_rope_scaling=scaling.get("rope_type") == "llama3",
+        rope_scaling_factor=float(scaling.get("factor", 8.0)) if scaling.get("rope_type") == "llama3" else 8.0,
+        untie_embeddings_and_output_weights=not shape.tie_embeddings,
+        spec=spec,
+        transformer_impl=transformer_impl,
+        # vocabulary / tokenizer
+        vocab_size=shape.vocab_size,
+        padded_vocab_size=padded_vocab,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        tokenizer_type=tokenizer_type,
+        tokenizer_model=tokenizer_model,
+        # precision
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        # checkpoint / parallel layout it was written for
+        ckpt_format=ckpt_format,
+        use_dist_ckpt=ckpt_format == "torch_dist",
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        world_size=tp * pp,
+        # Mix-LN: the integer P (alpha only informational), or the layout (placement_args)
+        **placement_args(placement_record),
+        mixln_scheme=placement_record.get("scheme", "mixln"),
+        mixln_converted_from=source,
+    )
+
+
+def moe_args(shape: ModelShape) -> dict:
+    """Megatron-LM's MoE args of an MoE shape: routing as the HF model routes; no top-k scaling factor
+    (an export folded it into fc2) and plain [gate; up] fc1 rows."""
+    moe = shape.moe
+    if moe is None:
+        return {}
+    return dict(num_experts=moe.num_experts, moe_router_topk=moe.topk, moe_ffn_hidden_size=moe.expert_ffn,
+                moe_layer_freq=[int(m) for m in moe.moe_layers],
+                moe_shared_expert_intermediate_size=moe.shared_ffn, moe_shared_expert_gate=moe.shared_gate,
+                moe_router_pre_softmax=not moe.norm_topk_prob, moe_router_score_function="softmax",
+                moe_router_dtype="fp32" if moe.router_fp32 else None,
+                moe_router_topk_scaling_factor=None, moe_router_enable_expert_bias=False,
+                moe_expert_capacity_factor=None, moe_mlp_glu_interleave_size=None,
+                moe_shared_expert_glu_interleave_size=None)
+
+
+def forward_args(shape: ModelShape) -> dict:
+    """Megatron-LM's args for the shape's forward scalars: --glu-linear-offset (with the fused SwiGLU
+    off: it has no offset) and the muP flags (convert.shape.mup_flags_for)."""
+    out = {}
+    if shape.forward.glu_linear_offset != 0.0:
+        out.update(glu_linear_offset=shape.forward.glu_linear_offset, bias_swiglu_fusion=False)
+    out.update(mup_flags_for(shape.forward, shape.hidden_size, shape.kv_channels, shape.mup))
+    return out
+
+
+def forward_flags(ns: argparse.Namespace) -> List[str]:
+    """The flags of forward_args (none for LLaMA's forward)."""
+    flags = []
+    if getattr(ns, "glu_linear_offset", 0.0):
+        flags += ["--glu-linear-offset", repr(float(ns.glu_linear_offset)), "--no-bias-swiglu-fusion"]
+    if getattr(ns, "use_mup", False):
+        flags.append("--use-mup")
+        for name in ("mup_base_hidden_size", "mup_width_mult", "mup_embedding_mult", "mup_output_mult",
+                     "mup_base_head_dim", "mup_attn_scale_power"):
+            if getattr(ns, name, None) is not None:
+                flags += ["--" + name.replace("_", "-"), repr(getattr(ns, name))]
+    return flags
+
+
+def moe_flags(ns: argparse.Namespace) -> List[str]:
+    """The MoE flags of converted args (none for a dense model)."""
+    if not getattr(ns, "num_experts", None):
+        return []
+    flags = ["--num-experts", ns.num_experts, "--moe-router-topk", ns.moe_router_topk,
+             "--moe-ffn-hidden-size", ns.moe_ffn_hidden_size,
+             "--moe-layer-freq", "[" + ",".join(str(v) for v in ns.moe_layer_freq) + "]"]
+    if ns.moe_shared_expert_intermediate_size is not None:
+        flags += ["--moe-shared-expert-intermediate-size", ns.moe_shared_expert_intermediate_size]
+    if ns.moe_shared_expert_gate:
+        flags.append("--moe-shared-expert-gate")
+    if ns.moe_router_pre_softmax:
+        flags.append("--moe-router-pre-softmax")
+    if getattr(ns, "moe_router_dtype", None):
+        flags += ["--moe-router-dtype", ns.moe_router_dtype]
+    return [str(f) for f in flags]
+
+
+def placement_args(placement_record: dict) -> dict:
+    """mixln_post_ln_layers, or mixln_layout with mixln_deepnorm_alpha / _beta (text: repr of the
+    float, exact), of a placement record (model.placement.Placement.record())."""
+    layout = placement_record.get("layout")
+    if layout is None:
+        return {"mixln_post_ln_layers": int(placement_record.get("post_ln_layers", 0)), "mixln_layout": None,
+                "mixln_deepnorm_alpha": None, "mixln_deepnorm_beta": None}
+    text = {k: None if placement_record.get(k) is None else repr(float(placement_record[k]))
+            for k in ("deepnorm_alpha", "deepnorm_beta")}
+    return {"mixln_post_ln_layers": None, "mixln_layout": layout, "mixln_deepnorm_alpha": text["deepnorm_alpha"],
+            "mixln_deepnorm_beta": text["deepnorm_beta"]}
+
+
+def placement_flags(ns: argparse.Namespace) -> List[str]:
+    """The --mixln-* placement flags of converted args: --mixln-post-ln-layers P, or --mixln-layout
+    (with DeepNorm's constants when it has deepnorm layers); --mixln-scheme unless mixln."""
+    if getattr(ns, "mixln_layout", None):
+        flags = ["--mixln-layout", ns.mixln_layout]
+        for name in ("deepnorm_alpha", "deepnorm_beta"):
+            if getattr(ns, f"mixln_{name}", None) is not None:
+                flags += [f"--mixln-{name.replace('_', '-')}", getattr(ns, f"mixln_{name}")]
+    else:
+        flags = ["--mixln-post-ln-layers", ns.mixln_post_ln_layers]
+    if ns.mixln_scheme != "mixln":
+        flags += ["--mixln-scheme", ns.mixln_scheme]
+    return [str(f) for f in flags]
+
+
+def launch_flags(ns: argparse.Namespace) -> List[str]:
+    """The Megatron-LM flags that rebuild the model a converted checkpoint's args describe, those
+    --use-checkpoint-args does not copy (norm epsilon, rope scaling) included: from-hf's launch hint."""
+    flags = ["--num-layers", ns.num_layers, "--hidden-size", ns.hidden_size, "--ffn-hidden-size", ns.ffn_hidden_size,
+             "--num-attention-heads", ns.num_attention_heads, "--kv-channels", ns.kv_channels]
+    if ns.group_query_attention:
+        flags += ["--group-query-attention", "--num-query-groups", ns.num_query_groups]
+    flags += ["--max-position-embeddings", ns.max_position_embeddings, "--normalization", ns.normalization,
+              "--norm-epsilon", repr(float(ns.layernorm_epsilon)), "--swiglu",
+              "--position-embedding-type", "rope", "--rotary-base", f"{ns.rotary_base:g}"]
+    if not ns.add_bias_linear:
+        flags.append("--disable-bias-linear")
+        if getattr(ns, "add_qkv_bias", False):
+            flags.append("--add-qkv-bias")
+    if ns.rotary_seq_len_interpolation_factor:
+        flags += ["--rotary-seq-len-interpolation-factor", f"{ns.rotary_seq_len_interpolation_factor:g}"]
+    if ns.use_rope_scaling:
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", f"{ns.rope_scaling_factor:g}"]
+    if ns.untie_embeddings_and_output_weights:
+        flags.append("--untie-embeddings-and-output-weights")
+    flags += ["--make-vocab-size-divisible-by", ns.make_vocab_size_divisible_by, *placement_flags(ns), *moe_flags(ns),
+              *forward_flags(ns)]
+    if ns.ckpt_format == "torch":
+        flags += ["--ckpt-format", "torch", "--tensor-model-parallel-size", ns.tensor_model_parallel_size,
+                  "--pipeline-model-parallel-size", ns.pipeline_model_parallel_size]
+    return [str(f) for f in flags]

@@ -1,34 +1,20 @@
 """GPTModel <-> HybridModel torch_dist checkpoints of one Mix-LN network, every norm kept.
 
-    mixln-megatron convert gpt-to-hybrid --load SRC --save DST [--ckpt-step N] [--overwrite]
-    mixln-megatron convert hybrid-to-gpt --load SRC --save DST [--ckpt-step N] [--overwrite]
-
 A GPTModel of L Mix-LN blocks and a HybridModel of the pattern `*-` * L with the same weights are
 the same network (mixln_megatron.model.hybrid), so converting is renaming keys: GPT's stacked
-`decoder.layers.<name>` [L, ...] <-> the hybrid's `decoder.layers.<j>.<name>` (model.checkpoint_keys
-says which of a block's two layers holds each tensor, the Mix-LN norms and the settings record
-included; Megatron's own GPT -> Hybrid mapping keeps only the stock attention / MLP keys).
-
-Input: a torch_dist checkpoint as Megatron-LM writes it (the --save directory with
-latest_checkpointed_iteration.txt, or one iter_XXXXXXX / release directory in it), at any TP / PP:
-tensors are read as global boxes, so the saved layout does not matter. Output: DST/<the same
-iteration directory> + DST/latest_checkpointed_iteration.txt, loadable at any TP / PP into the other
-model kind. What is converted: the model's tensors and objects (the Mix-LN settings record, the
-spike scaler's state, the layers' `_extra_state`), and the common state with Megatron-LM's args
-adjusted (num_layers 2L <-> L, hybrid_layer_pattern `*-` * L set <-> removed, the Mix-LN --spec
-name of the other model kind, the pipeline layout arguments cleared: the pattern has no `|`).
-Optimizer and RNG state are NOT converted: resume with --no-load-optim --no-load-rng (or
---finetune). Hybrid patterns other than Mix-LN's `*-` pairs (Mamba, MoE, MLA, MTP, ...) are refused
-with the reason. Every pickle read goes through mixln_megatron.safe_unpickle. Objects copied from
-the input (e.g. `_extra_state`) are copied as the bytes they were stored as, but only after those
-bytes passed the same allow-list as an item that is read (convert.vet.check_byte_item, TE's inner
-extra-state pickle included), all of them before anything is written: the next Megatron-LM --load
-of the output unpickles them with plain pickle, so a payload is refused here, never passed on.
+`decoder.layers.<name>` [L, ...] <-> the hybrid's `decoder.layers.<j>.<name>` (model.checkpoint
+says which of a block's two layers holds each tensor; Megatron's own mapping keeps only the stock
+attention / MLP keys). Tensors are read as global boxes (any saved TP / PP); the model's objects
+and the common state are carried with the args adjusted; optimizer and RNG state are not.
+Objects copied from the input (e.g. `_extra_state`) are copied as stored bytes only after they
+passed the allow-list (convert.vet.check_byte_item), all before anything is written: the next
+Megatron-LM --load unpickles them with plain pickle, so a payload is refused here, never passed on.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 import time
@@ -37,13 +23,15 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..errors import ConversionError, UnsupportedModelError
-from ..model import checkpoint_keys as CK, hybrid_pattern
-from . import hybrid_keys as K
-from .dcp_writer import LazyTorchDistWriter
+from ..progress import bar as progress_bar
+from ..safe_output import MEGATRON_FOLDER, prepare_output, staged_dir
+from ..model import checkpoint as CK, hybrid_pattern
+from ..model.layout import POST_LN_KINDS, sandwich_rows
+from .dcp_files import LazyTorchDistWriter
+from .megatron_reader import GPT, HYBRID, OBJECT_SHARD, TRACKER, detect_format, pattern_problem, resolve_checkpoint_dir
 from .inspect import _model_kind, mixln_placement
-from .locate import TRACKER, detect_format, resolve_checkpoint_dir
 from .shape import args_hybrid_pattern
-from .staging import prepare_output, staged_output_dir
+from .torch_dist_reader import TorchDistCheckpoint
 from .vet import check_byte_item, item_file
 
 PIECE_BYTES = 64 << 20  # largest tensor piece read and written at once
@@ -52,36 +40,32 @@ COMMON_STATE = CK.COMMON_STATE_KEY
 OUTPUT_EXTRA_STATE = "output_layer._extra_state/shard_0_1"  # HybridModel saves it, GPTModel drops it
 # Megatron-LM --spec objects of the two model kinds (mixln_megatron.spec), TE and local.
 SPEC_OF_KIND = {
-    K.GPT: {"transformer_engine": "mixln_layer_spec", "local": "mixln_local_layer_spec"},
-    K.HYBRID: {"transformer_engine": "mixln_hybrid_stack_spec", "local": "mixln_hybrid_local_stack_spec"},
+    GPT: {"transformer_engine": "mixln_layer_spec", "local": "mixln_local_layer_spec"},
+    HYBRID: {"transformer_engine": "mixln_hybrid_stack_spec", "local": "mixln_hybrid_local_stack_spec"},
 }
 # Pipeline layout arguments that count GPT layers or contradict a `|`-free pattern: the run that
 # loads the checkpoint sets its own layout (torch_dist is layout-free).
 LAYOUT_ARGS = ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                "num_virtual_stages_per_pipeline_rank", "pipeline_model_parallel_layout",
                "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
-KIND_NAME = {K.GPT: "GPTModel", K.HYBRID: "HybridModel"}
+KIND_NAME = {GPT: "GPTModel", HYBRID: "HybridModel"}
 
 
 def convert_gpt_to_hybrid(load: str, save: str, **kwargs) -> dict:
     """A GPTModel Mix-LN torch_dist checkpoint -> the HybridModel (`*-` * L) checkpoint of the same network."""
-    return convert_model_kind(load, save, K.HYBRID, **kwargs)
+    return convert_model_kind(load, save, HYBRID, **kwargs)
 
 
 def convert_hybrid_to_gpt(load: str, save: str, **kwargs) -> dict:
     """A HybridModel Mix-LN (`*-` pairs) torch_dist checkpoint -> the GPTModel checkpoint of the same network."""
-    return convert_model_kind(load, save, K.GPT, **kwargs)
+    return convert_model_kind(load, save, GPT, **kwargs)
 
 
 def convert_model_kind(load: str, save: str, target: str, *, iteration=None, overwrite: bool = False,
                        progress: bool = False) -> dict:
     """Write `save` as the `target` kind's checkpoint of the model in `load`; returns a summary."""
-    from ..safe_output import MEGATRON_FOLDER
-    from .to_hf import _progress
-    from .torch_dist_reader import TorchDistCheckpoint
-
     t0 = time.time()
-    prepare_output(load, save, MEGATRON_FOLDER, overwrite)  # before any work: never lose the input
+    prepare_output([load], save, MEGATRON_FOLDER, overwrite, ConversionError)  # before any work: never lose the input
     path, label = resolve_checkpoint_dir(load, iteration)
     fmt = detect_format(path)
     if fmt != "torch_dist":
@@ -93,8 +77,8 @@ def convert_model_kind(load: str, save: str, target: str, *, iteration=None, ove
     source = _model_kind(reader)
     if source == target:
         raise ConversionError(f"{path} already is a {KIND_NAME[target]} checkpoint: nothing to convert")
-    if source == K.HYBRID:
-        problem = K.pattern_problem(args_hybrid_pattern(reader.args), reader.hybrid_pattern)
+    if source == HYBRID:
+        problem = pattern_problem(args_hybrid_pattern(reader.args), reader.hybrid_pattern)
         if problem:
             raise UnsupportedModelError(f"{path} is not a Mix-LN HybridModel checkpoint: {problem}")
     blocks = reader.num_blocks()
@@ -114,14 +98,14 @@ def convert_model_kind(load: str, save: str, target: str, *, iteration=None, ove
 
     total = sum(math.prod(i.tensor_data.chunk.sizes) * i.tensor_data.properties.dtype.itemsize
                 for i in plan.items if i.tensor_data is not None)
-    bar = _progress(progress, total, f"{source}-to-{target} {os.path.basename(os.path.abspath(save))}")
+    bar = progress_bar(total, f"{source}-to-{target} {os.path.basename(os.path.abspath(save))}", enabled=progress)
 
     def on_write(data):
         if isinstance(data, torch.Tensor):
             bar.update(data.numel() * data.element_size())
 
     label = _output_label(label, reader.iteration)
-    with staged_output_dir(save, overwrite, MEGATRON_FOLDER) as tmp:
+    with staged_dir(save, MEGATRON_FOLDER, overwrite, ConversionError) as tmp:
         out_dir = os.path.join(tmp, label)
         os.makedirs(out_dir)
         try:
@@ -136,7 +120,7 @@ def convert_model_kind(load: str, save: str, target: str, *, iteration=None, ove
         "source_kind": KIND_NAME[source], "target_kind": KIND_NAME[target], "checkpoint": path,
         "save": os.path.abspath(save), "iteration": label, "blocks": blocks, "post_ln_layers": post_ln,
         "scheme": record["scheme"], "layout": record.get("layout"), "settings_source": record_source,
-        "hybrid_pattern": hybrid_pattern.pattern_for(blocks) if target == K.HYBRID else reader.hybrid_pattern,
+        "hybrid_pattern": hybrid_pattern.pattern_for(blocks) if target == HYBRID else reader.hybrid_pattern,
         "tensors": len(mapper.tensor_keys), "objects": len(mapper.object_keys), "bytes": total,
         "not_converted": not_converted, "args": common.get("args") is not None, "notes": notes,
         "seconds": round(time.time() - t0, 2),
@@ -148,7 +132,7 @@ def converted_args(args, target: str, blocks: int) -> Tuple[object, List[str]]:
     """A copy of Megatron-LM's saved args for the `target` model kind, and notes on what changed."""
     ns = copy.copy(args)
     notes = []
-    if target == K.HYBRID:
+    if target == HYBRID:
         ns.num_layers = 2 * blocks
         ns.hybrid_layer_pattern = hybrid_pattern.pattern_for(blocks)
     else:
@@ -182,8 +166,6 @@ def _output_label(label: str, iteration) -> str:
 
 
 def _source_metadata(path: str) -> Optional[dict]:
-    import json
-
     try:
         with open(os.path.join(path, "metadata.json")) as f:
             meta = json.load(f)
@@ -197,8 +179,6 @@ class _KeyMap:
     """Plans every model tensor and object of the source under its key in the other model kind."""
 
     def __init__(self, reader, source: str, blocks: int, kinds):
-        from ..model.layout import POST_LN_KINDS, sandwich_rows
-
         self.reader, self.source, self.blocks, self.kinds = reader, source, blocks, tuple(kinds)
         self.post_ln_blocks = frozenset(i for i, kind in enumerate(self.kinds) if kind in POST_LN_KINDS)
         # GPTModel stacks a sandwich layer's output norms over the sandwich layers alone (their rows' order)
@@ -215,7 +195,7 @@ class _KeyMap:
         tensors = self.reader.files.tensors
         dropped_tensors = [k for k in tensors if not k.startswith(MODEL_PREFIXES)]
         model = [k for k in tensors if k.startswith(MODEL_PREFIXES)]
-        if self.source == K.GPT:
+        if self.source == GPT:
             self._gpt_tensors(out, model)
         else:
             self._hybrid_tensors(out, model)
@@ -332,7 +312,7 @@ class _KeyMap:
         for unique in sorted(self.reader.files.objects):
             if unique == COMMON_STATE:
                 continue  # rewritten with the converted args
-            m = K.OBJECT_SHARD.match(unique)
+            m = OBJECT_SHARD.match(unique)
             if not m or not m.group(1).startswith(MODEL_PREFIXES):
                 dropped += 1
                 continue
@@ -345,13 +325,13 @@ class _KeyMap:
             check_byte_item(raw, unique, item_file(self.reader.files, unique))  # a payload is refused, never passed on
             out.raw_object(dst, lambda r=raw: r)  # the bytes as stored, checked
             self.object_keys.append(dst)
-        if self.source == K.GPT and not have_output_extra:
+        if self.source == GPT and not have_output_extra:
             out.object(OUTPUT_EXTRA_STATE, None)  # HybridModel asks for it (empty, as GPTModel checks)
             self.object_keys.append(OUTPUT_EXTRA_STATE)
         return dropped
 
     def _object_key(self, unique: str, base: str, offsets: str, shape: str) -> Optional[str]:
-        if self.source == K.GPT:
+        if self.source == GPT:
             if base == CK.GPT_RECORD_KEY:
                 return f"{CK.HYBRID_RECORD_KEY}/shard_0_1"
             if base.startswith(CK.GPT_FINAL_NORM):

@@ -11,7 +11,7 @@ older transformers wrote (LEGACY), with its status:
   refused    any value but the one named is refused
 
 The refusals that are a rule on one field live here (`problems`); the readers of the shape
-(convert.shape.hf_config_shape, convert.moe_shape) check types and ranges and parse the rope
+(convert.shape.hf_config_shape and moe_shape_of_hf_config) check types and ranges and parse the rope
 settings. tests/test_hf_config_fields.py fails naming any field of the installed classes this table
 lacks, and any row for a field the class does not have.
 """

@@ -1,27 +1,13 @@
 """An HF model folder read lazily: config.json, and tensors (or row ranges) on demand.
 
-The folder is untrusted input (issue 27, DESIGN decision 13): every file is opened through one
-`InputRoot` of the folder, so a name in the index that is absolute, climbs out with `..`, or is a
-symlink to a file elsewhere is refused, and only regular files are read, each small file with its
-size bound (input_root.LIMITS). Everything the folder says is validated where it is read, before
-any tensor data is touched; each problem is one ConversionError naming the file:
-
-  config.json   a JSON object (its fields: convert.shape.hf_config_values)
-  the index     a JSON object whose `weight_map` is a non-empty object of tensor name -> shard file
-                name; each shard a plain file name in the folder (no directories, no `..`, no
-                absolute path, no symlink out), a regular file, of the index's kind
-  safetensors   the 8-byte header length is checked against the safetensors bound and the file
-                size before the header is read; the header is a JSON object whose entries each
-                have a known `dtype`, a `shape` of non-negative integers and `data_offsets`
-                [begin, end] with end - begin = numel x itemsize; the entries tile the data area
-                exactly, as the safetensors library itself requires (no overlap, no gap, nothing
-                past the end of the file, nothing after the last tensor); `__metadata__` maps
-                strings to strings. So safetensors never raises later on a validated shard.
-  .bin          pytorch_model*.bin through the project's allow-listed unpickler (safe_unpickle),
-                memory-mapped; it must hold a dict of tensor name -> tensor.
-
-All headers are read when the folder is opened, so a missing, truncated or damaged shard is
-reported before any work.
+The folder is untrusted input: every file is opened through one `InputRoot` of the folder (no
+absolute names, `..` or links out; regular files only, small ones within input_root.LIMITS), and
+everything it says is validated where it is read, before any tensor data is touched, one
+ConversionError naming the file: config.json a JSON object (its fields: convert.shape); the
+index's `weight_map` plain shard names of the folder; every safetensors header checked against the
+file size and tiling the data area exactly, as the safetensors library requires; a .bin through
+the allow-listed unpickler, memory-mapped. All headers are read when the folder is opened, so a
+missing, truncated or damaged shard is reported before any work.
 """
 
 from __future__ import annotations
@@ -237,7 +223,7 @@ class HFCheckpoint:
         """Tensor `name` (rows start:stop if given), read on demand; the file is closed afterwards."""
         filename = self._where(name)
         if self.kind == "safetensors":
-            from safetensors import SafetensorError, safe_open
+            from safetensors import SafetensorError, safe_open  # optional
 
             real = self.root.check_file(filename)
             try:

@@ -1,34 +1,35 @@
-"""What a Megatron-LM checkpoint says about its model: args, shape, norm epsilon, Mix-LN record.
+"""What a Megatron-LM checkpoint says about its model, read once into one record: CheckpointInfo,
+for conversion (to_hf, gpt_hybrid, `convert inspect`) and analysis alike.
 
-The one place that reads them, for conversion (to_hf) and analysis (analysis.models) alike:
+    info = inspect_checkpoint("runs/ckpt")         # args, shape, Mix-LN record, model kind
+    facts = read_checkpoint_facts("runs/ckpt", vocab_size=None, tokenizer=None)   # for an export
 
-    info = inspect_checkpoint("runs/ckpt")         # CheckpointInfo
-    info.shape.norm_epsilon, info.record["post_ln_layers"], info.reader.read_layer(...)
-    info.model_kind, info.hybrid_pattern    # GPTModel, or a HybridModel read as its GPT blocks
-
-Megatron 0.19 stores the norm epsilon as `layernorm_epsilon` (the TransformerConfig field behind
---norm-epsilon); older tools wrote `norm_epsilon`. Both are read, the config field first.
-
-The Mix-LN settings have up to four sources, which must agree (a disagreement is an error naming
-both): the sharded settings record the layers saved, the `mixln` entry of Megatron-LM's content
-metadata, the saved --mixln-* args, and the tensor layout (norms under the Mix-LN keys mean a
-Mix-LN model; under the stock keys either a stock model or a checkpoint saved before the Mix-LN
-keys existed). None of them: a stock Pre-LN checkpoint (P = 0).
-
-What a checkpoint holds is untrusted input: the readers check it (convert.saved_values) before
-anything uses it. Objects of allowed classes can still have the wrong shape (a list where the
-record should be, a string iteration, args whose num_layers is text); each such file is one
-ConversionError naming the file, never an AttributeError or TypeError from deep inside.
+An export walks one way: open the checkpoint (open_checkpoint), read its facts here (the shape
+through convert.shape once; the reader checks its tensors against them), map the roles, write;
+nothing after this module goes back to it. The Mix-LN settings have up to four sources (the
+sharded record, the content metadata, the saved --mixln-* args, the norm keys), which must agree
+(model.settings.saved_settings); none of them: a stock Pre-LN checkpoint (P = 0).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import os
+import types
+from typing import Mapping, Optional, Tuple
 
 from ..errors import ConversionError, UnsupportedModelError
-from . import hybrid_keys
-from .shape import ArgsShape, ModelShape, args_hybrid_pattern, args_shape, read_checkpoint_shape  # noqa: F401
+from ..model import moe_fields
+from ..model.placement import MixLNConfigError, Placement, deepnorm_defaults, resolve_placement
+from ..model.settings import MixLNSettings, saved_settings
+from .megatron_reader import GPT, HYBRID, LegacyCheckpoint, detect_format, pattern_problem, resolve_checkpoint_dir
+from .shape import ArgsShape, ModelShape, args_hybrid_pattern, args_shape, moe_shape_of_args, read_checkpoint_shape
+from .torch_dist_reader import TorchDistCheckpoint
+
+# Tokenizer files an export copies with --tokenizer-model; the first four mark a folder as a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "spiece.model",
+                   "chat_template.jinja", "chat_template.json")
 
 NO_RECORD = "no Mix-LN record (a stock Pre-LN checkpoint: P = 0)"
 
@@ -66,11 +67,7 @@ def mixln_record(reader, num_layers: int):
 
 
 def mixln_placement(reader, num_layers: int):
-    """(record dict, where it came from, the model.placement.Placement: every layer's kind and
-    DeepNorm's constants) of an open checkpoint reader; see mixln_record."""
-    from ..model.placement import MixLNConfigError, Placement, deepnorm_defaults, resolve_placement
-    from ..model.settings import MixLNSettings, saved_settings
-
+    """(record dict, where it came from, its model.placement.Placement) of an open checkpoint reader."""
     meta = reader.content_metadata.get("mixln") if isinstance(reader.content_metadata, dict) else None
     try:
         found = saved_settings(num_layers, record=reader.settings_record, metadata=meta, args=reader.args)
@@ -100,8 +97,11 @@ def mixln_placement(reader, num_layers: int):
 
 
 # ------------------------------------------------------------------------------- one call
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class CheckpointInfo:
+    """What a checkpoint says about its model, read and checked once; read for an export
+    (read_checkpoint_facts), also the Llama shape, the true vocabulary and the special token ids."""
+
     reader: object  # TorchDistCheckpoint or LegacyCheckpoint: reads the tensors
     path: str
     format: str
@@ -111,10 +111,13 @@ class CheckpointInfo:
     record: dict  # Placement.record() of the checkpoint's Mix-LN settings
     record_source: str
     placement: object = None  # model.placement.Placement of the record: every layer's kind (a field, read once)
-    model_kind: str = hybrid_keys.GPT  # or hybrid_keys.HYBRID (a HybridModel checkpoint)
+    model_kind: str = GPT  # or HYBRID (a HybridModel checkpoint, exported as the GPT model its blocks are)
     hybrid_pattern: Optional[str] = None  # the args' --hybrid-layer-pattern, else the one the keys hold
     model_shape: Optional[ModelShape] = None  # the Llama shape, when read for an export (true vocabulary given)
     layer_shapes: Optional[dict] = None  # model_shape.megatron_layer_shapes(), read with it
+    vocab_size: Optional[int] = None  # an export's true vocabulary, and where it came from
+    vocab_source: Optional[str] = None
+    token_ids: Mapping[str, Optional[int]] = types.MappingProxyType({})  # bos / eos / pad of the tokenizer
 
     @property
     def num_blocks(self) -> int:
@@ -130,23 +133,35 @@ class CheckpointInfo:
         return self.record["scheme"]
 
 
+def open_checkpoint(load: str, iteration: Optional[int] = None):
+    """The reader (TorchDistCheckpoint or LegacyCheckpoint) of a Megatron-LM checkpoint."""
+    path, label = resolve_checkpoint_dir(load, iteration)
+    fmt = detect_format(path)
+    if fmt is None:
+        raise ConversionError(
+            f"not a Megatron-LM checkpoint: {path} holds neither torch_dist files (.metadata, "
+            "metadata.json) nor legacy mp_rank_*/model_optim_rng.pt files"
+        )
+    reader = TorchDistCheckpoint(path) if fmt == "torch_dist" else LegacyCheckpoint(path)
+    reader.label = label
+    return reader
+
+
 def inspect_checkpoint(load: str, iteration=None, moe: bool = False) -> CheckpointInfo:
     """Open the checkpoint in `load` (a --save directory or one iteration in it) and read its model
     (`moe`: MoE layers are read, not refused)."""
-    from .megatron_reader import open_checkpoint
-
-    return inspect_reader(open_checkpoint(load, iteration), moe=moe)
-
-
-def inspect_reader(reader, vocab_size: Optional[int] = None, moe: bool = False) -> CheckpointInfo:
-    """What an open checkpoint reader says about its model: the model kind, the shape (read once,
-    convert.shape.read_checkpoint_shape: with `vocab_size`, the true vocabulary of an export, also
-    the Llama ModelShape), then the Mix-LN record. MoE layers are refused unless `moe`."""
+    reader = open_checkpoint(load, iteration)
     reader.refuse_unconvertible(moe=moe)
     reader._require_args()
+    return _read(reader)
+
+
+def _read(reader, vocab_size: Optional[int] = None, **export) -> CheckpointInfo:
+    """The model kind, the shape (read once, convert.shape.read_checkpoint_shape: with `vocab_size`,
+    the true vocabulary of an export, also the Llama ModelShape), then the Mix-LN record."""
     kind = _model_kind(reader)
-    if kind == hybrid_keys.HYBRID:  # before anything counts its layers as blocks
-        problem = hybrid_keys.pattern_problem(args_hybrid_pattern(reader.args), reader.hybrid_pattern)
+    if kind == HYBRID:  # before anything counts its layers as blocks
+        problem = pattern_problem(args_hybrid_pattern(reader.args), reader.hybrid_pattern)
         if problem:
             raise UnsupportedModelError(f"{reader.path} is not a Mix-LN model: {problem}")
     shape, model_shape, layer_shapes = read_checkpoint_shape(reader.args, vocab_size)
@@ -154,16 +169,83 @@ def inspect_reader(reader, vocab_size: Optional[int] = None, moe: bool = False) 
     pattern = args_hybrid_pattern(reader.args) or getattr(reader, "hybrid_pattern", None)
     return CheckpointInfo(reader=reader, path=reader.path, format=reader.format, iteration=reader.iteration,
                           args=reader.args, shape=shape, record=record, record_source=source, placement=placement,
-                          model_kind=kind,
-                          hybrid_pattern=pattern if kind == hybrid_keys.HYBRID else None,
-                          model_shape=model_shape, layer_shapes=layer_shapes)
+                          model_kind=kind, hybrid_pattern=pattern if kind == HYBRID else None,
+                          model_shape=model_shape, layer_shapes=layer_shapes, vocab_size=vocab_size, **export)
+
+
+def read_checkpoint_facts(load: str, iteration=None, *, vocab_size: Optional[int] = None,
+                          tokenizer: Optional[str] = None) -> CheckpointInfo:
+    """Open the checkpoint in `load` and read what an export needs (MoE layers carried), its tensors
+    checked against it (ConversionError / UnsupportedModelError naming the first problem)."""
+    reader = open_checkpoint(load, iteration)
+    reader.refuse_unconvertible(moe=True)  # before the vocabulary: MLA / MTP are refused as such
+    reader._require_args()
+    true_vocab, vocab_source = resolve_true_vocab(reader, vocab_size, tokenizer)
+    info = _read(reader, true_vocab, vocab_source=vocab_source, token_ids=_token_ids(reader, tokenizer))
+    shape = info.model_shape
+    if shape.moe is not None and reader.format != "torch_dist":
+        raise UnsupportedModelError(f"{reader.path}: MoE models are converted from torch_dist checkpoints only, this is a "
+                                    f"legacy ({reader.format}) one; save with --ckpt-format torch_dist")
+    if true_vocab > reader.padded_vocab_size:
+        raise ConversionError(
+            f"true vocabulary {true_vocab} ({vocab_source}) exceeds the checkpoint's embedding rows "
+            f"{reader.padded_vocab_size}"
+        )
+    reader.check_shapes(shape, info.layer_shapes)
+    reader.check_layer_kinds(info.placement.kinds)
+    if not shape.tie_embeddings and not reader.has_output_layer:
+        raise ConversionError("the args say the output layer is untied, but the checkpoint has no output_layer.weight")
+    return info
+
+
+def resolve_true_vocab(reader, vocab_size: Optional[int], tokenizer_dir: Optional[str]) -> Tuple[int, str]:
+    """The true (unpadded) vocabulary size and where it came from."""
+    if vocab_size is not None:
+        return int(vocab_size), "--vocab-size"
+    args_vocab = getattr(reader.args, "vocab_size", None)
+    if args_vocab:
+        return int(args_vocab), "the checkpoint's args (vocab_size)"
+    for source, path in (("--tokenizer-model", tokenizer_dir), ("the checkpoint's args (tokenizer_model)",
+                                                           getattr(reader.args, "tokenizer_model", None))):
+        if path and os.path.isdir(str(path)):
+            return len(load_tokenizer(str(path))), f"the tokenizer in {path} ({source})"
+    raise ConversionError(
+        "cannot tell the true vocabulary size: the checkpoint's args record none and no local tokenizer "
+        f"is known; pass --vocab-size N or --tokenizer-model DIR (the padded size is {reader.padded_vocab_size})"
+    )
+
+
+def _token_ids(reader, tokenizer: Optional[str]) -> Mapping[str, Optional[int]]:
+    """Special token ids only come from a tokenizer (--tokenizer-model, else a local folder the args
+    record); without one they stay unset (not Llama's 1 / 2)."""
+    tok = None
+    if tokenizer:
+        tok = load_tokenizer(tokenizer)
+    else:
+        recorded = getattr(reader.args, "tokenizer_model", None)
+        if recorded and os.path.isdir(str(recorded)) and any(
+                os.path.isfile(os.path.join(str(recorded), n)) for n in TOKENIZER_FILES[:4]):
+            try:
+                tok = load_tokenizer(str(recorded))  # only for the special token ids
+            except ConversionError:
+                tok = None
+    return types.MappingProxyType({k: getattr(tok, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer  # optional
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - any tokenizer loading problem is a user input problem
+        raise ConversionError(f"cannot load a tokenizer from {path}: {e}") from None
 
 
 def describe_checkpoint(load: str, iteration=None) -> dict:
     """What `mixln-megatron convert inspect` prints: format, model kind, blocks, Mix-LN settings, shape."""
     info = inspect_checkpoint(load, iteration, moe=True)
     s = info.shape
-    hybrid = info.model_kind == hybrid_keys.HYBRID
+    hybrid = info.model_kind == HYBRID
     out = {
         "checkpoint": info.path, "format": info.format, "iteration": info.iteration,
         "model": "HybridModel" if hybrid else "GPTModel",
@@ -194,9 +276,6 @@ def describe_checkpoint(load: str, iteration=None) -> dict:
 def _describe_moe(info) -> dict:
     """The MoE part of `inspect`: experts, top-k, expert / shared widths, which layers are dense,
     and whether to-hf carries the routing (else the one-line reason)."""
-    from ..model import moe_fields
-    from .moe_shape import moe_shape_of_args
-
     if not getattr(info.reader, "moe", False):
         return {}
     try:
@@ -225,28 +304,24 @@ def _describe_moe(info) -> dict:
 
 def _model_kind(reader) -> str:
     """GPT or HYBRID, from the tensor layout; the args' hybrid pattern (when there are args) must agree."""
-    kind = getattr(reader, "model_kind", hybrid_keys.GPT)
+    kind = getattr(reader, "model_kind", GPT)
     args_pattern = args_hybrid_pattern(reader.args)
     if args_pattern and reader.format != "torch_dist":
         raise UnsupportedModelError(
             f"{reader.path} is a legacy ({reader.format}) HybridModel checkpoint; only torch_dist HybridModel "
             "checkpoints are read (save with --ckpt-format torch_dist)")
-    if reader.args is not None and bool(args_pattern) != (kind == hybrid_keys.HYBRID):
+    if reader.args is not None and bool(args_pattern) != (kind == HYBRID):
         raise ConversionError(
             f"{reader.path}: its args " + (f"have hybrid_layer_pattern {args_pattern!r}" if args_pattern else
                                            "have no hybrid_layer_pattern")
-            + f", but its tensors are laid out as a {'HybridModel' if kind == hybrid_keys.HYBRID else 'GPTModel'}'s"
+            + f", but its tensors are laid out as a {'HybridModel' if kind == HYBRID else 'GPTModel'}'s"
             ": the checkpoint was edited or converted incompletely")
     return kind
 
 
 def apply_resume_args(args, checkpoint_args, argv) -> dict:
-    """Set on `args` the RESUME_ARGS a resumed checkpoint records, except flags given in `argv`.
-
-    Megatron-LM's --use-checkpoint-args copies most shape flags but not these, so a resume of a
-    from-hf checkpoint of a Llama with rms_norm_eps 1e-6 would otherwise train with 1e-5.
-    Returns {name: value} of what was changed.
-    """
+    """Set on `args` the RESUME_ARGS a resumed checkpoint records, except flags given in `argv`
+    (--use-checkpoint-args does not copy them); returns {name: value} of what was changed."""
     if checkpoint_args is None:
         return {}
     given = {flag for flag in argv if isinstance(flag, str) and flag.startswith("--")}

@@ -1,37 +1,298 @@
-"""The shape of a Llama-style model, read from Megatron-LM args or an HF config.json.
+"""The shape of a Llama-style model, read from Megatron-LM args or an HF config.json: dense, MoE and
+the forward pass's scalars (muP, GLU offset), with one set of validators.
 
-ModelShape is what both directions agree on: it decides every tensor's shape and the forward
-pass. Reading it is also where we refuse what Llama (or Megatron) cannot express, with one message
-naming every problem, before anything is written. Megatron pads the vocabulary to a multiple of
-make_vocab_size_divisible_by x TP; export trims to the true vocabulary, import pads with zero rows.
-
-Both sources are untrusted input (issue 27): every field read is checked for its type and range
-here, at the reader, one ConversionError each (`config.json: hidden_size must be an integer in
-[1, 131072], got 'abc'`). Integers must be JSON / Python integers (not booleans, strings, null or
-floats such as 1e9); the bounds (BOUNDS) lie far above any real model and far below what a
-conversion plan or a model build could afford from a tiny crafted file. Megatron-LM's args are read
-through one reader, `_arg`, whatever the field: a field Megatron-LM leaves None is one it computes
-(kv_channels, ffn_hidden_size, num_query_groups, padded_vocab_size, ...) and reads as its default;
-a boolean flag that is None reads False, as Megatron-LM itself uses it (by truthiness) and as
-model.support's rows count None as "off" -- so `add_bias_linear=None` is no bias in the shape and
-in the support check alike.
+ModelShape is what both directions agree on; reading it refuses what Llama (or Megatron) cannot
+express, with one message naming every problem, before anything is written. Both sources are
+untrusted input: every field is checked for its type and range (BOUNDS: far above any real model)
+at the reader, one ConversionError each. Megatron-LM's args are read through `_arg`: a field left
+None is one Megatron-LM computes and reads as its default; a None boolean flag reads False, as
+Megatron-LM and model.support use it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
-from ..model import hybrid_pattern, support
 from ..errors import ConversionError, UnsupportedModelError
-from .forward_scalars import ForwardScalars, forward_scalars, mup_record
+from ..model import hybrid_pattern, moe_fields, support
 from . import hf_config_fields
-from .moe_shape import MoEShape, moe_role_shapes, moe_shape_of_args
 
-# Upper bounds of what a checkpoint or config.json may say. Real models for comparison: Llama 3.1
-# 405B has 126 layers, hidden 16384, 128 heads (8 KV), FFN 53248, vocabulary 128256; the largest
-# public vocabularies are ~256k, the deepest trained transformers (DeepNet) 1000 layers.
+# ------------------------------------------------------------------------------- forward scalars
+# Megatron-LM's muP arguments (TransformerConfig fields), in the order the HF record keeps them.
+MUP_ARGS = ("use_mup", "mup_base_hidden_size", "mup_width_mult", "mup_embedding_mult", "mup_output_mult",
+            "mup_base_head_dim", "mup_attn_scale_power")
+# TransformerConfig's defaults of the muP fields (every supported release).
+MUP_DEFAULTS = {"use_mup": False, "mup_base_hidden_size": None, "mup_width_mult": 1.0, "mup_embedding_mult": 1.0,
+                "mup_output_mult": 1.0, "mup_base_head_dim": None, "mup_attn_scale_power": 1.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardScalars:
+    attention_scale: Optional[float] = None
+    embedding_multiplier: float = 1.0
+    logits_multiplier: float = 1.0
+    glu_linear_offset: float = 0.0
+
+    @property
+    def is_default(self) -> bool:
+        return self == ForwardScalars()
+
+    def hf_fields(self) -> dict:
+        """The non-default ones, under their HF config names (a default one is not written)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v != getattr(ForwardScalars, k)}
+
+
+def mup_record(get: Callable[[str, object], object]) -> Optional[dict]:
+    """The muP flags as saved (raw, before __post_init__), or None without --use-mup."""
+    if not get("use_mup", False):
+        return None
+    return {name: get(name, MUP_DEFAULTS[name]) for name in MUP_ARGS}
+
+
+def forward_scalars(get: Callable[[str, object], object], hidden_size: int, kv_channels: int) -> ForwardScalars:
+    """What megatron-core's TransformerConfig.__post_init__ makes of the saved flags (`get(name,
+    default)` reads one; None counts as absent). Its muP attention power 1.0 is 1/d_head, not 1/sqrt."""
+    offset = float(get("glu_linear_offset", 0.0))
+    if not get("use_mup", False):
+        return ForwardScalars(glu_linear_offset=offset)
+    base = get("mup_base_hidden_size", None) or hidden_size
+    width = hidden_size / base
+    head = get("mup_base_head_dim", None)
+    scale = (1.0 if head is None else head ** 0.5) / (kv_channels ** get("mup_attn_scale_power", 1.0))
+    output = float(get("mup_output_mult", 1.0))
+    if output == 1.0 and width != 1.0:
+        output = 1.0 / width
+    return ForwardScalars(attention_scale=float(scale), embedding_multiplier=float(get("mup_embedding_mult", 1.0)),
+                          logits_multiplier=output, glu_linear_offset=offset)
+
+
+def mup_flags_for(scalars: ForwardScalars, hidden_size: int, kv_channels: int, record: Optional[dict] = None) -> dict:
+    """Megatron-LM muP arguments whose forward_scalars are `scalars` exactly (for from-hf): the record
+    an export wrote, else width 1 with the softmax scale s as sqrt(s * s) / kv_channels ** 0 (exact in
+    IEEE arithmetic); {} when the scalars need no muP."""
+    if record is not None:
+        return {name: record.get(name, MUP_DEFAULTS[name]) for name in MUP_ARGS}
+    mup = (scalars.attention_scale, scalars.embedding_multiplier, scalars.logits_multiplier)
+    if mup == (None, 1.0, 1.0):
+        return {}
+    scale = kv_channels ** -0.5 if scalars.attention_scale is None else scalars.attention_scale
+    return dict(MUP_DEFAULTS, use_mup=True, mup_base_hidden_size=hidden_size,
+                mup_embedding_mult=scalars.embedding_multiplier, mup_output_mult=scalars.logits_multiplier,
+                mup_base_head_dim=scale * scale, mup_attn_scale_power=0.0)
+
+
+def config_problem(config) -> Optional[str]:
+    """One line naming the forward scalars a built TransformerConfig (a Bridge provider, after its
+    __post_init__) has, for code that cannot carry them; None when it has none."""
+    found = []
+    if getattr(config, "use_mup", False):
+        found.append("muP (use_mup=True: softmax scale, embedding and output multipliers)")
+    elif getattr(config, "softmax_scale", None) is not None:
+        found.append(f"softmax_scale={config.softmax_scale!r}")
+    if getattr(config, "glu_linear_offset", 0.0):
+        found.append(f"glu_linear_offset={config.glu_linear_offset!r}")
+    if not found:
+        return None
+    return (f"{' and '.join(found)}: the Megatron-Bridge path does not carry them; export with "
+            "`mixln-megatron convert to-hf`, which does")
+
+
+def args_getter(args) -> Callable[[str, object], object]:
+    """`get(name, default)` over saved args: a None or missing value reads as the default."""
+    def get(name, default):
+        value = getattr(args, name, None)
+        return default if value is None else value
+    return get
+
+
+# ------------------------------------------------------------------------------- MoE
+EXPERTS_BOUND = 1 << 14  # far above any real model (DeepSeek-V3: 256 routed experts)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEShape:
+    num_experts: int
+    topk: int
+    expert_ffn: int  # each routed expert's FFN width I (fc1 holds [gate; up]: 2I rows)
+    moe_layers: Tuple[bool, ...]  # per layer (0-based): MoE (True) or dense
+    shared_ffn: Optional[int] = None  # the shared expert's FFN width S; None: no shared expert
+    shared_gate: bool = False  # the shared expert's output times sigmoid(h @ gate^T)
+    norm_topk_prob: bool = True  # renormalise the k chosen weights (Megatron's default routing)
+    # Carried or folded beyond the default routing (one table: model.moe_fields):
+    topk_scaling: float = 1.0  # --moe-router-topk-scaling-factor: folded into each routed expert's fc2
+    router_fp32: bool = False  # --moe-router-dtype fp32: the router's logits and softmax in fp32
+    expert_glu_interleave: Optional[int] = None  # --moe-mlp-glu-interleave-size: fc1 rows in gate/up blocks
+    shared_glu_interleave: Optional[int] = None  # moe_shared_expert_glu_interleave_size: the shared fc1's
+
+    @property
+    def dense_layers(self) -> Tuple[int, ...]:
+        return tuple(i for i, moe in enumerate(self.moe_layers) if not moe)
+
+
+def _int(where: str, name: str, value, hi: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= hi:
+        raise ConversionError(f"{where}: {name} must be a positive integer (at most {hi}), got {_shown(value)}")
+    return value
+
+
+def layers_of_freq(freq, num_layers: int, where: str, name: str = "moe_layer_freq") -> Tuple[bool, ...]:
+    """Megatron's --moe-layer-freq: an integer N (layer i is MoE when i % N == 0) or one 0/1 per layer."""
+    if isinstance(freq, int) and not isinstance(freq, bool):
+        if freq < 1:
+            raise ConversionError(f"{where}: {name} must be >= 1 or a list of 0/1, got {_shown(freq)}")
+        return tuple(i % freq == 0 for i in range(num_layers))
+    if isinstance(freq, (list, tuple)):
+        if len(freq) != num_layers:
+            raise ConversionError(f"{where}: {name} has {len(freq)} entries but the model has {num_layers} layers")
+        if any(isinstance(v, bool) or v not in (0, 1) for v in freq):
+            raise ConversionError(f"{where}: {name} must hold only 0 and 1, got {_shown(freq)}")
+        return tuple(bool(v) for v in freq)
+    raise ConversionError(f"{where}: {name} must be an integer or a list of 0/1, got {_shown(freq)}")
+
+
+def _positive_float(where: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ConversionError(f"{where}: {name} must be a finite number > 0, got {_shown(value)}")
+    return float(value)
+
+
+def _interleave(where: str, name: str, value, ffn: Optional[int]) -> Optional[int]:
+    """A GLU interleave block size: whole blocks of gate and up rows must fit the FFN width."""
+    if value is None:
+        return None
+    value = _int(where, name, value, 1 << 20)
+    if ffn is not None and ffn % value:
+        raise ConversionError(f"{where}: {name} {value} does not divide the FFN width {ffn}")
+    return value
+
+
+def moe_shape_of_args(args, num_layers: int, add_bias_linear: bool, where: str) -> Optional[MoEShape]:
+    """The MoEShape of saved Megatron-LM args (None for a dense model), every field checked; one
+    UnsupportedModelError naming each flag a conversion cannot carry (model.moe_fields.TABLE)."""
+    experts = moe_fields.num_experts(args)
+    if experts is None or experts == 0:
+        return None
+    experts = _int(where, "num_experts", experts, EXPERTS_BOUND)
+    problems = moe_fields.conversion_problems(args)  # one sentence per setting an export cannot carry
+    if add_bias_linear:
+        problems.append("biases on the MoE layers' linears [--disable-bias-linear]: the HF MoE experts have none")
+    if problems:
+        raise UnsupportedModelError("this checkpoint's MoE layers cannot be converted: " + "; ".join(problems))
+    get = moe_fields.getter(args)
+    topk = _int(where, "moe_router_topk", getattr(args, "moe_router_topk", None) or 2, experts)
+    ffn = getattr(args, "moe_ffn_hidden_size", None)
+    ffn = getattr(args, "ffn_hidden_size", None) if ffn is None else ffn
+    ffn = _int(where, "moe_ffn_hidden_size", ffn, 1 << 20)
+    freq = getattr(args, "moe_layer_freq", None)
+    layers = layers_of_freq(1 if freq is None else freq, num_layers, where)
+    shared = getattr(args, "moe_shared_expert_intermediate_size", None)
+    shared = None if shared is None else _int(where, "moe_shared_expert_intermediate_size", shared, 1 << 20)
+    gate = bool(getattr(args, "moe_shared_expert_gate", False))
+    if gate and shared is None:
+        raise ConversionError(f"{where}: moe_shared_expert_gate is set without a shared expert")
+    return MoEShape(
+        num_experts=experts, topk=topk, expert_ffn=ffn, moe_layers=layers, shared_ffn=shared, shared_gate=gate,
+        norm_topk_prob=moe_fields.norm_topk_prob(get),
+        topk_scaling=_positive_float(where, "moe_router_topk_scaling_factor", moe_fields.topk_scaling(get)),
+        router_fp32=moe_fields.router_fp32(get),
+        expert_glu_interleave=_interleave(where, "moe_mlp_glu_interleave_size", moe_fields.expert_glu_interleave(get),
+                                          ffn),
+        shared_glu_interleave=_interleave(where, "moe_shared_expert_glu_interleave_size",
+                                          moe_fields.shared_glu_interleave(get), shared))
+
+
+def _cfg(config: dict, where: str, name: str, default=None, hi: int = 1 << 20):
+    value = config.get(name)
+    if value is None:
+        if default is None:
+            raise ConversionError(f"{where}: {name} must be a positive integer, got nothing")
+        return default
+    return _int(where, name, value, hi)
+
+
+def moe_shape_of_hf_config(config: dict, model_type: str, num_layers: int, where: str):
+    """(MoEShape, [what Megatron cannot express]) of a mixln_moe / mixtral / qwen2_moe config.json,
+    every field checked as untrusted input (one ConversionError naming it)."""
+    problems = []
+    if model_type == "mixtral":
+        experts = _cfg(config, where, "num_local_experts", None, EXPERTS_BOUND)
+        moe = MoEShape(num_experts=experts, topk=_cfg(config, where, "num_experts_per_tok", None, experts),
+                       expert_ffn=_cfg(config, where, "intermediate_size"), moe_layers=(True,) * num_layers)
+        return moe, problems + _megatron_routing_problems(moe, "num_experts_per_tok")
+    experts = _cfg(config, where, "num_experts", None, EXPERTS_BOUND)
+    topk = _cfg(config, where, "num_experts_per_tok", None, experts)
+    expert_ffn = _cfg(config, where, "moe_intermediate_size")
+    dense = config.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers
+                                          for i in dense) or len(set(dense)) != len(dense):
+        raise ConversionError(f"{where}: mlp_only_layers must be distinct layer indices in 0..{num_layers - 1}, got "
+                              f"{_shown(dense)}")
+    step = 1
+    if model_type == "qwen2_moe":  # always a gated shared expert; renormalisation off by default
+        step = _cfg(config, where, "decoder_sparse_step", 1, num_layers)
+        shared = _cfg(config, where, "shared_expert_intermediate_size")
+        gate, norm_topk = True, _cfg_bool(config, where, "norm_topk_prob", False)
+    else:
+        shared = config.get("shared_expert_intermediate_size")
+        shared = None if shared is None else _int(where, "shared_expert_intermediate_size", shared, 1 << 20)
+        gate = _cfg_bool(config, where, "shared_expert_gate", False)
+        norm_topk = _cfg_bool(config, where, "norm_topk_prob", True)
+        if gate and shared is None:
+            raise ConversionError(f"{where}: shared_expert_gate is true without a shared expert")
+    router_fp32 = False
+    if model_type == "mixln_moe":
+        router_fp32 = moe_fields.MEGATRON_ROUTER_DTYPE.get(_router_dtype(config, where)) == "fp32"
+        problems += _mixln_moe_bias_problems(config, where)
+    layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    if not any(layers):
+        problems.append("no MoE layer (every layer is in mlp_only_layers or off decoder_sparse_step)")
+    moe = MoEShape(num_experts=experts, topk=topk, expert_ffn=expert_ffn, moe_layers=layers, shared_ffn=shared,
+                   shared_gate=gate, norm_topk_prob=norm_topk, router_fp32=router_fp32)
+    return moe, problems + _megatron_routing_problems(moe, "norm_topk_prob")
+
+
+def _router_dtype(config: dict, where: str) -> Optional[str]:
+    """mixln_moe's router_dtype: null (the model's dtype) or a name of moe_fields.MEGATRON_ROUTER_DTYPE."""
+    value = config.get("router_dtype")
+    if value is not None and (not isinstance(value, str) or value not in moe_fields.MEGATRON_ROUTER_DTYPE):
+        names = " or ".join(f'"{name}"' for name in moe_fields.MEGATRON_ROUTER_DTYPE)
+        raise ConversionError(f"{where}: router_dtype must be null or {names}, got {_shown(value)}")
+    return value
+
+
+def _mixln_moe_bias_problems(config: dict, where: str) -> list:
+    """Megatron puts a linear bias on every linear, the experts' included, or on none (its
+    add_bias_linear); the Mix-LN MoE model's experts have none, so no bias converts."""
+    return [f"{name} true: Megatron's --add-bias-linear would put biases on the experts too, which this model's "
+            f"experts lack; convert a model with {name} false"
+            for name in ("attention_bias", "mlp_bias") if _cfg_bool(config, where, name, False)]
+
+
+def _megatron_routing_problems(moe: MoEShape, field: str) -> list:
+    """Routing an HF model has that megatron refuses to build: top-1 renormalised (weight always 1)."""
+    if moe.topk == 1 and moe.norm_topk_prob:
+        return [f"top-1 routing with the weight renormalised to 1 ({field}): megatron builds top-1 softmax routing "
+                "only with --moe-router-pre-softmax, a different weight; no Megatron model computes it"]
+    return []
+
+
+def moe_role_shapes(moe: MoEShape, hidden: int) -> dict:
+    """Global shape of each MoE role of one MoE layer (the experts' as a whole [E, ...] tensor)."""
+    e, i = moe.num_experts, moe.expert_ffn
+    shapes = {"router.weight": (e, hidden), "experts.fc1.weight": (e, 2 * i, hidden),
+              "experts.fc2.weight": (e, hidden, i)}
+    if moe.shared_ffn is not None:
+        shapes.update({"shared.fc1.weight": (2 * moe.shared_ffn, hidden),
+                       "shared.fc2.weight": (hidden, moe.shared_ffn)})
+    if moe.shared_gate:
+        shapes["shared.gate.weight"] = (1, hidden)
+    return shapes
+
+
+# ------------------------------------------------------------------------------- dense shape
+# Upper bounds of what a checkpoint or config.json may say (Llama 3.1 405B: 126 layers, hidden 16384).
 BOUNDS = {
     "layers": 4096,
     "hidden": 131072,  # 2 x 65536
@@ -69,6 +330,12 @@ def _float_value(where: str, name: str, value, hi: Optional[float] = None, lo_in
     return float(value)
 
 
+def _finite_value(where: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConversionError(f"{where}: {name} must be a finite number, got {_shown(value)}")
+    return float(value)
+
+
 def _bool_value(where: str, name: str, value) -> bool:
     if isinstance(value, bool):
         return value
@@ -98,9 +365,7 @@ def _arg(args, *names, default=None):
 
 
 def _flag(args, *names, default: bool = False) -> bool:
-    """A boolean field: absent -> `default` (Megatron-LM's own default); None -> False (Megatron-LM
-    uses these fields by truthiness, and model.support counts None as off); a bool (or 0 / 1);
-    anything else is refused."""
+    """A boolean field: absent -> `default` (Megatron-LM's own); None -> False; a bool (or 0 / 1)."""
     for name in names:
         if hasattr(args, name):
             value = getattr(args, name)
@@ -155,10 +420,8 @@ class ArgsShape:
 
 
 def _checked_getter(read, where: str = ARGS):
-    """forward_scalars' `get` over `read(name)` (saved args, an HF muP record), each value checked
-    (one ConversionError naming it): use_mup a flag, mup_base_hidden_size a positive integer, the
-    offset and the attention power finite numbers, the other muP values positive numbers; None
-    reads as the default."""
+    """forward_scalars' `get` over `read(name)` (saved args, an HF muP record), each value checked;
+    None reads as the default."""
     def get(name, default):
         value = read(name)
         if value is None:
@@ -168,9 +431,7 @@ def _checked_getter(read, where: str = ARGS):
         if name == "mup_base_hidden_size":
             return _int_value(where, name, value, BOUNDS["hidden"])
         if name in ("glu_linear_offset", "mup_attn_scale_power"):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ConversionError(f"{where}: {name} must be a finite number, got {_shown(value)}")
-            return float(value)
+            return _finite_value(where, name, value)
         return _float_value(where, name, value)
     return get
 
@@ -178,13 +439,16 @@ def _checked_getter(read, where: str = ARGS):
 args_hybrid_pattern = hybrid_pattern.pattern_of_args  # Megatron-LM's saved args -> the pattern, if any
 
 
-def args_num_blocks(args) -> int:
-    """Transformer blocks L (model.hybrid_pattern.blocks_of_args, the one reading): GPT's
-    num_layers; a Mix-LN hybrid pattern's `*-` pairs (its num_layers is the pattern length 2L).
-    The saved values are checked first; a pattern that is not Mix-LN's is refused with the reason."""
+def _checked_pattern(args) -> Optional[str]:
     pattern = args_hybrid_pattern(args)
     if pattern is not None and not isinstance(pattern, str):
         raise ConversionError(f"{ARGS}: hybrid_layer_pattern must be a string, got {_shown(pattern)}")
+    return pattern
+
+
+def args_num_blocks(args) -> int:
+    """Transformer blocks L (model.hybrid_pattern.blocks_of_args), the saved values checked first."""
+    pattern = _checked_pattern(args)
     if not pattern:
         _int_arg(args, "num_layers", BOUNDS["layers"])
     try:
@@ -208,9 +472,7 @@ def args_shape(args) -> ArgsShape:
     if _arg(args, "kv_channels") is None and hidden % heads:
         raise ConversionError(f"{ARGS}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
                               "(and kv_channels is not given)")
-    add_bias = _flag(args, "add_bias_linear", default=True)
-    if _flag(args, "disable_bias_linear"):
-        add_bias = False
+    add_bias = _flag(args, "add_bias_linear", default=True) and not _flag(args, "disable_bias_linear")
     padded = _arg(args, "padded_vocab_size")
     factor = _arg(args, "rotary_seq_len_interpolation_factor")
     kv_channels = _int_arg(args, "kv_channels", BOUNDS["head_dim"], hidden // heads)
@@ -267,8 +529,8 @@ class ModelShape:
     rotary_interleaved: bool = False  # Megatron's interleaved RoPE (export permutes q/k rows)
     # a bias on q, k, v only (--add-qkv-bias without add_bias_linear; HF: Qwen2's qkv_bias); MoE models only
     add_qkv_bias: bool = False
-    moe: Optional[MoEShape] = None  # the MoE layers, experts and routing (convert.moe_shape); None: dense
-    # muP's softmax scale and multipliers and the GLU offset (convert.forward_scalars): LLaMA's by default
+    moe: Optional[MoEShape] = None  # the MoE layers, experts and routing (MoEShape); None: dense
+    # muP's softmax scale and multipliers and the GLU offset (ForwardScalars): LLaMA's by default
     forward: ForwardScalars = ForwardScalars()
     mup: Optional[dict] = None  # Megatron's muP flags, recorded for the way back (informational in HF)
 
@@ -324,11 +586,9 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: in
 def check_megatron_args_supported(args) -> None:
     """Raise UnsupportedModelError naming every feature of `args` that Llama cannot express (fields
     read through the same readers as args_shape: one answer per field)."""
-    # MoE is carried (convert.moe_shape refuses the routing it cannot), so it has no row there
+    # MoE is carried (moe_shape_of_args refuses the routing it cannot), so it has no row there
     problems = list(support.problems(args, support.CONVERT))
-    pattern = args_hybrid_pattern(args)
-    if pattern is not None and not isinstance(pattern, str):
-        raise ConversionError(f"{ARGS}: hybrid_layer_pattern must be a string, got {_shown(pattern)}")
+    pattern = _checked_pattern(args)
     if pattern and hybrid_pattern.pattern_problem(pattern, moe=False):  # HybridModel: only `*-` pairs, no `E`
         problems.append(hybrid_pattern.pattern_problem(pattern, moe=False) + " [hybrid_layer_pattern]")
     normalization = _str_arg(args, "normalization", "LayerNorm")
@@ -345,10 +605,8 @@ def check_megatron_args_supported(args) -> None:
     rope_type = _arg(args, "rope_type")
     if rope_type not in (None, "rope"):
         problems.append(f"rope_type {_shown(rope_type)}")
-    add_bias = _flag(args, "add_bias_linear", default=True)
-    if _flag(args, "disable_bias_linear"):
-        add_bias = False
-    if _flag(args, "add_qkv_bias") and not add_bias and not _is_moe(args):  # MoE: Qwen2-MoE / mixln_moe qkv_bias
+    add_bias = _flag(args, "add_bias_linear", default=True) and not _flag(args, "disable_bias_linear")
+    if _flag(args, "add_qkv_bias") and not add_bias and not moe_fields.num_experts(args):  # MoE: Qwen2-MoE / mixln_moe qkv_bias
         problems.append(
             "a bias on the QKV projection only (--add-qkv-bias without biases on the other linears): "
             "Llama's attention_bias also puts a bias on o_proj (qkv-only bias)"
@@ -364,13 +622,6 @@ def check_megatron_args_supported(args) -> None:
         )
 
 
-def _is_moe(args) -> bool:
-    """Whether saved args describe an MoE model (convert.moe_shape reads the rest)."""
-    from ..model import moe_fields
-
-    return bool(moe_fields.num_experts(args))
-
-
 def shape_from_megatron_args(args, vocab_size: int) -> ModelShape:
     """The model shape recorded in a Megatron-LM checkpoint's args (after the support check)."""
     check_megatron_args_supported(args)
@@ -379,11 +630,8 @@ def shape_from_megatron_args(args, vocab_size: int) -> ModelShape:
 
 
 def read_checkpoint_shape(args, vocab_size: Optional[int] = None):
-    """The one reading of a checkpoint's args (convert.inspect): (ArgsShape, ModelShape, layer shapes).
-
-    Without `vocab_size`: (ArgsShape, None, None), any GPT. With the true vocabulary (an export to
-    Llama): the args' fields checked first, then what Llama cannot express (one
-    UnsupportedModelError), then the ModelShape and its per-layer role shapes."""
+    """The one reading of a checkpoint's args (convert.inspect): (ArgsShape, ModelShape, layer shapes);
+    without `vocab_size` (the true vocabulary, for an export) (ArgsShape, None, None), any GPT."""
     a = args_shape(args)
     if vocab_size is None:
         return a, None, None
@@ -434,7 +682,7 @@ def llama3_rope_scaling(factor: float) -> dict:
 
 # ----------------------------------------------------------------------------- HF config.json -> shape
 HF_MODEL_TYPES = ("llama", "mixln_llama")
-HF_MOE_MODEL_TYPES = ("mixln_moe", "mixtral", "qwen2_moe")  # convert.moe_shape.moe_shape_of_hf_config
+HF_MOE_MODEL_TYPES = ("mixln_moe", "mixtral", "qwen2_moe")  # moe_shape_of_hf_config
 
 
 def _cfg_int(config: dict, where: str, name: str, hi: int, default=_MISSING, lo: int = 1) -> int:
@@ -453,9 +701,9 @@ def _cfg_bool(config: dict, where: str, name: str, default: bool = False) -> boo
 
 
 def hf_config_shape(config: dict, source: str = "config.json", megatron: bool = True) -> ModelShape:
-    """The model shape of an HF config.json dict, every field checked for its type and range (one
-    ConversionError naming `source` and the field). With `megatron`, also refuse (one
-    UnsupportedModelError naming every problem) what Megatron's Llama model cannot express."""
+    """The model shape of an HF config.json dict, every field checked (one ConversionError naming
+    `source` and the field); with `megatron`, what Megatron cannot express refused (one
+    UnsupportedModelError naming every problem)."""
     where = source
     if not isinstance(config, dict):
         raise ConversionError(f"{where} must hold a JSON object, got {_shown(config)}")
@@ -512,8 +760,6 @@ def hf_config_shape(config: dict, source: str = "config.json", megatron: bool = 
     if model_type in ("qwen2_moe", "mixln_moe"):  # q, k, v biases without o_proj's (Qwen2-MoE's default: true)
         qkv_bias = _cfg_bool(config, where, "qkv_bias", model_type == "qwen2_moe") and not attention_bias
     if model_type in HF_MOE_MODEL_TYPES:
-        from .moe_shape import moe_shape_of_hf_config
-
         moe, moe_problems = moe_shape_of_hf_config(config, model_type, layers, where)
         problems += moe_problems
         if model_type == "mixtral":  # Mixtral has no dense layers: its intermediate_size is the experts'
@@ -542,18 +788,13 @@ def hf_config_shape(config: dict, source: str = "config.json", megatron: bool = 
 
 
 def _hf_forward_scalars(config: dict, where: str, hidden: int, head_dim: int):
-    """(ForwardScalars, muP record or None) of a Mix-LN config.json, checked: attention_scale null or
-    > 0, the multipliers > 0, the offset finite; a megatron_mup record must give the same softmax
-    scale and multipliers by megatron's rule (forward_scalars), or the folder is refused."""
+    """(ForwardScalars, muP record or None) of a Mix-LN config.json, checked; a megatron_mup record
+    must give the same scalars by megatron's rule (forward_scalars), or the folder is refused."""
     def number(name, default, positive=True):
         value = config.get(name)
         if value is None:
             return default
-        if positive:
-            return _float_value(where, name, value)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConversionError(f"{where}: {name} must be a finite number, got {_shown(value)}")
-        return float(value)
+        return _float_value(where, name, value) if positive else _finite_value(where, name, value)
 
     forward = ForwardScalars(attention_scale=number("attention_scale", None),
                              embedding_multiplier=number("embedding_multiplier", 1.0),

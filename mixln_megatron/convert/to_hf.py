@@ -1,38 +1,14 @@
-"""Megatron-LM checkpoint -> Hugging Face folder, streamed tensor by tensor.
+"""Megatron-LM checkpoint -> Hugging Face folder, streamed tensor by tensor (what is written:
+docs/conversion.md).
 
-What is written (into a temporary directory renamed to --save at the end):
-  config.json                LlamaConfig (every layer pre, scheme mixln: a stock `LlamaForCausalLM`)
-                             or MixLNLlamaConfig with auto_map (loads with trust_remote_code=True;
-                             layer_kinds and DeepNorm's alpha for a layout other than Mix-LN's
-                             first P: post, deepnorm and sandwich layers anywhere);
-                             rope keys in both the transformers 5 (rope_parameters) and 4
-                             (rope_theta / rope_scaling) spellings; muP's softmax scale and
-                             multipliers and the GLU offset as megatron uses them
-                             (convert.forward_scalars: the Mix-LN class, never the stock one).
-  configuration_mixln_llama.py, modeling_mixln_llama.py   the model code (Mix-LN / LNS only).
-  MoE checkpoints (convert.moe_shape): config.json of a stock MixtralForCausalLM or
-  Qwen2MoeForCausalLM where one is the network (every layer pre, scheme mixln:
-  hf.export_code.stock_moe_model_type), else MixLNMoeConfig with the four code files; experts under
-  the hub's per-expert names, read and written one expert at a time. GLU-interleaved fc1 rows (TE
-  grouped GEMM) are split by blocks (layouts.split_glu_rows), a top-k scaling factor is folded into
-  each routed expert's fc2, --moe-router-dtype fp32 becomes router_dtype "float32" (the Mix-LN MoE
-  class unless the export is float32) and --add-qkv-bias becomes qkv_bias.
-  model-0000k-of-0000N.safetensors + model.safetensors.index.json
-  generation_config.json
-  tokenizer files            with --tokenizer-model DIR.
-
-A Mix-LN HybridModel checkpoint (`*-` pairs) exports as the GPT model its blocks are: the same
-config.json and tensors as the GPTModel checkpoint with the same weights.
-
-The model shape and the Mix-LN settings come from the checkpoint (args, settings record, content
-metadata); nothing about the model is taken from the command line except the true vocabulary
-size when the args do not record it. One way through: the checkpoint's facts are read once
-(convert.facts), the roles mapped once (convert.mapping.map_roles), then everything is written
-from those two objects (tests/test_conversion_walk.py).
-
-Memory: every tensor is read (as a sub-box of the checkpoint), converted and appended to its
-safetensors shard before the next is read. The shard headers are written first from the known
-shapes, so no shard is ever held in memory; the embedding and output layer go in row blocks.
+config.json names a stock class (LlamaForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM) only
+where it is the same network (hf.export_code decides), else the Mix-LN class with its code files;
+a Mix-LN HybridModel exports as the GPT model its blocks are. The model shape and settings come
+from the checkpoint only (the true vocabulary size aside). One way through: the facts are read once
+(convert.inspect.read_checkpoint_facts), the roles mapped once (convert.mapping.map_roles), then
+everything is written from those two objects (tests/test_conversion_walk.py). Memory: each tensor
+is read, converted and appended to its shard before the next; the shard headers are written first
+from the known shapes, so no shard is held in memory.
 """
 
 from __future__ import annotations
@@ -43,18 +19,22 @@ import math
 import os
 import shutil
 import time
+from importlib.metadata import PackageNotFoundError, version
 from typing import Iterator, List, Optional, Tuple
 
 import torch
 
+from packaging.version import Version
+
 from ..errors import ConversionError, UnsupportedModelError
+from ..hf.export_code import export_config_fields, moe_export_config_fields, placement_export_fields, write_model_code
 from ..model import moe_fields
-from .staging import prepare_output, staged_output_dir
+from ..progress import bar as progress_bar
+from ..safe_output import HF_FOLDER, prepare_output, staged_dir
 from . import mapping as M
-from .facts import TOKENIZER_FILES, CheckpointFacts, read_checkpoint_facts
-from .layouts import deinterleave_rope_rows, split_glu_rows, split_qkv
-from .moe_shape import MoEShape, split_expert_role
-from .shape import ModelShape
+from .inspect import TOKENIZER_FILES, CheckpointInfo, read_checkpoint_facts
+from .mapping import DTYPES
+from .shape import ModelShape, MoEShape
 
 TRANSFORMERS_RANGE = ("4.56", "6")  # >= 4.56, < 6, as setup.py's extras require
 _ST_DTYPES = {
@@ -62,13 +42,9 @@ _ST_DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
 
 
 def transformers_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("transformers")
     except PackageNotFoundError:
@@ -77,8 +53,6 @@ def transformers_version() -> str:
 
 def check_transformers_version() -> str:
     """The installed transformers must be in TRANSFORMERS_RANGE (checked without importing it)."""
-    from packaging.version import Version
-
     text = transformers_version()
     low, high = TRANSFORMERS_RANGE
     if not (Version(low) <= Version(text) < Version(high)):
@@ -102,13 +76,9 @@ def parse_size(text) -> int:
 
 # --------------------------------------------------------------------------- safetensors writer
 class StreamingSafetensorsWriter:
-    """Writes safetensors shards whose tensors arrive one after another, in plan order.
-
-    The full plan (name, shape, dtype) is known up front, so each shard's header is written
-    first and tensor bytes are appended as they arrive (in pieces of rows if need be): no shard
-    is ever assembled in memory. The files follow the safetensors format (8-byte little-endian
-    header length, JSON header padded with spaces to 8 bytes, contiguous data).
-    """
+    """Writes safetensors shards whose tensors arrive one after another (in pieces of rows if need
+    be), in plan order: each shard's header is written first from the plan, so no shard is assembled
+    in memory."""
 
     def __init__(self, out_dir: str, plan: List[Tuple[str, Tuple[int, ...], torch.dtype]], max_shard_bytes: int):
         self.out_dir = out_dir
@@ -187,10 +157,8 @@ class StreamingSafetensorsWriter:
     def close(self) -> None:
         if self.expected is not None:
             raise RuntimeError(f"safetensors writer closed before {self.expected[0]} was written")
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": self.weight_map}
-        with open(os.path.join(self.out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-            f.write("\n")
+        _write_json(os.path.join(self.out_dir, "model.safetensors.index.json"),
+                    {"metadata": {"total_size": self.total_bytes}, "weight_map": self.weight_map})
 
     def abort(self) -> None:
         if self._f is not None:
@@ -201,16 +169,9 @@ class StreamingSafetensorsWriter:
 # --------------------------------------------------------------------------- config files
 def hf_config_dict(shape: ModelShape, post_ln: int, scheme: str, alpha, dtype_name: str, token_ids: dict,
                    layer_kinds=None, deepnorm_alpha=None, deepnorm_beta=None) -> dict:
-    """The one builder of an export's config.json, written without importing transformers.
-
-    Holds the LlamaConfig fields of the model shape, the architecture fields of mixln_megatron.hf
-    (export_config_fields: model_type llama + LlamaForCausalLM when stock, else mixln_llama +
-    auto_map + the Mix-LN fields, with layer_kinds / deepnorm_alpha / deepnorm_beta for a layout
-    other than Mix-LN's first P: hf.export_code.placement_export_fields), and the rope settings in
-    both transformers 5 (rope_parameters) and 4 spellings.
-    """
-    from ..hf.export_code import export_config_fields
-
+    """The one builder of an export's config.json, written without importing transformers: the
+    LlamaConfig fields of the shape, the architecture fields of hf.export_code, and the rope settings
+    in both transformers 5 (rope_parameters) and 4 spellings."""
     cfg = {
         "vocab_size": shape.vocab_size,
         "hidden_size": shape.hidden_size,
@@ -257,8 +218,6 @@ def moe_config_fields(shape: ModelShape, post_ln, scheme, alpha, layer_kinds=Non
                       deepnorm_beta=None, dtype_name: Optional[str] = None) -> dict:
     """The MoE export's class keys and fields (hf.export_code.moe_export_config_fields) of this shape,
     exported in `dtype_name` (an fp32 router makes a stock class exact only in float32)."""
-    from ..hf.export_code import moe_export_config_fields
-
     moe = shape.moe
     # the top-k scaling factor needs no field: it is folded into the experts' fc2 (hf_layer_tensors)
     return moe_export_config_fields(
@@ -273,15 +232,11 @@ def moe_config_fields(shape: ModelShape, post_ln, scheme, alpha, layer_kinds=Non
 
 def v4_rope_keys(shape: ModelShape) -> dict:
     """rope_theta / rope_scaling as transformers 4.x reads them (5.x reads rope_parameters)."""
-    out = {"rope_theta": shape.rotary_base}
+    out = {"rope_theta": shape.rotary_base, "rope_scaling": None}
     if shape.rope_scaling is not None:
-        scaling = dict(shape.rope_scaling)
-        scaling.setdefault("type", scaling.get("rope_type"))
-        out["rope_scaling"] = scaling
-    else:
-        out["rope_scaling"] = None
+        out["rope_scaling"] = dict(shape.rope_scaling)
+        out["rope_scaling"].setdefault("type", shape.rope_scaling.get("rope_type"))
     return out
-
 
 
 def generation_config_dict(token_ids: dict) -> dict:
@@ -311,41 +266,36 @@ def convert_to_hf(
     max_shard_size="5GB",
     progress: bool = True,
 ) -> dict:
-    """Convert the Megatron-LM checkpoint in `load` to a Hugging Face folder `save`.
-
-    Returns a summary dict (format, iteration, P, scheme, dtype, files, bytes, seconds).
-    """
+    """Convert the Megatron-LM checkpoint in `load` to a Hugging Face folder `save`; returns a summary dict."""
     t0 = time.time()
-    from ..safe_output import HF_FOLDER
-
-    prepare_output(load, save, HF_FOLDER, overwrite)  # before any work: never lose the input or a foreign folder
+    prepare_output([load], save, HF_FOLDER, overwrite, ConversionError)  # before any work: never lose the input or a foreign folder
     tf_version = check_transformers_version()
     if dtype not in (None, "auto") and dtype not in DTYPES:
         raise ConversionError(f"--dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
     facts = read_checkpoint_facts(load, iteration, vocab_size=vocab_size, tokenizer=tokenizer)  # 1. read
-    check_glu_interleave_saved_layout(facts.shape.moe, facts.reader.args)
-    out_dtype = facts.dtype if dtype in (None, "auto") else DTYPES[dtype]
+    shape = facts.model_shape
+    check_glu_interleave_saved_layout(shape.moe, facts.args)
+    out_dtype = facts.reader.dtype if dtype in (None, "auto") else DTYPES[dtype]
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise UnsupportedModelError(f"the checkpoint's weights are {out_dtype}; pass --dtype bfloat16/float32")
-    from ..hf.export_code import placement_export_fields, write_model_code
-
-    post_ln, scheme, alpha = facts.post_ln_layers, facts.scheme, facts.alpha
+    record = facts.record  # its fields, not CheckpointInfo's properties: the writing never calls back into inspect
+    post_ln, scheme, alpha = int(record["post_ln_layers"]), record["scheme"], record.get("alpha")
     fields = placement_export_fields(facts.placement)  # layer_kinds only off Mix-LN's first-P layout
     dtype_name = str(out_dtype).replace("torch.", "")
-    config = hf_config_dict(facts.shape, post_ln, scheme, alpha, dtype_name, facts.token_ids,
+    config = hf_config_dict(shape, post_ln, scheme, alpha, dtype_name, facts.token_ids,
                             fields["layer_kinds"], fields["deepnorm_alpha"], fields["deepnorm_beta"])
     model_type = config["model_type"]  # llama / mixln_llama; MoE: mixtral / qwen2_moe / mixln_moe
     stock = model_type in ("llama", "mixtral", "qwen2_moe")  # hf.export_code decided: no code files
-    roles = M.map_roles(facts.shape, facts.placement.kinds,  # 2. map (3. write below)
+    roles = M.map_roles(shape, facts.placement.kinds,  # 2. map (3. write below)
                         "mixtral" if model_type == "mixtral" else "qwen2_moe")
     plan = [(name, shp, out_dtype) for name, shp in roles.plan]
-    with staged_output_dir(save, overwrite, HF_FOLDER) as tmp:
+    with staged_dir(save, HF_FOLDER, overwrite, ConversionError) as tmp:
         _write_json(os.path.join(tmp, "config.json"), config)
         _write_json(os.path.join(tmp, "generation_config.json"), generation_config_dict(facts.token_ids))
         if not stock:
             write_model_code(tmp, model_type)
         writer = StreamingSafetensorsWriter(tmp, plan, parse_size(max_shard_size))
-        bar = _progress(progress, writer.total_bytes, f"to-hf {os.path.basename(os.path.abspath(save))}")
+        bar = progress_bar(writer.total_bytes, f"to-hf {os.path.basename(os.path.abspath(save))}", enabled=progress)
         try:
             _write_tensors(facts, roles, out_dtype, writer, bar)
             writer.close()
@@ -359,19 +309,18 @@ def convert_to_hf(
         "format": facts.format, "checkpoint": facts.path, "iteration": facts.iteration,
         "model_kind": facts.model_kind, "hybrid_pattern": facts.hybrid_pattern,
         "post_ln_layers": post_ln, "scheme": scheme, "alpha": alpha, "layout": None if facts.placement.is_first_p else facts.placement.layout,
-        "deepnorm_alpha": facts.placement.deepnorm_alpha, "settings_source": facts.settings_source,
+        "deepnorm_alpha": facts.placement.deepnorm_alpha, "settings_source": facts.record_source,
         "architecture": config["architectures"][0], "remote_code": not stock,
         "vocab_size": facts.vocab_size, "vocab_source": facts.vocab_source,
-        "padded_vocab_size": facts.padded_vocab_size,
+        "padded_vocab_size": facts.reader.padded_vocab_size,
         "dtype": dtype_name, "bytes": writer.total_bytes, "files": files, "save": os.path.abspath(save),
         "transformers": tf_version, "seconds": round(time.time() - t0, 2),
     }
 
 
 def check_glu_interleave_saved_layout(moe: Optional[MoEShape], args) -> None:
-    """GLU-interleaved fc1 rows are read as [gate s; up s] blocks of the whole tensor, which torch_dist
-    holds only when one (expert) tensor-parallel rank held the whole fc1: model.moe_fields'
-    interleave_rank_problem is the rule (the analysis loader reads it too). One line refusing other saves."""
+    """GLU-interleaved fc1 rows are read as blocks of the whole tensor: refused unless saved as such
+    (model.moe_fields.interleave_rank_problem)."""
     if moe is None:
         return
     problem = moe_fields.interleave_rank_problem(moe_fields.getter(args))
@@ -379,41 +328,15 @@ def check_glu_interleave_saved_layout(moe: Optional[MoEShape], args) -> None:
         raise UnsupportedModelError(f"this checkpoint's MoE layers cannot be converted: {problem}")
 
 
-def _glu_interleave(role: str, moe: Optional[MoEShape]) -> Optional[int]:
-    """The GLU interleave of an fc1 role's rows (None: plain [gate; up]); only MoE fc1s have one."""
-    if moe is None or not role.endswith(".fc1.weight"):
-        return None
-    return moe.shared_glu_interleave if role.startswith("shared.") else moe.expert_glu_interleave
-
-
-def hf_layer_tensors(role: str, tensor: torch.Tensor, shape: ModelShape) -> List[torch.Tensor]:
-    """One layer's Megatron tensor of `role` (global layout) -> its HF tensors, in mapping.hf_role_tensors order."""
-    if role.startswith("qkv."):
-        q, k, v = split_qkv(tensor, shape)
-        if shape.rotary_interleaved:  # Megatron's interleaved RoPE -> HF's rotate-half rows
-            d = shape.kv_channels
-            q, k = (deinterleave_rope_rows(t, t.shape[0] // d, d) for t in (q, k))
-        return [q, k, v]
-    if role.startswith("fc1.") or role.endswith(".fc1.weight"):  # dense, each expert's and the shared expert's
-        return list(split_glu_rows(tensor, _glu_interleave(role, shape.moe)))  # [gate; up] or [gate s; up s]*
-    if role.endswith(".fc2.weight") and split_expert_role(role) and shape.moe.topk_scaling != 1:
-        # Megatron multiplies the k routing weights by the factor; each routed expert's output is
-        # linear in its fc2 (no bias), so the factor goes into fc2 (in fp32, cast once on writing)
-        return [tensor.float() * shape.moe.topk_scaling]
-    if role in M.NORM_ROLES and shape.layernorm_1p:
-        return [tensor.float() + 1]  # Megatron stores gamma - 1 (--apply-layernorm-1p)
-    return [tensor]
-
-
 def _expert_of(role: str) -> int:
-    """The routed expert a role belongs to (convert.moe_shape.split_expert_role), -1 for the layer's own."""
-    expert = split_expert_role(role)
-    return -1 if expert is None else expert[0]
+    """The routed expert a role belongs to, -1 for the layer's own."""
+    expert = M.EXPERT_ROLE.fullmatch(role)
+    return -1 if expert is None else int(expert.group(1))
 
 
-def hf_tensors(facts: CheckpointFacts, roles: M.RoleMap) -> Iterator[Tuple[str, torch.Tensor]]:
+def hf_tensors(facts: CheckpointInfo, roles: M.RoleMap) -> Iterator[Tuple[str, torch.Tensor]]:
     """(HF name, tensor or block of its rows) in the order of roles.plan: the reader's tensors, mapped."""
-    reader, shape = facts.reader, facts.shape
+    reader, shape = facts.reader, facts.model_shape
 
     def vocab(which, name):
         for start, stop in reader.vocab_blocks(which, shape.vocab_size):
@@ -427,7 +350,7 @@ def hf_tensors(facts: CheckpointFacts, roles: M.RoleMap) -> Iterator[Tuple[str, 
             group = list(group)
             tensors = reader.read_layer(layer, [role for role, _ in group])
             for role, names in group:
-                for (name, _), tensor in zip(names, hf_layer_tensors(role, tensors.pop(role), shape)):
+                for (name, _), tensor in zip(names, M.hf_layer_tensors(role, tensors.pop(role), shape)):
                     yield name, tensor
     norm = reader.read_final_norm()
     yield roles.final_norm[0], norm.float() + 1 if shape.layernorm_1p else norm
@@ -435,7 +358,7 @@ def hf_tensors(facts: CheckpointFacts, roles: M.RoleMap) -> Iterator[Tuple[str, 
         yield from vocab("output", roles.output[0])
 
 
-def _write_tensors(facts: CheckpointFacts, roles: M.RoleMap, out_dtype, writer, bar) -> None:
+def _write_tensors(facts: CheckpointInfo, roles: M.RoleMap, out_dtype, writer, bar) -> None:
     for name, tensor in hf_tensors(facts, roles):
         bar.update(writer.write(name, tensor.to(out_dtype)))
         del tensor
@@ -450,10 +373,3 @@ def _copy_tokenizer(src: str, dst: str) -> None:
             copied += 1
     if not copied:
         raise ConversionError(f"--tokenizer-model {src}: no tokenizer files found ({', '.join(TOKENIZER_FILES[:4])}, ...)")
-
-
-def _progress(enabled: bool, total: int, desc: str):
-    """The conversions' byte progress (progress.bar: a bar on a terminal, periodic lines in a log)."""
-    from ..progress import bar
-
-    return bar(total, desc, enabled=enabled)

@@ -1,35 +1,29 @@
 """torch_dist checkpoints read without process groups and without megatron.
 
-<iter>/.metadata + *.distcp + metadata.json (megatron-core dist_checkpointing over
-torch.distributed.checkpoint). A GPTModel's per-layer tensors are stacked under one key with a
-leading layer axis ([L, ...]); a HybridModel's `*-` layers have a key each and are read as the GPT
-blocks they are (convert.hybrid_keys). Every rank saved its own chunks (one per layer and TP slice). A layer is read as
-one box per role, in one pass of DCP's reader (convert.dcp_files); the vocabulary tensors in
-blocks of whole saved chunks, so every chunk is loaded once. Common state (args, iteration,
-content metadata) lives in common.pt (older megatron-core) or in the files as the object
-`common_state` (0.19+); both, and the Mix-LN record, go through the allow-list.
-
-The folder is untrusted input: DCPFiles checks the metadata and every file it names; common.pt
-is a bounded regular file of the folder (LIMITS["common.pt"]); the common state and the record
-are checked for shape (convert.saved_values.check_common_state / check_record) before use.
+A GPTModel's per-layer tensors are stacked under one key with a leading layer axis ([L, ...]); a
+HybridModel's `*-` layers have a key each and are read as the GPT blocks they are
+(convert.megatron_reader.model_kind). A layer is read as one box per role, in one pass of DCP's
+reader (convert.dcp_files); the vocabulary in blocks of whole saved chunks, each loaded once. The
+common state is common.pt (older megatron-core) or the object `common_state` (0.19+); both, and
+the Mix-LN record, go through the allow-list and are checked before use.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
 from ..errors import ConversionError, UnsupportedModelError
 from ..safe_unpickle import load_torch
-from ..model import checkpoint_keys as keys
-from . import hybrid_keys
+from ..model import checkpoint as keys
+from ..model.layout import sandwich_rows
 from . import mapping as M
 from .dcp_files import DCPFiles
-from .moe_shape import split_expert_role
-from .reader_base import ReaderBase
+from .megatron_reader import GPT, HYBRID, ReaderBase, check_common_state, check_record, model_kind, pattern_of_keys
 
 COMMON_PT = "common.pt"
 COMMON_STATE_KEY = keys.COMMON_STATE_KEY
@@ -54,20 +48,18 @@ class TorchDistCheckpoint(ReaderBase):
         self.args = self.common.get("args")
         self.iteration = self.common.get("iteration")
         self.content_metadata = self.common.get("content_metadata")
-        # A HybridModel checkpoint keeps per-layer keys (convert.hybrid_keys); its `*-` pairs are
+        # A HybridModel checkpoint keeps per-layer keys (megatron_reader.model_kind); its `*-` pairs are
         # read as the GPT blocks they are. So does a GPTModel with MoE layers (megatron saves
         # non-homogeneous layers one key each), which only the settings are read of.
         per_layer = any(keys.HYBRID_LAYER.match(k) for k in self._tensors)
         if self.unconvertible and any(k.startswith(keys.GPT_FINAL_NORM) for k in self._tensors):
-            self.model_kind = hybrid_keys.GPT
+            self.model_kind = GPT
         else:
-            self.model_kind = hybrid_keys.model_kind(self._tensors)
-        self.hybrid_pattern = hybrid_keys.pattern_of_keys(self._tensors) if self.model_kind == hybrid_keys.HYBRID \
+            self.model_kind = model_kind(self._tensors)
+        self.hybrid_pattern = pattern_of_keys(self._tensors) if self.model_kind == HYBRID \
             else None
         record_key = f"{keys.HYBRID_RECORD_KEY if per_layer else keys.GPT_RECORD_KEY}/shard_0_1"
         if record_key in self.files.objects:
-            from .saved_values import check_record
-
             loaded = self.files.read_object(record_key, "the Mix-LN settings record")
             record = loaded[0] if isinstance(loaded, list) and len(loaded) == 1 else loaded
             self.settings_record = check_record(record, f"{self.files._item_file(record_key)} (item {record_key})")
@@ -111,8 +103,6 @@ class TorchDistCheckpoint(ReaderBase):
             raise UnsupportedModelError(self.unconvertible)
 
     def _read_common(self) -> dict:
-        from .saved_values import check_common_state
-
         common_pt = os.path.join(self.path, COMMON_PT)
         if self.files.root.exists(COMMON_PT):
             # a bounded regular file of the folder (never a FIFO, a device or a link out), then the allow-list
@@ -152,9 +142,9 @@ class TorchDistCheckpoint(ReaderBase):
 
     # ---------------------------------------------------------------- model tensors
     def _layer_key(self, layer: int, role: str) -> Tuple[str, bool]:
-        """(key, stacked): a GPTModel's stacked key (hybrid_keys.model_kind refuses per-layer GPT
+        """(key, stacked): a GPTModel's stacked key (megatron_reader.model_kind refuses per-layer GPT
         keys), or the HybridModel layer's own key."""
-        expert = split_expert_role(role)
+        expert = _expert(role)
         name = self._role_names[expert[1] if expert else role]
         if self.hybrid_pattern is not None:
             return self._hybrid_layer_key(layer, role, name), False
@@ -170,7 +160,7 @@ class TorchDistCheckpoint(ReaderBase):
 
     def _hybrid_layer_key(self, block: int, role: str, name: str) -> str:
         """Block `block`'s tensor of `role` in a HybridModel checkpoint: in its `*` or `-` layer
-        (model.checkpoint_keys; a Mix-LN norm in either, depending on the block's kind: look in both)."""
+        (model.checkpoint; a Mix-LN norm in either, depending on the block's kind: look in both)."""
         candidates = sorted({keys.hybrid_layer_of(block, name, post_ln) for post_ln in (False, True)} - {None})
         names = [f"{keys.LAYERS}{j}.{name}" for j in candidates]
         found = [k for k in names if k in self._tensors]
@@ -181,19 +171,13 @@ class TorchDistCheckpoint(ReaderBase):
         return found[0]
 
     def check_layer_kinds(self, kinds: Sequence[str]) -> None:
-        """The sandwich norms (mixln_norm_c / _d, model.layer) exist for exactly the settings'
-        sandwich layers: GPTModel stacks them over those layers, [S, hidden]; HybridModel keeps each
-        in its block's `*` (c) or `-` (d) layer, [hidden]. Remembers each sandwich layer's row.
-        Other kinds share the keys, which cannot tell them apart (the settings record does)."""
-        from ..model.layout import sandwich_rows
-
+        """The sandwich norms exist for exactly the settings' sandwich layers (GPTModel: stacked
+        [S, hidden]; per-layer keys: [hidden] each); remembers each sandwich layer's row. Other
+        kinds share the keys, which cannot tell them apart (the settings record does)."""
         self._sandwich_rows = sandwich_rows(kinds)
         layers = list(self._sandwich_rows)  # the sandwich layers, in row order
-        if self.hybrid_pattern is not None:
-            self._check_hybrid_sandwich_norms(layers, len(kinds))
-            return
-        if self.moe and self.num_stacked_layers() is None:  # per-layer keys: each sandwich layer its own [hidden]
-            self._check_per_layer_sandwich_norms(layers, len(kinds))
+        if self.hybrid_pattern is not None or (self.moe and self.num_stacked_layers() is None):
+            self._check_own_sandwich_norms(layers, len(kinds), hybrid=self.hybrid_pattern is not None)
             return
         hidden = self.global_shape(M.TD_EMBEDDING)[1]
         for role, name in M.SANDWICH_NORM_NAMES.items():
@@ -210,32 +194,19 @@ class TorchDistCheckpoint(ReaderBase):
                 raise ConversionError(f"{key} has shape {self.global_shape(key)}, the {len(layers)} sandwich "
                                       f"layer(s) of the Mix-LN settings imply {(len(layers), hidden)}")
 
-    def _check_per_layer_sandwich_norms(self, layers: Sequence[int], num_layers: int) -> None:
+    def _check_own_sandwich_norms(self, layers: Sequence[int], count: int, hybrid: bool) -> None:
+        """Per-layer keys (GPT's mixed MoE stacks) or HybridModel blocks: each sandwich layer its own [hidden]."""
         hidden = self.global_shape(M.TD_EMBEDDING)[1]
+        what = "block" if hybrid else "layer"
         for name in M.SANDWICH_NORM_NAMES.values():
-            for layer in range(num_layers):
-                key = f"{keys.LAYERS}{layer}.{name}"
-                if layer not in layers and key in self._tensors:
-                    raise ConversionError(f"{self.path} has {key} (a sandwich norm), but layer {layer + 1} is not a "
-                                          "sandwich layer of its Mix-LN settings: the settings do not match the tensors")
-                if layer in layers and key not in self._tensors:
-                    raise ConversionError(f"{self.path} has no {key}, but layer {layer + 1} is a sandwich layer of its "
-                                          "Mix-LN settings: the checkpoint is incomplete or was edited")
-                if layer in layers and self.global_shape(key) != (hidden,):
-                    raise ConversionError(f"{key} has shape {self.global_shape(key)}, a sandwich norm of hidden size "
-                                          f"{hidden} is {(hidden,)}")
-
-    def _check_hybrid_sandwich_norms(self, layers: Sequence[int], blocks: int) -> None:
-        hidden = self.global_shape(M.TD_EMBEDDING)[1]
-        for name in M.SANDWICH_NORM_NAMES.values():
-            for block in range(blocks):
-                key = f"{keys.LAYERS}{keys.hybrid_layer_of(block, name, False)}.{name}"
-                if block not in layers:
+            for layer in range(count):
+                key = f"{keys.LAYERS}{keys.hybrid_layer_of(layer, name, False) if hybrid else layer}.{name}"
+                if layer not in layers:
                     if key in self._tensors:
-                        raise ConversionError(f"{self.path} has {key} (a sandwich norm), but block {block + 1} is not a "
+                        raise ConversionError(f"{self.path} has {key} (a sandwich norm), but {what} {layer + 1} is not a "
                                               "sandwich layer of its Mix-LN settings: the settings do not match the tensors")
                 elif key not in self._tensors:
-                    raise ConversionError(f"{self.path} has no {key}, but block {block + 1} is a sandwich layer of its "
+                    raise ConversionError(f"{self.path} has no {key}, but {what} {layer + 1} is a sandwich layer of its "
                                           "Mix-LN settings: the checkpoint is incomplete or was edited")
                 elif self.global_shape(key) != (hidden,):
                     raise ConversionError(f"{key} has shape {self.global_shape(key)}, a sandwich norm of hidden size "
@@ -251,7 +222,7 @@ class TorchDistCheckpoint(ReaderBase):
             if role in M.SANDWICH_NORM_NAMES and layer not in self._sandwich_rows:
                 raise ConversionError(f"{self.path}: layer {layer + 1} is not a sandwich layer of the checkpoint's "
                                       f"Mix-LN settings, so it has no {role}")
-            expert = split_expert_role(role)
+            expert = _expert(role)
             if expert is not None:  # one expert's row of the layer's [E, ...] (or stacked [L, E, ...]) tensor
                 lead = (layer, expert[0]) if stacked else (expert[0],)
                 box = self._box(key, lead + (0,) * (len(shape) - len(lead)), (1,) * len(lead) + shape[len(lead):])
@@ -308,6 +279,46 @@ class TorchDistCheckpoint(ReaderBase):
         if key not in self._tensors:
             raise ConversionError(f"{self.path} has no {key}")
         return self.read(key, (0,), self.global_shape(key))
+
+    def read_model_state(self, state: dict, num_layers: int, record) -> dict:
+        """`state`, a TP = PP = 1 megatron-core GPTModel's state dict, with every tensor read from
+        this checkpoint (the analysis loader's model); layer tensors by role, those without one
+        (qk-layernorm) by name. The Mix-LN record becomes `record`, which the layers check."""
+        by_layer = {}
+        for key, value in state.items():
+            if key.endswith(keys.RECORD):
+                state[key] = record
+                continue
+            if key.endswith("_extra_state") or not torch.is_tensor(value):
+                continue
+            if key.startswith(M.TD_LAYER_PREFIX):
+                index, _, name = key[len(M.TD_LAYER_PREFIX):].partition(".")
+                by_layer.setdefault(int(index), []).append((key, name))
+            elif key == M.TD_EMBEDDING:
+                state[key] = self.read_vocab_rows("embedding", 0, value.shape[0])
+            elif key == M.TD_OUTPUT:
+                state[key] = self.read_vocab_rows("output", 0, value.shape[0])
+            elif key == M.TD_FINAL_NORM:
+                state[key] = self.read_final_norm()
+            else:
+                raise UnsupportedModelError(f"the analysis loader does not know the model tensor {key}")
+        for layer in range(num_layers):
+            named = by_layer.get(layer, [])
+            roles = {name: role for _, name in named if (role := model_layer_role(name)) is not None}
+            tensors = self.read_layer(layer, sorted(set(roles.values())))
+            for key, name in named:
+                state[key] = tensors[roles[name]] if name in roles else self._read_unmapped(layer, name)
+        return state
+
+    def _read_unmapped(self, layer: int, name: str) -> torch.Tensor:
+        """A layer tensor without a role: its row of the key stacked over the layers, or the layer's own key."""
+        stacked, own = M.TD_LAYER_PREFIX + name, f"{M.TD_LAYER_PREFIX}{layer}.{name}"
+        if self.has(stacked):
+            shape = self.global_shape(stacked)
+            return self.read(stacked, (layer,) + (0,) * (len(shape) - 1), (1,) + shape[1:])[0]
+        if self.has(own):
+            return self.read(own, (0,) * len(self.global_shape(own)), self.global_shape(own))
+        raise UnsupportedModelError(f"parameters missing from the checkpoint: {stacked}")
 
     def model_tensor_bytes(self) -> int:
         return sum(math.prod(md.size) * md.properties.dtype.itemsize for key, md in self._tensors.items()
@@ -371,3 +382,32 @@ class TorchDistCheckpoint(ReaderBase):
         emb = self.global_shape(M.TD_EMBEDDING)
         if emb[1] != shape.hidden_size:
             raise ConversionError(f"{M.TD_EMBEDDING} has shape {emb}, the args imply hidden size {shape.hidden_size}")
+
+
+def _expert(role: str):
+    """(expert index, its layer's whole-tensor role) of a routed expert's role, else None: the role
+    table's pattern, matched here (a reader does not call back into the role table: the export walk)."""
+    m = M.EXPERT_ROLE.fullmatch(role)
+    return None if m is None else (int(m.group(1)), f"experts.{m.group(2)}.weight")
+
+
+# A sequential expert's tensor in a megatron-core model: mlp.experts.local_experts.<e>.linear_fc<n>.weight
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_(fc[12])\.weight$")
+
+
+def local_expert(layer_local_name: str) -> Optional[Tuple[int, str]]:
+    """(expert index, "fc1" / "fc2") of a local expert's weight (layer-local name), else None; in one
+    process the local index is the global one."""
+    m = _LOCAL_EXPERT.match(layer_local_name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def model_layer_role(name: str) -> Optional[str]:
+    """The role of a megatron-core model's layer tensor (layer-local name), dense or MoE; None for
+    a tensor without one (e.g. qk-layernorm weights)."""
+    if name in M.LEGACY_LAYER_NAMES:
+        return M.LEGACY_LAYER_NAMES[name]
+    expert = local_expert(name)
+    if expert is not None:
+        return M.expert_role(*expert)
+    return {n: role for role, n in M.MOE_ROLE_NAMES.items() if role not in M.EXPERT_ROLES}.get(name)

@@ -1,30 +1,17 @@
 """Vetting a Megatron-LM checkpoint before anything unpickles it without an allow-list.
 
-Megatron-LM's own load path unpickles with plain pickle: DCP's `read_metadata` for `.metadata`,
-`torch.load(weights_only=False)` for common.pt and every byte item of the .distcp files, the legacy
-`mp_rank_*/*.pt` files, and TransformerEngine's `set_extra_state` runs `pickle.loads` on the bytes
-of a layer's `_extra_state` tensor. A checkpoint is untrusted input (DESIGN 9, 13), so before
-Megatron-LM sees a folder, every pickle its load will touch is read here with the project's safe
-readers (mixln_megatron.safe_unpickle's allow-list, the confinement of mixln_megatron.input_root):
+Megatron-LM's own load path unpickles with plain pickle (`.metadata`, common.pt, every byte item,
+legacy rank files, TE's `_extra_state`); a checkpoint is untrusted input, so before Megatron-LM
+sees a folder every pickle its load will touch is read here through mixln_megatron.safe_unpickle's
+allow-list, confined by mixln_megatron.input_root (what is read: docs/untrusted-input.md):
 
-    vet_checkpoint(load, iteration=None)   one saved iteration (a --save directory with its
-                                           tracker, or an iter_*/release directory): VetReport
-    vet_load_args(args)                    what Megatron-LM's load would read for these args:
-                                           --load (tracker / release, --ckpt-step), the
-                                           --pretrained-checkpoint, a global non-persistent one
-    check_byte_item(raw, key, where)       one byte item, exactly as the readers and the converters
-                                           check it (the converters write only checked items)
-    check_load_dir(load)                   the --spec edge's release check (a checkpoint of a newer
-                                           megatron-core), reading no pickle
+    vet_checkpoint(load, iteration=None)   one saved iteration: VetReport
+    vet_load_args(args)                    what Megatron-LM's load would read for these args
+                                           (--load, --ckpt-step, --pretrained-checkpoint)
+    check_byte_item(raw, key, where)       one byte item, as the readers and the converters check it
+    check_load_dir(load)                   the --spec edge's release check, reading no pickle
 
-What a vetted iteration holds, read through the allow-list: `.metadata` (DCP's plain pickle),
-metadata.json (a JSON object), common.pt and every other `*.pt` file in the iteration directory,
-every byte item of the .distcp files (model objects, the settings record, RNG state, optimizer
-objects, megatron-core 0.19's common_state) and what Megatron or TE unpickles again from them
-(TE's `_extra_state` inner pickle; an io.BytesIO holding a torch.save archive), and for legacy
-checkpoints every `mp_rank_*/*.pt` file (model_optim_rng.pt, distrib_optim.pt). A refusal is a
-MixLNError (UnsafeCheckpointError / UnsafeInputError / ConversionError): one line, exit 2.
-Tensors are not read (DCP loads them weights-only).
+A refusal is a MixLNError: one line, exit 2. Tensors are not read (DCP loads them weights-only).
 """
 
 from __future__ import annotations
@@ -37,13 +24,17 @@ import os
 import time
 import types
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, List, Optional
 
-from ..errors import ConversionError, MixLNError, UnsafeCheckpointError
+import torch
+
+from .. import errors
+from ..errors import (ConversionError, MixLNError, UnsafeCheckpointError, UnsafeInputError,
+                      UnsupportedModelError)
 from ..input_root import InputRoot
-from ..progress import announce
 from ..safe_unpickle import load_pickle, load_torch
-from .locate import LEGACY_DIR, TRACKER, resolve_checkpoint_dir
+from .dcp_files import DCPFiles
+from .megatron_reader import LEGACY_DIR, TRACKER, announce_checkpoint_read, resolve_checkpoint_dir
 
 EXTRA_STATE = "_extra_state"
 NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's default global non-persistent folder under --load
@@ -71,8 +62,6 @@ def check_nested(value, what: str, extra_state: bool = False) -> None:
     extra state, loaded with torch.load) through load_torch; in an `_extra_state` item or under a
     `*_extra_state` key (legacy files), a uint8 tensor's bytes (TE 2.x: `pickle.loads(
     tensor.numpy().tobytes())`) through load_pickle."""
-    import torch
-
     stack, seen = [(value, extra_state)], 0
     while stack:
         item, extra = stack.pop()
@@ -146,8 +135,6 @@ def vet_iteration_dir(path: str) -> VetReport:
 
 
 def _vet_dcp(root: InputRoot, entries: List[str], report: VetReport) -> None:
-    from .dcp_files import DCPFiles
-
     if "metadata.json" in entries:
         root.read_json("metadata.json", "metadata.json")
     if ".metadata" not in entries:
@@ -192,7 +179,7 @@ def vet_load_args(args) -> List[VetReport]:
     --load (and the release check of check_load_dir), --pretrained-checkpoint, and a global
     non-persistent checkpoint. Returns one VetReport per vetted iteration.
 
-    Once per node (convert.vet_once): one local rank vets, the others take its verdict (a refusal
+    Once per node (once_per_node): one local rank vets, the others take its verdict (a refusal
     is raised on each of them with the same line)."""
     step = getattr(args, "ckpt_step", None)
     strict = getattr(args, "dist_ckpt_strictness", None)  # whether Megatron's load reads the tensor metadata
@@ -212,7 +199,7 @@ def vet_load_args(args) -> List[VetReport]:
     def vet() -> list:
         reports = []
         for path in paths:
-            _announce_metadata(path)  # a large .metadata takes a while: say so first (this rank only)
+            announce_checkpoint_read(path)  # a large .metadata takes a while: say so first (this rank only)
             reports.append(dataclasses.asdict(vet_iteration_dir(path)))  # first: a payload is named as such
             _check_release(path, strict)
         # A --load folder that is itself one saved iteration (no tracker: Megatron-LM would silently start
@@ -220,18 +207,7 @@ def vet_load_args(args) -> List[VetReport]:
         check_load_dir(getattr(args, "load", None), strict)
         return reports
 
-    from .vet_once import once_per_node
-
     return [VetReport(**r) for r in once_per_node(_identity(paths, getattr(args, "load", None)), vet) or []]
-
-
-def _announce_metadata(path: str) -> None:
-    """`reading and vetting <path>/.metadata (N MB) ...` on stderr when the file is large."""
-    try:
-        size = os.lstat(os.path.join(path, ".metadata")).st_size
-    except OSError:
-        return  # no torch_dist metadata (legacy, or missing): the vetting itself says what is wrong
-    announce(f"reading and vetting {os.path.join(path, '.metadata')}", size)
 
 
 def _identity(paths: List[str], load: Optional[str]) -> str:
@@ -265,3 +241,57 @@ def _check_release(directory: str, strict=None) -> None:
     from .. import compat  # imports megatron.core: only where a release is loading
 
     compat.check_readable(directory, strict)
+
+
+# ------------------------------------------------------------------------------ once per node
+# Vetting a 405B run's checkpoint reads a `.metadata` of ~160 MB and stats every `.distcp`; done by
+# every local rank it costs the node's memory and the file system that many times over.
+_REFUSALS = {cls.__name__: cls for cls in (MixLNError, ConversionError, UnsupportedModelError, UnsafeCheckpointError,
+                                            UnsafeInputError)}
+
+
+def once_per_node(subject: str, vet: Callable[[], Optional[object]]):
+    """vet() on one local rank of the node (the first to claim `subject`, errors.NodeClaim); the
+    others wait for its verdict and take it: its JSON-able summary when clean, its refusal raised
+    again here (same class, same line) so every rank still ends with exit 2 and one line. A claimer
+    that dies without a verdict (or leaves one saying it failed otherwise) costs time, never
+    safety: the waiting rank vets for itself, as does a process alone or without a temp directory."""
+    if errors._local_ranks() <= 1:
+        return vet()
+    try:
+        claim = errors.NodeClaim("vet", subject)
+        taken = claim.take()
+    except OSError:
+        return vet()
+    verdict = claim.path(".verdict")
+    if not taken:
+        if claim.wait(lambda: os.path.exists(verdict)):
+            with open(verdict) as f:
+                given = json.load(f)
+            if given.get("clean"):
+                return given.get("summary")
+            if given.get("refused"):
+                raise _REFUSALS.get(given["refused"], MixLNError)(given["line"])
+        return vet()
+    try:
+        result = vet()
+    except MixLNError as error:
+        _write_verdict(verdict, {"refused": type(error).__name__, "line": str(error)})
+        raise
+    except BaseException:
+        _write_verdict(verdict, {"failed": True})  # the others vet for themselves
+        raise
+    try:
+        json.dumps(result)
+        summary = result
+    except (TypeError, ValueError):
+        summary = None
+    _write_verdict(verdict, {"clean": True, "summary": summary})
+    return result
+
+
+def _write_verdict(path: str, verdict: dict) -> None:
+    partial = f"{path}.{os.getpid()}.partial"
+    with open(partial, "w") as f:
+        json.dump(verdict, f)
+    os.replace(partial, path)  # a waiter sees the whole verdict or none

@@ -1,18 +1,7 @@
-"""Access to the data assets shipped inside the package (mixln_megatron/assets/).
+"""The data assets shipped inside the package (mixln_megatron/assets/, described in its README.md):
+Jane Austen's novels, NLTK's English punkt_tab model and the byte-level BPE trained on them.
 
-Everything here resolves paths inside the *installed* package, so a fresh clone / wheel install
-works without ../shared or the network:
-
-  austen_text_path()   assets/austen.txt.gz, Jane Austen's six novels (public domain)
-  read_austen()        the corpus as one str (optionally only the first `max_chars` characters)
-  austen_paragraphs()  the corpus as a list of paragraphs (blank-line separated blocks)
-  nltk_data_dir()      assets/nltk_data, a minimal NLTK data directory (English punkt_tab only)
-  punkt_dir()          assets/nltk_data/tokenizers/punkt_tab/english
-  use_shipped_punkt()  put nltk_data_dir() first on nltk.data.path (idempotent)
-  sentence_splitter()  the English Punkt tokenizer loaded from the shipped model
-  tokenizer_dir()      assets/tokenizer, a 4096-token byte-level BPE trained on the corpus
-  tokenizer_files()    the paths of its vocab.json / merges.txt / tokenizer.json
-
+Paths resolve inside the *installed* package, so a fresh install works without the network.
 Nothing here imports megatron, torch or transformers.
 """
 
@@ -23,25 +12,7 @@ import io
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Iterator, List, NamedTuple, Optional
-
-__all__ = [
-    "AssetsMissingError",
-    "TokenizerFiles",
-    "assets_dir",
-    "austen_paragraphs",
-    "austen_text_path",
-    "iter_paragraphs",
-    "join_paragraph",
-    "nltk_data_dir",
-    "punkt_dir",
-    "read_austen",
-    "sentence_splitter",
-    "split_paragraphs",
-    "tokenizer_dir",
-    "tokenizer_files",
-    "use_shipped_punkt",
-]
+from typing import Iterable, Iterator, List, NamedTuple, Optional, Tuple
 
 
 class AssetsMissingError(FileNotFoundError):
@@ -98,24 +69,29 @@ def join_paragraph(lines: List[str], unwrap: bool = True) -> str:
     return "\n".join(l.rstrip("\r\n") for l in lines).strip()
 
 
-def iter_paragraphs(lines: Iterable[str], unwrap: bool = True) -> Iterator[str]:
-    """Paragraphs = blocks of consecutive non-blank lines (a blank line is empty or whitespace
-    only), each joined by `join_paragraph`. This is the plain-text document rule of
-    `mixln_megatron.data.preprocess` (--text-unit paragraph)."""
+def numbered_paragraphs(lines: Iterable[Tuple[int, str]], unwrap: bool = True) -> Iterator[Tuple[int, str]]:
+    """(number of its first line, paragraph) for (line number, line) pairs. Paragraphs = blocks of
+    consecutive non-blank lines (a blank line is empty or whitespace only), each joined by
+    `join_paragraph`: the plain-text document rule of `mixln_megatron.data.preprocess`
+    (--text-unit paragraph)."""
     block: List[str] = []
-    for line in lines:
+    start = 0
+    for lineno, line in lines:
         if line.strip():
+            if not block:
+                start = lineno
             block.append(line)
         elif block:
-            yield join_paragraph(block, unwrap)
+            yield start, join_paragraph(block, unwrap)
             block = []
     if block:
-        yield join_paragraph(block, unwrap)
+        yield start, join_paragraph(block, unwrap)
 
 
 def split_paragraphs(text: str, unwrap: bool = True) -> List[str]:
-    """`iter_paragraphs` over the lines of `text` (split on "\\n" only)."""
-    return list(iter_paragraphs(io.StringIO(text, newline="\n"), unwrap))
+    """The paragraphs of `text` (numbered_paragraphs' rule; lines split on "\\n" only)."""
+    lines = enumerate(io.StringIO(text, newline="\n"), 1)
+    return [paragraph for _, paragraph in numbered_paragraphs(lines, unwrap)]
 
 
 def austen_paragraphs(max_chars: Optional[int] = None, unwrap: bool = True) -> List[str]:

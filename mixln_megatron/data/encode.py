@@ -1,4 +1,6 @@
-"""The worker side of preprocessing: documents -> token id sequences, in a Pool worker or inline.
+"""The worker side of preprocessing (documents -> token id sequences, in a Pool worker or inline),
+and what a run reports: its one-line errors and its statistics (bad lines by the reason the
+worker found).
 
 --split-sentences splits with NLTK's English Punkt model (shipped, offline), one sequence per
 sentence as in Megatron's own --split-sentences, but no text is lost: each sentence keeps the
@@ -12,12 +14,71 @@ from __future__ import annotations
 import json
 import os
 import signal
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from .report import PreprocessError
+import numpy as np
+
+from ..errors import MixLNError
+from .corpus import sentence_splitter
 from .tokenizer import TokenizerSpec, load_tokenizer
 
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+TEXT_UNITS = ("paragraph", "line", "file")
+BAD_LINE_REASONS = {
+    "invalid_utf8": "not valid UTF-8",
+    "malformed_json": "malformed JSON",
+    "missing_key": "no such key (or not a JSON object)",
+    "not_string": "value is not a string",
+    "invalid_text": "string with unpaired surrogates",
+}
+MAX_EXAMPLES = 5  # bad-line locations kept for the summary
+
+
+class PreprocessError(MixLNError):  # cli.main prints it in one line
+    """A user-facing error (missing input, existing output, bad option...)."""
+
+
+@dataclass
+class PreprocessStats:
+    output_prefix: str
+    documents: int = 0  # documents written
+    sequences: int = 0  # sequences written (sentences with --split-sentences, else = documents)
+    tokens: int = 0  # tokens written (EOD included)
+    empty: int = 0  # empty documents skipped
+    blank_lines: int = 0  # blank JSONL lines ignored
+    skipped: Counter = field(default_factory=Counter)  # bad JSONL lines by reason
+    examples: List[str] = field(default_factory=list)  # "path:line: reason" for the first few
+    seconds: float = 0.0
+    dtype: str = ""
+    vocab_size: int = 0
+    eod_id: Optional[int] = None
+    tokenizer: str = ""
+
+    @property
+    def bad_lines(self) -> int:
+        return sum(self.skipped.values())
+
+    def summary(self) -> str:
+        lines = [
+            f"wrote {self.output_prefix}.bin/.idx: {self.documents} documents, {self.sequences} "
+            f"sequences, {self.tokens} tokens ({self.dtype}, vocab {self.vocab_size}) in "
+            f"{self.seconds:.1f} s"
+        ]
+        if self.bad_lines:
+            parts = ", ".join(f"{BAD_LINE_REASONS[k]}: {v}" for k, v in sorted(self.skipped.items()))
+            lines.append(f"skipped {self.bad_lines} bad lines ({parts})")
+            lines.extend(f"  e.g. {e}" for e in self.examples)
+        else:
+            lines.append("skipped 0 bad lines")
+        if self.empty:
+            lines.append(f"skipped {self.empty} empty documents")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ the worker
 # One task = (kind, items, nbytes). kind "json": items = [(location, raw line bytes)];
 # kind "text": items = [(location, document str)]. nbytes is only passed through for the progress
 # bar. A result per item: ("ok", [np.ndarray per sequence]) | ("bad", reason, loc) | ("empty", loc)
@@ -45,15 +106,7 @@ def init_worker(cfg: WorkerConfig, in_pool: bool, tokenizer=None) -> None:
     _STATE.clear()
     _STATE["cfg"] = cfg
     _STATE["tok"] = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
-    _STATE["split"] = load_sentence_splitter() if cfg.split_sentences else None
-
-
-def load_sentence_splitter():
-    try:
-        from .corpus import sentence_splitter
-    except ImportError as e:  # pragma: no cover - nltk is an extra
-        raise PreprocessError("--split-sentences needs nltk (pip install 'mixln-megatron[data]')") from e
-    return sentence_splitter()
+    _STATE["split"] = sentence_splitter() if cfg.split_sentences else None
 
 
 def _segments(text: str, splitter) -> List[str]:
@@ -93,8 +146,6 @@ def _parse_json_line(raw: bytes, key: str):
 
 
 def encode_chunk(task):
-    import numpy as np
-
     kind, items, nbytes = task
     cfg: WorkerConfig = _STATE["cfg"]  # type: ignore[assignment]
     tok = _STATE["tok"]

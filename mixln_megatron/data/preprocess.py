@@ -1,88 +1,246 @@
 """Offline data preparation: text -> Megatron indexed dataset (`<prefix>.bin` + `<prefix>.idx`).
 
-    mixln-megatron preprocess --input corpus.jsonl --output-prefix data/corpus --append-eod
-    python -m mixln_megatron.data.preprocess --input book.txt.gz --output-prefix data/book \\
-        --text-unit paragraph --unwrap --split-sentences --workers 2
+The usage is in docs/commands.md (`preprocess`); the exact rules are here. The prefix given is the
+prefix written (no `_text_document` suffix), read by megatron-core's IndexedDataset(prefix).
 
-The result is read by megatron.core.datasets.indexed_dataset.IndexedDataset(prefix) and is what
-Megatron's `--data-path prefix` expects (no `_text_document` suffix is added: the prefix you give
-is the prefix written).
-
-Input (several --input files are concatenated in order; `.gz` files are read transparently; a UTF-8
-byte order mark at the start of a file is dropped):
+Input (several --input files concatenated in order; `.gz` read transparently; a leading UTF-8 byte
+order mark dropped):
   * JSONL (`--input-format jsonl`, or auto for *.jsonl / *.json / *.ndjson[.gz]): one document per
-    line, the text under --json-key (default "text"). Lines that are not valid UTF-8 / JSON, that
-    are not an object holding the key, or whose value is not a string are skipped and counted
-    ("bad lines", reported at the end with the first few locations). Blank lines are ignored. The
-    text is used exactly as it is.
+    line, the text under --json-key, used exactly as it is. Lines that are not valid UTF-8 / JSON,
+    not an object holding the key, or whose value is not a string are skipped and counted ("bad
+    lines", reported with the first few locations). Blank lines are ignored.
   * plain text (anything else), split into documents by --text-unit:
-      paragraph (default)  blocks of consecutive non-blank lines (a blank line is empty or only
-                           whitespace); the block is stripped; with --unwrap its lines are stripped
-                           and joined by single spaces (undoes hard wrapping, e.g. Gutenberg texts)
+      paragraph (default)  blocks of consecutive non-blank lines, stripped; with --unwrap its lines
+                           are stripped and joined by single spaces (undoes hard wrapping)
       line                 every non-blank line, stripped
       file                 the whole file, stripped
     Invalid UTF-8 in a plain-text file is an error (with the line number).
-Documents that are empty (or only whitespace) are skipped and counted separately.
+Empty (or whitespace-only) documents are skipped and counted separately.
 
-Tokenization: the shipped byte-level BPE by default (mixln_megatron/assets/tokenizer), or GPT-2
-format --vocab-file/--merge-file, a `tokenizers` --tokenizer-file tokenizer.json, or a local Hugging
-Face tokenizer directory --tokenizer-model (Megatron-LM's name; the old --tokenizer-dir still
-works); all offline. No special tokens are added by the encoding; --append-eod appends
-the tokenizer's end-of-document id (EOS, else `<|endoftext|>`) to the last sequence of every
-document. The .bin dtype is chosen from the vocabulary size the way Megatron does
-(DType.optimal_dtype: uint16 below 65500 ids, else int32).
+Encoding adds no special tokens; --append-eod appends the tokenizer's end-of-document id (EOS, else
+`<|endoftext|>`) to every document's last sequence. The .bin dtype is Megatron's
+DType.optimal_dtype(vocabulary size). --split-sentences: see data.encode.
 
---split-sentences: one sequence per sentence, losing no text (see data.encode).
-
-Output is atomic (see data.indexed_output): an exception, Ctrl-C, SIGTERM or SIGHUP leaves no new
-.bin/.idx pair, a SIGKILLed run's leftovers are removed by the next run into the same prefix, an
-existing prefix is refused without --overwrite, and an output that is one of the inputs always.
-A refusal (a bad input or option) is one stderr line and exit status 2.
-
---workers N tokenizes in N processes (multiprocessing "spawn" Pool, imap over chunks of
---chunk-size documents, order preserved: the output is byte-identical to --workers 1).
-
-Modules: read_input (files -> records), encode (records -> token ids, in workers), indexed_output
-(temporaries and publishing), report (errors, statistics), austen_dataset (the demo's cached set).
+Output is atomic: an exception, Ctrl-C, SIGTERM or SIGHUP leaves no new .bin/.idx pair; a SIGKILLed
+run's leftovers are removed by the next run into the same prefix; an existing prefix is refused
+without --overwrite, an output that is one of the inputs always. --workers N tokenizes in a "spawn"
+Pool over chunks of --chunk-size documents, order preserved (byte-identical to --workers 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
+import hashlib
 import json
+import logging
 import multiprocessing
 import os
 import sys
 import time
-from typing import Iterable, List, Optional, Sequence
+import warnings
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from ..cli_parsing import CommandParser, add_flag, refused
 from ..errors import MixLNError
 from ..known_warnings import quiet_known_warnings
 from ..progress import bar as progress_bar
-from ..safe_output import Interrupted, check_separate, new_temp_name, signals_as_interrupt
-from .encode import WorkerConfig, encode_chunk, init_worker, load_sentence_splitter, reset_worker
-from .indexed_output import check_output, import_indexed_dataset, output_paths, publish, remove_if_present, sweep_stale_output
-from .read_input import iter_tasks
-from .report import BAD_LINE_REASONS, MAX_EXAMPLES, TEXT_UNITS, PreprocessError, PreprocessStats
+from ..safe_output import Interrupted, check_separate, new_temp_name, signals_as_interrupt, sweep_stale
+from .corpus import austen_paragraphs, austen_text_path, numbered_paragraphs, sentence_splitter
+from .encode import (BAD_LINE_REASONS, JSONL_SUFFIXES, MAX_EXAMPLES, TEXT_UNITS, PreprocessError, PreprocessStats,
+                     WorkerConfig, encode_chunk, init_worker, reset_worker)
 from .tokenizer import TokenizerSpec, load_tokenizer, shipped_tokenizer_spec
-
-__all__ = [
-    "FORMAT_VERSION",
-    "PreprocessError",
-    "PreprocessStats",
-    "build_from_documents",
-    "build_parser",
-    "main",
-    "preprocess_files",
-]
 
 # Bump when the bytes written for the same input and options change (part of the demo cache key).
 FORMAT_VERSION = 1
 
+# ------------------------------------------------------------------------------------------ reading input
+# In the parent: files -> tasks of raw records. Bad JSONL lines travel as raw bytes and are judged
+# by the worker, so the parent only splits files and counts blank lines.
+def _detect_format(path: str, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    name = path[:-3] if path.endswith(".gz") else path
+    return "jsonl" if name.lower().endswith(JSONL_SUFFIXES) else "text"
+
+
+class _Input:
+    """A binary line reader over a plain or gzipped file that knows how far it got on disk."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.raw = open(path, "rb")
+        self.f = gzip.GzipFile(fileobj=self.raw, mode="rb") if path.endswith(".gz") else self.raw
+        self._last = 0
+
+    def consumed(self) -> int:
+        """Bytes of the file on disk read since the last call."""
+        pos = self.raw.tell()
+        n, self._last = pos - self._last, pos
+        return n
+
+    def close(self) -> None:
+        if self.f is not self.raw:
+            self.f.close()
+        self.raw.close()
+
+
+def _decode_text(raw: bytes, path: str, lineno: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PreprocessError(f"{path}:{lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def iter_tasks(
+    inputs: Sequence[str],
+    input_format: str,
+    text_unit: str,
+    unwrap: bool,
+    chunk_size: int,
+    max_documents: Optional[int],
+    stats: PreprocessStats,
+) -> Iterator[tuple]:
+    """Yield tasks for encode_chunk. Runs in the parent (in the Pool's task thread)."""
+    budget = max_documents if max_documents is not None else -1
+    for path in inputs:
+        fmt = _detect_format(path, input_format)
+        src = _Input(path)
+        try:
+            kind = "json" if fmt == "jsonl" else "text"
+            items: List[tuple] = []
+            for loc, payload in _iter_records(src, fmt, text_unit, unwrap, stats):
+                if budget == 0:
+                    break
+                budget -= 1
+                items.append((loc, payload))
+                if len(items) >= chunk_size:
+                    yield kind, items, src.consumed()
+                    items = []
+            if items:
+                yield kind, items, src.consumed()
+            else:
+                src.consumed()
+        finally:
+            src.close()
+        if budget == 0:
+            return
+
+
+_BOM = b"\xef\xbb\xbf"
+
+
+def _lines(src: _Input) -> Iterator[Tuple[int, bytes]]:
+    """(line number, raw line) with a leading UTF-8 byte order mark dropped."""
+    for lineno, raw in enumerate(src.f, 1):
+        if lineno == 1 and raw.startswith(_BOM):
+            raw = raw[len(_BOM):]
+        yield lineno, raw
+
+
+def _iter_records(src: _Input, fmt: str, text_unit: str, unwrap: bool, stats: PreprocessStats):
+    path = src.path
+    if fmt == "jsonl":
+        for lineno, raw in _lines(src):
+            if not raw.strip():
+                stats.blank_lines += 1
+                continue
+            yield f"{path}:{lineno}", raw
+    elif text_unit == "file":
+        data = src.f.read()
+        if data.startswith(_BOM):
+            data = data[len(_BOM):]
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data[: e.start].count(b"\n") + 1
+            raise PreprocessError(f"{path}:{line}: not valid UTF-8 ({e.reason})") from None
+        yield path, text.strip()
+    elif text_unit == "line":
+        for lineno, raw in _lines(src):
+            line = _decode_text(raw, path, lineno).strip()
+            if line:
+                yield f"{path}:{lineno}", line
+    else:  # paragraph
+        lines = ((lineno, _decode_text(raw, path, lineno)) for lineno, raw in _lines(src))
+        for start, paragraph in numbered_paragraphs(lines, unwrap):
+            yield f"{path}:{start}", paragraph
+
+
+# ------------------------------------------------------------------------------------------ writing output
+# Hidden temporaries in the output directory, renamed when complete (see publish), so no new or
+# mixed old/new pair exists early; what a SIGKILLed run left, the next run into the prefix removes.
+def output_paths(prefix: str) -> Tuple[str, str]:
+    return prefix + ".bin", prefix + ".idx"
+
+
+def check_output(prefix: str, overwrite: bool) -> None:
+    if prefix.endswith((".bin", ".idx")):
+        raise PreprocessError(
+            f"--output-prefix {prefix!r} ends in .bin/.idx: give the prefix only (it gets both)"
+        )
+    if os.path.isdir(prefix):
+        raise PreprocessError(f"--output-prefix {prefix!r} is a directory; give a prefix such as {prefix}/data")
+    if not overwrite:
+        existing = [p for p in output_paths(prefix) if os.path.lexists(p)]
+        if existing:
+            raise PreprocessError(
+                f"output {' and '.join(existing)} already exists; use --overwrite to replace it"
+            )
+
+
+def sweep_stale_output(prefix: str) -> None:
+    """Remove what killed runs into `prefix` left; a run killed between its two renames left its
+    .idx temporary and a lone <prefix>.bin, which goes too (a .bin without .idx is unusable)."""
+    handled = sweep_stale(prefix, suffixes=(".bin", ".idx"))
+    bin_path, idx_path = output_paths(prefix)
+    half = [n for n in handled if n.endswith(".idx") and n[:-4] + ".bin" not in handled]
+    if half and os.path.exists(bin_path) and not os.path.lexists(idx_path):
+        os.remove(bin_path)
+        print(f"[mixln_megatron] removed {bin_path}: the run that wrote it was killed before its .idx", file=sys.stderr)
+
+
+def remove_if_present(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def publish(tmp_bin: str, tmp_idx: str, prefix: str, overwrite: bool) -> None:
+    """Rename the finished temporaries to <prefix>.bin/.idx. The .idx goes last, so a failure
+    in between leaves at most a lone .bin; with overwrite the old .idx goes first."""
+    bin_path, idx_path = output_paths(prefix)
+    check_output(prefix, overwrite)
+    if overwrite:
+        remove_if_present(idx_path)
+    os.replace(tmp_bin, bin_path)
+    try:
+        os.replace(tmp_idx, idx_path)
+    except BaseException:
+        remove_if_present(bin_path)
+        raise
+
+
+def import_indexed_dataset():
+    """megatron-core's indexed dataset writer, without its import-time notes on a CPU machine
+    (no Transformer Engine / Apex / CUDA runtime), which say nothing about preprocessing."""
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # heavy
+    finally:
+        log.setLevel(level)
+    return DType, IndexedDatasetBuilder
+
+
+# ------------------------------------------------------------------------------------------ the run
 def _add_document(builder, sequences) -> None:
     """Append one document (a list of 1-D integer arrays, one per sequence)."""
-    import torch
+    import torch  # heavy
 
     for seq in sequences:
         builder.add_item(torch.from_numpy(seq))
@@ -111,7 +269,7 @@ def _run(
             f"--append-eod: the tokenizer ({spec.describe()}) has no EOS and no {json.dumps('<|endoftext|>')} token"
         )
     if split_sentences:
-        load_sentence_splitter()  # fail early if the model is missing
+        sentence_splitter()  # fail early if the model is missing
 
     DType, IndexedDatasetBuilder = import_indexed_dataset()
 
@@ -191,6 +349,14 @@ def resolve_tokenizer(tokenizer: Optional[TokenizerSpec]) -> TokenizerSpec:
     return spec
 
 
+def _prepare_output(output_prefix: str, overwrite: bool,
+                    tokenizer: Optional[TokenizerSpec]) -> Tuple[TokenizerSpec, PreprocessStats]:
+    """Before a run: sweep what killed runs left, refuse an existing output, check the tokenizer."""
+    sweep_stale_output(output_prefix)
+    check_output(output_prefix, overwrite)
+    return resolve_tokenizer(tokenizer), PreprocessStats(output_prefix=output_prefix)
+
+
 def preprocess_files(
     inputs: Sequence[str],
     output_prefix: str,
@@ -227,10 +393,7 @@ def preprocess_files(
         raise PreprocessError("workers and chunk size must be at least 1")
     output_prefix = os.fspath(output_prefix)
     check_separate(inputs, output_paths(output_prefix), PreprocessError)  # never write over an input file
-    sweep_stale_output(output_prefix)
-    check_output(output_prefix, overwrite)
-    spec = resolve_tokenizer(tokenizer)
-    stats = PreprocessStats(output_prefix=output_prefix)
+    spec, stats = _prepare_output(output_prefix, overwrite, tokenizer)
     total = sum(os.path.getsize(p) for p in inputs)
     tasks = iter_tasks(inputs, input_format, text_unit, unwrap, chunk_size, max_documents, stats)
     return _run(
@@ -254,10 +417,7 @@ def build_from_documents(
 ) -> PreprocessStats:
     """In-memory documents (one str each, used as they are) -> `<output_prefix>.bin/.idx`."""
     output_prefix = os.fspath(output_prefix)
-    sweep_stale_output(output_prefix)
-    check_output(output_prefix, overwrite)
-    spec = resolve_tokenizer(tokenizer)
-    stats = PreprocessStats(output_prefix=output_prefix)
+    spec, stats = _prepare_output(output_prefix, overwrite, tokenizer)
 
     def tasks():
         items: List[tuple] = []
@@ -276,6 +436,74 @@ def build_from_documents(
         append_eod=append_eod, workers=workers, overwrite=overwrite, progress=progress,
         total_bytes=None, stats=stats,
     )
+
+
+# ------------------------------------------------------------------------------------------ the demo's dataset
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def prepare_austen_dataset(
+    out_dir: str,
+    *,
+    max_chars: Optional[int] = None,
+    split_sentences: bool = False,
+    append_eod: bool = True,
+    workers: int = 1,
+    progress: bool = False,
+    tokenizer: Optional[TokenizerSpec] = None,
+) -> str:
+    """Build (once) the shipped Austen corpus as a train indexed dataset; return its prefix.
+
+    Documents: corpus.austen_paragraphs(max_chars, unwrap=True). The prefix name carries a hash of
+    the corpus, tokenizer files and options, so a changed input never reuses a stale cache;
+    concurrent callers on one host (e.g. several ranks) build it once (file lock).
+    """
+    spec = resolve_tokenizer(tokenizer)
+    key_src = {
+        "format": FORMAT_VERSION,
+        "corpus": _sha256_file(austen_text_path()),
+        "tokenizer": [spec.kind] + [_sha256_file(p) if os.path.isfile(p) else p for p in (spec.path, spec.merges) if p],
+        "max_chars": max_chars,
+        "split_sentences": bool(split_sentences),
+        "append_eod": bool(append_eod),
+        "unwrap": True,
+    }
+    key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:12]
+    os.makedirs(out_dir, exist_ok=True)
+    prefix = os.path.join(out_dir, f"austen_{key}")
+
+    def ready() -> bool:
+        return all(os.path.exists(p) for p in output_paths(prefix))
+
+    if ready():
+        return prefix
+    import fcntl  # optional: POSIX only
+
+    with open(os.path.join(out_dir, ".austen.lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if ready():
+                return prefix
+            stats = build_from_documents(
+                austen_paragraphs(max_chars=max_chars, unwrap=True), prefix,
+                split_sentences=split_sentences, append_eod=append_eod, tokenizer=spec,
+                workers=workers, overwrite=True, progress=progress,
+            )
+            meta = dict(key_src, prefix=prefix, documents=stats.documents, sequences=stats.sequences,
+                        tokens=stats.tokens, dtype=stats.dtype, vocab_size=stats.vocab_size,
+                        eod_id=stats.eod_id, seconds=round(stats.seconds, 2))
+            tmp = prefix + f".json.tmp{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(meta, f, indent=2, sort_keys=True)
+            os.replace(tmp, prefix + ".json")
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return prefix
 
 
 # ------------------------------------------------------------------------------------------ CLI

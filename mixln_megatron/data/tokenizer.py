@@ -1,24 +1,13 @@
 """Tokenizers for offline preprocessing: training the shipped byte-level BPE, and loading one.
 
-Training (`train_bpe`) uses the `tokenizers` library and writes, into one directory:
-  vocab.json, merges.txt       GPT-2 format (what `--vocab-file/--merge-file` expect)
-  tokenizer.json               the same tokenizer for `tokenizers.Tokenizer.from_file`
-  tokenizer_config.json        so the directory is a local Hugging Face tokenizer directory
-                               (`AutoTokenizer.from_pretrained(dir)`, Megatron's
-                               `--tokenizer-type HuggingFaceTokenizer --tokenizer-model dir`)
-The model is GPT-2's: byte-level pre-tokenizer with the GPT-2 split regex, no prefix space, no
-normalizer, byte-level decoder; `<|endoftext|>` (id 0) is the only special token and is the
-end-of-document (EOD) token.
+`train_bpe` writes GPT-2's model (byte-level, no prefix space, no normalizer; `<|endoftext|>`, id 0,
+the only special token and the end-of-document token) as GPT-2 vocab.json / merges.txt, a
+tokenizer.json, and a tokenizer_config.json that makes the directory a local Hugging Face tokenizer.
 
-Loading (`load_tokenizer(TokenizerSpec)`) gives a small uniform interface, `TextTokenizer`
-(encode / encode_batch / decode / vocab_size / eod_id), over three offline sources:
-  TokenizerSpec.gpt2(vocab, merges)  GPT-2 format files (default: the shipped tokenizer)
-  TokenizerSpec.json(path)           a `tokenizers` tokenizer.json
-  TokenizerSpec.hf_dir(path)         a local Hugging Face tokenizer directory (transformers
-                                     AutoTokenizer, local_files_only=True)
-Encoding never adds special tokens (no BOS/EOS); the EOD token is appended explicitly by the
-preprocessing step when asked (--append-eod). A TokenizerSpec is a plain picklable value, so worker
-processes rebuild the tokenizer from it.
+`load_tokenizer(TokenizerSpec)` gives one interface, `TextTokenizer`, over GPT-2 files, a
+tokenizer.json or a local Hugging Face directory, all offline. Encoding never adds special tokens
+(--append-eod appends EOD explicitly). A TokenizerSpec is a picklable value from which worker
+processes rebuild the tokenizer.
 """
 
 from __future__ import annotations
@@ -28,26 +17,18 @@ import os
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence
 
+from .corpus import TokenizerFiles, tokenizer_files
+
 EOD_TOKEN = "<|endoftext|>"
 DEFAULT_VOCAB_SIZE = 4096
 DEFAULT_MIN_FREQUENCY = 2
-
-__all__ = [
-    "DEFAULT_VOCAB_SIZE",
-    "EOD_TOKEN",
-    "TextTokenizer",
-    "TokenizerSpec",
-    "load_tokenizer",
-    "shipped_tokenizer_spec",
-    "train_bpe",
-]
 
 
 # --------------------------------------------------------------------------------------- training
 
 
 def _byte_level_bpe_trainer_parts(vocab_size: int, min_frequency: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # optional
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -73,8 +54,6 @@ def train_bpe(
     `texts` are independent training units (e.g. paragraphs). Deterministic for a given input
     sequence and `tokenizers` version. Returns corpus.TokenizerFiles for the written files.
     """
-    from .corpus import TokenizerFiles
-
     if vocab_size < 257 + 1:
         raise ValueError(f"vocab_size must exceed the 256 byte symbols + {EOD_TOKEN}, got {vocab_size}")
     os.makedirs(out_dir, exist_ok=True)
@@ -152,8 +131,6 @@ class TokenizerSpec:
 
 def shipped_tokenizer_spec() -> TokenizerSpec:
     """The byte-level BPE shipped in mixln_megatron/assets/tokenizer (GPT-2 format files)."""
-    from .corpus import tokenizer_files
-
     files = tokenizer_files()
     return TokenizerSpec.gpt2(files.vocab_file, files.merge_file)
 
@@ -169,11 +146,11 @@ class TextTokenizer:
         if spec.kind == "gpt2":
             self._tok = _gpt2_from_files(spec.path, spec.merges)
         elif spec.kind == "json":
-            from tokenizers import Tokenizer
+            from tokenizers import Tokenizer  # optional
 
             self._tok = Tokenizer.from_file(spec.path)
         else:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # optional
 
             try:
                 self._hf = AutoTokenizer.from_pretrained(
@@ -224,7 +201,7 @@ class TextTokenizer:
 
 def _gpt2_from_files(vocab_file: str, merge_file: str):
     """A `tokenizers.Tokenizer` equivalent to GPT-2's tokenizer for the given vocab/merges."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # optional
 
     try:
         bpe = models.BPE.from_file(vocab_file, merge_file)

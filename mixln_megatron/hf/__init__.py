@@ -1,16 +1,8 @@
-"""Hugging Face model code for Mix-LN / LayerNorm-Scaling LLaMA, and the helpers that export it.
-
-  configuration_mixln_llama  MixLNLlamaConfig (model_type "mixln_llama")
-  modeling_mixln_llama       MixLNLlamaForCausalLM, MixLNLlamaModel, the pre / post / deepnorm / sandwich layers
-  configuration_mixln_moe    MixLNMoeConfig (model_type "mixln_moe"): the same plus mixture-of-experts fields
-  modeling_mixln_moe         MixLNMoeForCausalLM, MixLNMoeModel, MixLNMoeSparseMoeBlock, the four kinds with MoE
-  export_code                is_stock_llama, placement_export_fields, config_for_export, write_model_code,
-                             save_hf_folder; for MoE models stock_moe_model_type, moe_export_config_fields,
-                             moe_config_for_export
+"""Hugging Face model code for Mix-LN / LayerNorm-Scaling LLaMA (dense: *_mixln_llama, MoE: *_mixln_moe),
+and the helpers that export it (export_code).
 
 The model files are self-contained (transformers only, and each other) because they are copied into exported
-folders.
-Names are imported lazily, so `import mixln_megatron.hf` does not import torch or transformers.
+folders. Names are imported lazily, so `import mixln_megatron.hf` does not import torch or transformers.
 """
 
 import importlib
@@ -65,17 +57,13 @@ def __getattr__(name):
 
 
 def register_auto_classes() -> None:
-    """Register the Mix-LN configs / models (MixLNLlamaConfig, MixLNMoeConfig) with AutoConfig / AutoModel /
-    AutoModelForCausalLM in this process.
+    """Register the Mix-LN configs / models with the Auto classes in this process, so that mixln_llama and
+    mixln_moe folders load without trust_remote_code where mixln_megatron is installed. Safe to call more than
+    once; with transformers < 5 only the dense classes are registered (the MoE model needs 5)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # optional
 
-    Lets `AutoModelForCausalLM.from_pretrained(dir)` load a mixln_llama or mixln_moe folder without
-    trust_remote_code where mixln_megatron is installed. Safe to call more than once. The MoE classes need
-    transformers >= 5; with an older one only the dense classes are registered.
-    """
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
-    from .configuration_mixln_llama import MixLNLlamaConfig
-    from .modeling_mixln_llama import MixLNLlamaForCausalLM, MixLNLlamaModel
+    from .configuration_mixln_llama import MixLNLlamaConfig  # optional: transformers
+    from .modeling_mixln_llama import MixLNLlamaForCausalLM, MixLNLlamaModel  # optional: transformers
 
     pairs = [(MixLNLlamaConfig, MixLNLlamaModel, MixLNLlamaForCausalLM)]
     try:

@@ -1,32 +1,10 @@
 """Configuration of a Mix-LN / LayerNorm-Scaling LLaMA (arXiv 2412.13795) for Hugging Face transformers.
 
 This file is copied verbatim next to config.json in exported checkpoints (remote code), so it imports
-nothing but `transformers`.
-
-Extra fields on top of `LlamaConfig`:
-  post_ln_layers  P: the number of Post-LN-kind layers ("post" and "deepnorm"). Without layer_kinds the
-                  layers with 0-based index < P are "post", all others "pre" (Mix-LN's own layout).
-  mixln_scheme    "mixln"     no scaling;
-                  "lns"       LayerNorm Scaling: no Post-LN-kind layer (P must be 0), the pre-norm outputs of
-                              layer l (1-based) multiplied by 1/sqrt(l);
-                  "mixln+lns" the pre-norm outputs of the "pre" and "sandwich" layers get 1/sqrt(l).
-  mixln_alpha     informational only: the text of the alpha that produced P, or None.
-  layer_kinds     None (Mix-LN's layout from P: the config.json of earlier releases, which has no such key)
-                  or one kind per layer, in order:
-                    "pre"       h = x + Attn(N(x))                 (LLaMA)
-                    "post"      h = N(x + Attn(x))                 (Post-LN)
-                    "deepnorm"  h = N(deepnorm_alpha * x + Attn(x)) (DeepNet's Post-LN, arXiv 2203.00555)
-                    "sandwich"  h = x + N_b(Attn(N_a(x)))           (Sandwich-LN / Gemma 2's four norms)
-                  and the same for the MLP; P must count the "post" and "deepnorm" layers.
-  deepnorm_alpha  the residual scale of the "deepnorm" layers: set exactly when there is one (float > 0).
-  deepnorm_beta   informational only: the init factor of the "deepnorm" layers in training, or None.
-
-Scalars of the forward pass (Megatron's muP and GLU offset), each in config.json only when not its default:
-  attention_scale       the softmax scale of q.k; None: LLaMA's 1/sqrt(head_dim) (muP: 1/head_dim by default)
-  embedding_multiplier  the token embeddings times this (Megatron's mup_embedding_mult)
-  logits_multiplier     the output logits times this (Megatron's mup_output_mult, 1/width_mult by default)
-  glu_linear_offset     the MLP is down(silu(gate(x)) * (up(x) + offset)) (Megatron's --glu-linear-offset)
-  megatron_mup          informational only: Megatron's muP flags the model was trained with (for the way back)
+nothing but `transformers`. The fields on top of `LlamaConfig` are listed in MixLNLlamaConfig's docstring,
+what each layer kind computes in modeling_mixln_llama.py's. layer_kinds (None: Mix-LN's first-P layout) and
+the forward scalars (Megatron's muP and GLU offset) reach config.json only when set, so earlier exports keep
+their config.json.
 
 Tested with transformers 5.24; written for transformers >= 4.56, < 6 (the legacy `__init__` style
 works with both the v4 configs and the v5 dataclass configs).
@@ -122,6 +100,26 @@ def _check_mixln_fields(post_ln_layers, mixln_scheme, num_hidden_layers, layer_k
         raise MixLNConfigValueError(f"{name} is set but no layer is deepnorm (layer_kinds = {layer_kinds!r:.120})")
 
 
+def mixln_fields(get, num_hidden_layers=None) -> dict:
+    """The Mix-LN fields of a config, checked: the one reading that this class's checks, `mixln-megatron
+    convert from-hf` (a config.json's dict) and the Megatron-Bridge bridge (a loaded config) share.
+    `get(name, default)` reads one field; a null post_ln_layers / mixln_scheme is its default.
+    Raises MixLNConfigValueError naming the field."""
+    fields = {"post_ln_layers": get("post_ln_layers", 0), "mixln_scheme": get("mixln_scheme", "mixln"),
+              "mixln_alpha": get("mixln_alpha", None), "layer_kinds": get("layer_kinds", None),
+              "deepnorm_alpha": get("deepnorm_alpha", None), "deepnorm_beta": get("deepnorm_beta", None)}
+    fields["post_ln_layers"] = 0 if fields["post_ln_layers"] is None else fields["post_ln_layers"]
+    fields["mixln_scheme"] = fields["mixln_scheme"] or "mixln"
+    alpha = fields["mixln_alpha"]
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float, str))):
+        raise MixLNConfigValueError(f"mixln_alpha must be a number, text or None, got {alpha!r:.60}")
+    _check_mixln_fields(fields["post_ln_layers"], fields["mixln_scheme"], num_hidden_layers, fields["layer_kinds"],
+                        fields["deepnorm_alpha"], fields["deepnorm_beta"])
+    for name in ("deepnorm_alpha", "deepnorm_beta"):
+        fields[name] = None if fields[name] is None else float(fields[name])
+    return fields
+
+
 def _finite_float(name, value, positive=False):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
             positive and value <= 0):
@@ -147,18 +145,21 @@ class MixLNLlamaConfig(LlamaConfig):
     r"""LLaMA configuration with Mix-LN / LayerNorm Scaling norm placement, and any per-layer kind.
 
     Args:
-        post_ln_layers (`int`, defaults to 0): number P of Post-LN-kind layers (0 <= P <= num_hidden_layers);
-            without `layer_kinds`, the first P layers.
-        mixln_scheme (`str`, defaults to `"mixln"`): one of `"mixln"`, `"lns"`, `"mixln+lns"`.
+        post_ln_layers (`int`, defaults to 0): number P of Post-LN-kind layers, "post" and "deepnorm"
+            (0 <= P <= num_hidden_layers); without `layer_kinds`, the first P layers.
+        mixln_scheme (`str`, defaults to `"mixln"`): `"mixln"` (no scaling), `"lns"` (LayerNorm Scaling, P = 0:
+            the pre-norm outputs of layer l (1-based) times 1/sqrt(l)) or `"mixln+lns"` (that scale on the "pre"
+            and "sandwich" layers).
         mixln_alpha (`str`, *optional*): informational record of the alpha that gave P (numbers are stored as text).
         layer_kinds (`list[str]`, *optional*): one of `"pre"`, `"post"`, `"deepnorm"`, `"sandwich"` per layer;
             None means the first P layers `"post"`, the rest `"pre"`.
         deepnorm_alpha (`float`, *optional*): residual scale of the `"deepnorm"` layers (required iff one exists).
         deepnorm_beta (`float`, *optional*): informational record of their init factor in training.
         attention_scale (`float`, *optional*): softmax scale of q.k; None means 1/sqrt(head_dim).
-        embedding_multiplier (`float`, defaults to 1.0): factor on the token embeddings.
-        logits_multiplier (`float`, defaults to 1.0): factor on the output logits.
-        glu_linear_offset (`float`, defaults to 0.0): the MLP computes silu(gate) * (up + offset).
+        embedding_multiplier (`float`, defaults to 1.0): factor on the token embeddings (mup_embedding_mult).
+        logits_multiplier (`float`, defaults to 1.0): factor on the output logits (mup_output_mult).
+        glu_linear_offset (`float`, defaults to 0.0): the MLP computes silu(gate) * (up + offset)
+            (--glu-linear-offset).
         megatron_mup (`dict`, *optional*): informational record of Megatron's muP flags.
         kwargs: every `LlamaConfig` argument.
     """
@@ -238,4 +239,4 @@ class MixLNLlamaConfig(LlamaConfig):
         return 1.0 / math.sqrt(layer_idx + 1)
 
 
-__all__ = ["FORWARD_SCALAR_DEFAULTS", "LAYER_KINDS", "MIXLN_SCHEMES", "check_forward_scalars", "MixLNConfigValueError", "MixLNLlamaConfig", "POST_LN_KINDS"]
+__all__ = ["FORWARD_SCALAR_DEFAULTS", "LAYER_KINDS", "MIXLN_SCHEMES", "check_forward_scalars", "MixLNConfigValueError", "MixLNLlamaConfig", "POST_LN_KINDS", "mixln_fields"]

@@ -2,26 +2,9 @@
 
 This file is copied next to config.json in exported checkpoints (remote code), together with
 configuration_mixln_llama.py, which it imports relatively; it imports nothing else but `transformers`.
-
 Every Mix-LN field and layer kind is `MixLNLlamaConfig`'s (the norms sit around an MoE block exactly as
-around a dense MLP). Extra fields:
-  num_experts                      E, the routed experts of each MoE layer (>= 1)
-  num_experts_per_tok              k, the experts each token is sent to (1 <= k <= E)
-  moe_intermediate_size            the FFN size of one routed expert
-  norm_topk_prob                   True: softmax over all experts, top-k, the k probabilities renormalised to sum
-                                   to 1 (Megatron's default routing: softmax over the k selected logits);
-                                   False: the top-k softmax probabilities as they are (--moe-router-pre-softmax)
-  shared_expert_intermediate_size  None (no shared expert) or the FFN size of the shared expert every token also takes
-  shared_expert_gate               the shared expert's output multiplied by sigmoid(h @ gate^T) (needs a shared expert)
-  mlp_only_layers                  0-based indices of the DENSE layers (LLaMA's MLP of size `intermediate_size`);
-                                   every other layer is an MoE layer
-  qkv_bias                         a bias on q, k and v only (Megatron's --add-qkv-bias, Qwen2's qkv_bias); LLaMA's
-                                   `attention_bias` puts one on o_proj too
-  router_dtype                     None: the router's logits in the model's dtype; "float32": logits (fp32 weight and
-                                   input), softmax and top-k in fp32 whatever the model's dtype, the weights cast
-                                   back (Megatron's --moe-router-dtype fp32; a bf16 router picks other experts on
-                                   near ties)
-Experts and shared expert are SwiGLU (`hidden_act`) without biases; `mlp_bias` applies to the dense layers only.
+around a dense MLP); the MoE fields are listed in MixLNMoeConfig's docstring. Experts and shared expert are
+SwiGLU (`hidden_act`) without biases; `mlp_bias` applies to the dense layers only.
 
 Written for transformers >= 5 (its fused Qwen2-MoE experts); tested with 5.25.
 """
@@ -102,12 +85,17 @@ class MixLNMoeConfig(MixLNLlamaConfig):
         num_experts (`int`, defaults to 8): routed experts per MoE layer.
         num_experts_per_tok (`int`, defaults to 2): experts per token (top-k).
         moe_intermediate_size (`int`, defaults to 1408): FFN size of one routed expert.
-        norm_topk_prob (`bool`, defaults to True): renormalise the top-k probabilities (Megatron's default routing).
+        norm_topk_prob (`bool`, defaults to True): softmax over all experts, then the top-k probabilities
+            renormalised to sum to 1 (Megatron's default routing); False: as they are (--moe-router-pre-softmax).
         shared_expert_intermediate_size (`int`, *optional*): FFN size of the shared expert; None for none.
         shared_expert_gate (`bool`, defaults to False): sigmoid gate on the shared expert's output.
-        mlp_only_layers (`list[int]`, defaults to []): 0-based indices of the dense layers.
-        qkv_bias (`bool`, defaults to False): a bias on q, k, v only (o_proj without).
-        router_dtype (`str`, *optional*): "float32" to route in fp32 whatever the model's dtype; None: its dtype.
+        mlp_only_layers (`list[int]`, defaults to []): 0-based indices of the dense layers (LLaMA's MLP of size
+            `intermediate_size`); every other layer is an MoE layer.
+        qkv_bias (`bool`, defaults to False): a bias on q, k, v only (--add-qkv-bias; LLaMA's `attention_bias`
+            puts one on o_proj too).
+        router_dtype (`str`, *optional*): "float32" for the router's logits (fp32 weight and input), softmax and
+            top-k in fp32 whatever the model's dtype (--moe-router-dtype fp32; a bf16 router picks other
+            experts on near ties); None: the model's dtype.
         kwargs: every `MixLNLlamaConfig` argument (post_ln_layers, mixln_scheme, layer_kinds, ... and LLaMA's).
 
     A model whose layers are all "pre" with scheme "mixln" is exported as a stock Mixtral or Qwen2-MoE where one

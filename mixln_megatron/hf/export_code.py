@@ -1,27 +1,11 @@
-"""Helpers that make an exported Hugging Face folder self-contained.
+"""Helpers that make an exported Hugging Face folder self-contained (docs/conversion.md, "Exported classes").
 
-A Mix-LN / LNS model is saved with `model_type = "mixln_llama"`, an `auto_map` pointing at the two code
-files copied next to config.json, and loads with
-`AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` on a machine without mixln_megatron.
-A model whose layers are all "pre" (P = 0, no layer_kinds or all of them "pre") with scheme "mixln" is exactly
-LLaMA and is exported as a stock `LlamaForCausalLM` (model_type "llama", no auto_map, no code files).
-
-Forward scalars (Megatron's muP and GLU offset: attention_scale, embedding_multiplier, logits_multiplier,
-glu_linear_offset, and the informational megatron_mup record) go in the `forward` argument, a dict of the
-non-default ones: any of them makes the model other than LLaMA's (no stock class), and they are written to
-config.json only when set.
-
-Per-layer kinds: a placement is written as `layer_kinds` (+ `deepnorm_alpha` / `deepnorm_beta`) only
-when it is not Mix-LN's own "first P layers post, the rest pre" layout, so those configs stay as they were.
-`placement_export_fields(placement)` turns mixln_megatron's Placement into the keyword arguments of
-`is_stock_llama`, `export_config_fields` and `config_for_export`.
-
-Mixture-of-experts models (the contract in docs: per MoE layer a router, E SwiGLU experts, optionally a shared
-expert with or without a sigmoid gate; `mlp_only_layers` the dense layers) take the same Mix-LN fields plus the
-MoE ones. An all-"pre" "mixln" MoE model is exported as a stock class where one is the same network
-(`stock_moe_model_type`: Mixtral, or Qwen2-MoE), else with model_type "mixln_moe" and the four code files
-(the MoE files import the LLaMA ones). `moe_export_config_fields` and `moe_config_for_export` are the MoE
-counterparts of `export_config_fields` and `config_for_export`.
+A Mix-LN / LNS model is saved with model_type "mixln_llama" (MoE: "mixln_moe") and an `auto_map` pointing at
+the code files copied next to config.json, so it loads with trust_remote_code=True where mixln_megatron is not
+installed. A model that is exactly a stock class's network (every layer "pre", scheme "mixln", LLaMA's forward
+scalars; for MoE, Mixtral or Qwen2-MoE) is exported as that class, without auto_map or code files.
+config.json keeps earlier exports' keys: `layer_kinds` (and the DeepNorm constants) only for a layout other
+than Mix-LN's first P, the forward scalars (the `forward` argument: muP, GLU offset) only when set.
 """
 
 from __future__ import annotations
@@ -74,7 +58,7 @@ def _first_p(layer_kinds) -> bool:
 def forward_export_fields(forward: Optional[dict]) -> Dict[str, Any]:
     """The forward scalars of `forward` that differ from LLaMA's (validated as MixLNLlamaConfig does), for
     config.json; {} for LLaMA's network."""
-    from .configuration_mixln_llama import OPTIONAL_FIELDS, check_forward_scalars
+    from .configuration_mixln_llama import OPTIONAL_FIELDS, check_forward_scalars  # optional: transformers
 
     unknown = sorted(set(forward or {}) - set(OPTIONAL_FIELDS))
     if unknown:
@@ -97,11 +81,8 @@ def is_stock_llama(post_ln_layers: int, mixln_scheme: str, layer_kinds=None, for
 
 def placement_export_fields(placement) -> Dict[str, Any]:
     """The Mix-LN keyword arguments of a mixln_megatron Placement (model/placement.py), for
-    `is_stock_llama(**f)`, `export_config_fields(**f)` and `config_for_export(**f, **llama_kwargs)`.
-
-    layer_kinds is given only when the placement is not Mix-LN's first-P layout (`Placement.is_first_p`), so
-    first-P exports keep their config.json; deepnorm_alpha / deepnorm_beta are the placement's (None without
-    a deepnorm layer).
+    `is_stock_llama(**f)`, `export_config_fields(**f)` and `config_for_export(**f, **llama_kwargs)`;
+    layer_kinds only when the placement is not Mix-LN's first P, so first-P exports keep their config.json.
     """
     return {
         "post_ln_layers": int(placement.post_ln_layers),
@@ -116,17 +97,11 @@ def placement_export_fields(placement) -> Dict[str, Any]:
 def export_config_fields(post_ln_layers: int, mixln_scheme: str, mixln_alpha: Optional[str] = None, layer_kinds=None,
                          deepnorm_alpha: Optional[float] = None, deepnorm_beta: Optional[float] = None,
                          forward: Optional[dict] = None) -> Dict[str, Any]:
-    """The config.json keys that select the architecture, for writers that build the JSON dict themselves.
-
-    Stock:  {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
-    Mix-LN: {"model_type": "mixln_llama", "architectures": ["MixLNLlamaForCausalLM"], "auto_map": {...},
-             "post_ln_layers": P, "mixln_scheme": scheme, "mixln_alpha": alpha}
-    plus, for a layout other than Mix-LN's first P (layer_kinds given and not "post"* "pre"*):
-             "layer_kinds": [...], and "deepnorm_alpha" / "deepnorm_beta" when a layer is deepnorm;
-    plus the forward scalars of `forward` that are not LLaMA's (forward_export_fields).
-    All fields are validated as MixLNLlamaConfig does (MixLNConfigValueError, a ValueError).
+    """The config.json keys that select the architecture (the class keys, and for Mix-LN its fields: see the
+    module docstring), for writers that build the JSON dict themselves. All fields are validated as
+    MixLNLlamaConfig does (MixLNConfigValueError, a ValueError).
     """
-    from .configuration_mixln_llama import _check_mixln_fields
+    from .configuration_mixln_llama import _check_mixln_fields  # optional: transformers
 
     num_layers = None if layer_kinds is None or isinstance(layer_kinds, str) else len(layer_kinds)
     _check_mixln_fields(post_ln_layers, mixln_scheme, num_layers, layer_kinds, deepnorm_alpha, deepnorm_beta)
@@ -162,15 +137,19 @@ def config_for_export(post_ln_layers: int, mixln_scheme: str, mixln_alpha: Optio
     (model_type, architectures, auto_map, transformers_version, _name_or_path) are dropped. The Mix-LN fields
     (post_ln_layers ... deepnorm_beta) are the arguments, as `placement_export_fields(placement)` gives them.
     """
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # optional
 
-    from .configuration_mixln_llama import MixLNLlamaConfig
+    from .configuration_mixln_llama import MixLNLlamaConfig  # optional: transformers
 
     kwargs = {k: v for k, v in llama_kwargs.items() if k not in _CLASS_KEYS}
     fields = export_config_fields(post_ln_layers, mixln_scheme, mixln_alpha, layer_kinds, deepnorm_alpha,
                                   deepnorm_beta, forward)
     cls = LlamaConfig if fields["model_type"] == "llama" else MixLNLlamaConfig
-    config = cls(**kwargs, **{k: v for k, v in fields.items() if k not in _CLASS_KEYS})
+    return _with_class_keys(cls(**kwargs, **{k: v for k, v in fields.items() if k not in _CLASS_KEYS}), fields)
+
+
+def _with_class_keys(config, fields: Dict[str, Any]):
+    """`config` with the architectures and auto_map of `fields` (those it has) set on it."""
     for key in ("architectures", "auto_map"):
         if key in fields:
             setattr(config, key, fields[key])
@@ -219,23 +198,13 @@ def moe_export_config_fields(post_ln_layers: int, mixln_scheme: str, mixln_alpha
                              router_dtype: Optional[str] = None, dtype=None,
                              forward: Optional[dict] = None) -> Dict[str, Any]:
     """The config.json keys of an MoE export: class keys, Mix-LN fields and MoE fields, spelled for the class
-    `stock_moe_model_type` picks. attention_bias / mlp_bias are LLaMA's (they only decide the class; they are
-    LlamaConfig arguments of `moe_config_for_export`); qkv_bias is a bias on q, k, v only; router_dtype
-    "float32" routes in fp32 whatever the model's dtype, `dtype` is the export's (it decides whether a stock
-    class routes exactly).
-
-    Mixtral:   {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": E,
-                "num_experts_per_tok": k, "intermediate_size": I (the expert's), "router_jitter_noise": 0.0}
-    Qwen2-MoE: {"model_type": "qwen2_moe", "architectures": [...], "num_experts", "num_experts_per_tok",
-                "moe_intermediate_size", "shared_expert_intermediate_size", "mlp_only_layers", "decoder_sparse_step": 1,
-                "norm_topk_prob", "qkv_bias", "use_sliding_window": False}
-    Mix-LN:    export_config_fields' Mix-LN keys with model_type "mixln_moe", MOE_AUTO_MAP, ["MixLNMoeForCausalLM"],
-               plus the MoE fields as MixLNMoeConfig names them (configuration_mixln_moe.MOE_FIELDS), with
-               "qkv_bias" / "router_dtype" only when set (earlier exports' config.json stays as it was).
+    `stock_moe_model_type` picks (Mixtral, Qwen2-MoE, or "mixln_moe" with "qkv_bias" / "router_dtype" only when
+    set). attention_bias / mlp_bias are LLaMA's (they only decide the class; they are LlamaConfig arguments of
+    `moe_config_for_export`); `dtype` is the export's (it decides whether a stock class routes exactly).
     Validated as MixLNMoeConfig does (MixLNConfigValueError, a ValueError, one line); mlp_only_layers are checked
     against num_hidden_layers (or the length of layer_kinds) when known.
     """
-    from .configuration_mixln_moe import check_moe_fields
+    from .configuration_mixln_moe import check_moe_fields  # optional: transformers
 
     if layer_kinds is not None and not isinstance(layer_kinds, str) and num_hidden_layers is None:
         num_hidden_layers = len(layer_kinds)
@@ -306,18 +275,14 @@ def moe_config_for_export(post_ln_layers: int, mixln_scheme: str, mixln_alpha: O
         router_dtype=router_dtype, dtype=kwargs.get("dtype", kwargs.get("torch_dtype")), forward=forward)
     model_type = fields["model_type"]
     if model_type == "mixln_moe":
-        from .configuration_mixln_moe import MixLNMoeConfig as cls
+        from .configuration_mixln_moe import MixLNMoeConfig as cls  # optional: transformers
     else:
-        from transformers import CONFIG_MAPPING
+        from transformers import CONFIG_MAPPING  # optional
 
         cls = CONFIG_MAPPING[model_type]
         kwargs = {k: v for k, v in kwargs.items() if k not in _LLAMA_ONLY_KEYS}
     kwargs.update({k: v for k, v in fields.items() if k not in _CLASS_KEYS})
-    config = cls(**kwargs)
-    for key in ("architectures", "auto_map"):
-        if key in fields:
-            setattr(config, key, fields[key])
-    return config
+    return _with_class_keys(cls(**kwargs), fields)
 
 
 def mark_for_remote_code(config) -> None:
@@ -356,14 +321,12 @@ def save_hf_folder(model, out_dir: str | os.PathLike, **save_kwargs) -> None:
     Works for the stock exports (`LlamaForCausalLM`, `MixtralForCausalLM`, `Qwen2MoeForCausalLM`: nothing extra),
     a `MixLNLlamaForCausalLM` (two code files) and a `MixLNMoeForCausalLM` (four).
     """
-    config = model.config
-    model_type = getattr(config, "model_type", None)
+    model_type = getattr(model.config, "model_type", None)
     if model_type in _REMOTE_CODE:
-        mark_for_remote_code(config)
-        model.save_pretrained(out_dir, **save_kwargs)
+        mark_for_remote_code(model.config)
+    model.save_pretrained(out_dir, **save_kwargs)
+    if model_type in _REMOTE_CODE:
         write_model_code(out_dir, model_type)
-    else:
-        model.save_pretrained(out_dir, **save_kwargs)
 
 
 __all__ = [

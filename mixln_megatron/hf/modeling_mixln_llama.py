@@ -25,9 +25,7 @@ are transformers' LLaMA components, reused by subclassing.
 
 This file is copied verbatim next to config.json in exported checkpoints (remote code): it imports only
 `transformers`/`torch` and the configuration file next to it. config.json's auto_map names the base model
-(`AutoModel` -> MixLNLlamaModel, where all Mix-LN changes live) as well as the causal LM, for serving
-engines' Transformers backends, which load the base model and call attention through
-ALL_ATTENTION_FUNCTIONS with the kwargs they pass to the model.
+(MixLNLlamaModel, where all Mix-LN changes live) too, for serving engines' Transformers backends.
 """
 
 from typing import Optional, Tuple
@@ -177,13 +175,10 @@ class MixLNLlamaDeepNormDecoderLayer(MixLNLlamaPostLNDecoderLayer):
     """DeepNet's Post-LN layer (arXiv 2203.00555): the Post-LN layer with the residual scaled before each add.
 
     Same parameters as the Post-LN layer; alpha = `config.deepnorm_alpha` (DeepNet: (2N)^(1/4) for N layers).
-    DeepNet's init (fc1, fc2, value and output projections times beta = (8N)^(-1/4)) is done by the Megatron
-    side at training time; these weights come from conversion, so `_init_weights` does not reproduce it.
+    DeepNet's init is done by the Megatron side in training; these weights come from conversion.
 
-    The Mix-LN authors' `deeppost` (pixeli99/MixLN, peft_pretraining/modeling_llama.py) has the same forward
-    structure with alpha fixed at 2.8284271247461903 (= (2N)^(1/4) at N = 32) for every depth and every layer
-    of the model; their init multiplies by (8N)^(1/4) (xavier_normal_ gain, also on gate_proj) where DeepNet
-    divides. Exporting their model means deepnorm_alpha = 2.8284271247461903 here.
+    The Mix-LN authors' `deeppost` (pixeli99/MixLN) has the same forward with alpha fixed at 2.8284271247461903
+    (= (2N)^(1/4) at N = 32) at every depth: exporting their model means deepnorm_alpha = 2.8284271247461903.
     """
 
     def __init__(self, config: MixLNLlamaConfig, layer_idx: int):
@@ -234,16 +229,11 @@ class MixLNLlamaPreTrainedModel(LlamaPreTrainedModel):
         "MixLNLlamaDeepNormDecoderLayer",
         "MixLNLlamaSandwichDecoderLayer",
     ]
-    # Attention goes through transformers' attention interface (ALL_ATTENTION_FUNCTIONS, chosen by
-    # config._attn_implementation) in LlamaAttention, and every layer passes its **kwargs down to it:
-    # what the Transformers backend of vLLM / SGLang needs to put its own attention in. LLaMA's value,
-    # stated here so that the base model (AutoModel) keeps it whatever LlamaPreTrainedModel does.
+    # Every layer passes its **kwargs down to LlamaAttention's attention interface, which the Transformers
+    # backend of vLLM / SGLang needs; LLaMA's value, stated so that the base model keeps it.
     _supports_attention_backend = True
-    # Every layer class subclasses LlamaDecoderLayer, so the inherited output recording
-    # (`_can_record_outputs`: hidden states per decoder layer, attentions per LlamaAttention) applies as is.
-    # `_init_weights` is LLaMA's for every kind (norm weights 1, linears normal(0, initializer_range)): it does
-    # not reproduce DeepNet's init of the deepnorm layers, which the Megatron side does in training; exported
-    # weights come from conversion.
+    # Inherited as is: the output recording (every layer class is a LlamaDecoderLayer) and LLaMA's
+    # `_init_weights` (not DeepNet's init, which the Megatron side does in training).
 
 
 DECODER_LAYER_CLASSES = {

@@ -1,10 +1,9 @@
-"""Which classes fill a Mix-LN layer's submodules: TransformerEngine or megatron's local modules.
-
-`te`:    megatron's TE layer submodules. Pre-LN layers keep TE's fused norm+linear
-         (TELayerNormColumnParallelLinear for linear_qkv and linear_fc1); Post-LN layers get
-         plain TE linears (layer.py derives them) and TE norms after the residual adds.
-`local`: megatron's local linears and attention, with the project's MixLNNorm, which supports
-         sequence parallelism (megatron's local WrappedTorchNorm refuses it). For CPU and tests.
+"""Which classes fill a Mix-LN layer's submodules: TransformerEngine (`te`: Pre-LN layers keep TE's
+fused norm+linear, Post-LN layers get plain TE linears and TE norms after the residual adds) or
+megatron's local modules (`local`, for CPU and tests) with MixLNNorm: megatron's local
+WrappedTorchNorm refuses sequence parallelism and zero-centred gamma, MixLNNorm supports both
+(each TP rank normalises its sequence shard; the weight is marked `sequence_parallel` so that
+finalize_model_grads all-reduces its gradient over TP, as TE's norms do).
 """
 
 from __future__ import annotations
@@ -14,17 +13,66 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_submodules,
     get_gpt_layer_with_transformer_engine_submodules,
 )
-import torch
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
-
-from .norms import MixLNNorm
+from torch import nn
 
 BACKENDS = ("te", "local")
+
+
+class MixLNNorm(nn.Module):
+    """RMSNorm / LayerNorm built like megatron norms: `MixLNNorm(config=, hidden_size=, eps=)`.
+
+    `config.normalization` picks the kind; `config.layernorm_zero_centered_gamma` stores
+    gamma - 1 (so weight decay pulls gamma towards 1). Computation runs in fp32.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused_kwargs):
+        super().__init__()
+        normalization = getattr(config, "normalization", "RMSNorm")
+        if normalization not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(
+                f"mixln_megatron supports normalization RMSNorm or LayerNorm, got {normalization!r}"
+            )
+        if getattr(config, "persist_layer_norm", False):
+            raise ValueError(
+                "persist_layer_norm needs apex's fused kernel, which the local backend does not use; "
+                "pass --no-persist-layer-norm (or use the TE spec)"
+            )
+        self.rms = normalization == "RMSNorm"
+        self.eps = eps
+        self.zero_centered_gamma = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+        init = torch.zeros if self.zero_centered_gamma else torch.ones
+        dtype = getattr(config, "params_dtype", torch.float32)
+        self.weight = nn.Parameter(init(hidden_size, dtype=dtype))
+        self.bias = None if self.rms else nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+        # LayerNorm Scaling multiplies the output (never the stored weight) by 1/sqrt(l).
+        self.output_scale = 1.0
+        sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+        for p in self.parameters():
+            # finalize_model_grads all-reduces grads of params marked this way over TP.
+            setattr(p, "sequence_parallel", sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        if self.rms:
+            normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        else:
+            mean = x32.mean(-1, keepdim=True)
+            var = (x32 - mean).pow(2).mean(-1, keepdim=True)
+            normed = (x32 - mean) * torch.rsqrt(var + self.eps)
+        gamma = self.weight.float() + 1 if self.zero_centered_gamma else self.weight.float()
+        out = normed * gamma
+        if self.bias is not None:
+            out = out + self.bias.float()
+        if self.output_scale != 1.0:
+            out = out * self.output_scale
+        return out.to(x.dtype)
 
 
 class TransformerEngineMissingError(ImportError):
@@ -56,12 +104,8 @@ def check_backend(backend: str) -> str:
 
 @dataclass(frozen=True)
 class BuilderFlag:
-    """How one argument of megatron's layer-submodule builder is filled.
-
-    field: the TransformerConfig field its value comes from (every flag megatron's own
-           get_gpt_decoder_layer_specs passes comes from the config); None: never passed.
-    note:  why, in a few words (rejections live in support.TABLE, keyed on the same field).
-    """
+    """How one argument of megatron's layer-submodule builder is filled: `field`, the
+    TransformerConfig field its value comes from (None: never passed), and `note`, why."""
 
     field: Optional[str]
     note: str = ""
@@ -177,13 +221,9 @@ def post_ln_linear(linear_cls):
 
 
 def overlap_config(config, tp_comm_buffer_name: Optional[str]):
-    """The config a Post-LN qkv / fc1 linear is built with.
-
-    megatron's fused TELayerNormColumnParallelLinear turns its userbuffer overlap off when
-    tp_comm_overlap_disable_qkv / _fc1 says so; the plain TE linear ignores those switches. A
-    shallow copy with tp_comm_overlap off gives the plain linear the same answer (no userbuffer
-    overlap for that GEMM) without touching the config other modules share.
-    """
+    """The config a Post-LN qkv / fc1 linear is built with: the plain TE linear ignores
+    tp_comm_overlap_disable_qkv / _fc1, which the fused one honours, so a shallow copy with
+    tp_comm_overlap off gives it the same answer without touching the shared config."""
     if (
         getattr(config, "tp_comm_overlap", False)
         and tp_comm_buffer_name in ("qkv", "fc1")

@@ -1,39 +1,132 @@
-"""The Mix-LN settings record in checkpoints.
+"""A Mix-LN model's checkpoints: the keys it writes, which HybridModel layer holds which GPT block's
+tensor, and the Mix-LN settings record that travels with the weights.
 
-Both layer kinds store their two norms under the same keys (layer.py), so a checkpoint's tensor
-layout does not reveal P. The settings therefore travel with the weights, in three places:
+The keys are written once, here: the model writes them, convert/ and the tests read them. Pure
+Python at module level; megatron is imported only where a record is saved or loaded.
 
-1. torch_dist: a replicated ShardedObject `decoder.layers.mixln_settings`, emitted by global
-   layer 1 of every model that is not plain Pre-LN. Loading into such a model a checkpoint with a
-   different P or scheme, or one without the record (a stock Pre-LN checkpoint), fails with a
-   message that names both. The record is NOT emitted at P = 0 with scheme mixln, so that a stock
-   checkpoint loads at Megatron's default strictness (which raises on requested-but-missing keys)
-   and a P = 0 checkpoint loads into megatron's stock spec.
-2. Megatron-LM's checkpoint content metadata (`mixln` entry): Megatron-LM hands the loaded
-   metadata back to `sharded_state_dict(metadata=...)`, so every Mix-LN model, P = 0 included,
-   checks it before any tensor is read.
-3. Legacy (per-rank torch) checkpoints: the same record in the regular state_dict of layer 1.
+GPTModel stacks every layer-local tensor under one key with a leading layer axis
+(`decoder.layers.<name>`, [L, ...]); HybridStack keeps one key per layer (`decoder.layers.<j>.<name>`,
+j the global 0-based hybrid index, no layer axis). A Mix-LN pattern is L `*-` pairs, so GPT block
+i (0-based) is hybrid layers 2i (`*`: attention) and 2i+1 (`-`: MLP) (model.hybrid_pattern's rule):
 
-A mismatch is a refusal wherever it is found: one `[mixln_megatron] ERROR:` line, then, under
-Megatron-LM's training, errors.Refusal (SystemExit 2, no traceback; str() is the line) on every rank
-that finds it; a library caller (megatron-core's own load, the analysis tools) gets
-MixLNCheckpointMismatch itself (errors.refuse_in_training). In the content metadata Megatron-LM's load_checkpoint hands back, before any
-tensor is read; in the sharded record or a legacy checkpoint's record (Megatron-LM's
-load_state_dict of the rank's model_optim_rng.pt, --ckpt-format torch) when load_state_dict reaches
-layer 1. A SystemExit passes through Megatron-LM's `except Exception` retry of a failed strict load
-(which, with load_state_dict's `error_msgs`, printed the line twice and then torch's RuntimeError
-traceback).
+    layer-local name                                   hybrid layer of block i
+    input_layernorm.*, self_attention.*,               2i      (the `*` layer)
+    post_attention_layernorm.*, mixln_settings (i = 0)
+    pre_mlp_layernorm.*, mlp.*, post_mlp_layernorm.*   2i + 1  (the `-` layer)
+    mixln_norm_a.* (Pre-LN input norm | Post-LN N2)    Pre-LN: 2i      Post-LN: 2i + 1
+    mixln_norm_b.* (Pre-LN MLP norm | Post-LN N1)      Pre-LN: 2i + 1  Post-LN: 2i
+    mixln_norm_c.* | mixln_norm_d.* (sandwich N_b | N_d)  2i | 2i + 1 (GPTModel: stacked over the sandwich layers)
+    mixln_spike_scaler.layer<i+1>.norm1.* | .norm2.*   2i | 2i + 1 (spike-scaler state)
+    decoder.final_layernorm.*  <->  decoder.final_norm.*
+
+The settings record: every kind stores its norms under the same keys, so the tensor layout does
+not reveal the layer kinds; the settings travel with the weights (docs/checkpoints.md) as a
+replicated ShardedObject `decoder.layers.mixln_settings` of global layer 1 (not at P = 0 with
+scheme mixln, so stock and P = 0 checkpoints load into each other), in Megatron-LM's content
+metadata (`mixln`, checked before any tensor is read) and in a legacy checkpoint's layer 1.
+A mismatch is a refusal wherever it is found (errors.refuse_in_training): one line and exit 2
+under Megatron-LM's training, a SystemExit that passes its `except Exception` retry of a failed
+strict load; a library caller gets MixLNCheckpointMismatch itself.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import re
+from typing import Optional, Tuple
 
 from ..errors import MixLNError, refuse_in_training
-from .checkpoint_keys import METADATA_KEY, RECORD as RECORD_NAME  # noqa: F401  (METADATA_KEY: API)
-from .placement import Placement
+from . import hybrid_pattern
+from .hybrid_pattern import ATTENTION, MLP
 
 
+# ------------------------------------------------------------------------------ model keys
+LAYERS = "decoder.layers."
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
+GPT_FINAL_NORM, HYBRID_FINAL_NORM = "decoder.final_layernorm.", "decoder.final_norm."
+# The Mix-LN settings record (model.checkpoint): a replicated ShardedObject of global layer 1
+# (unique key <key>/shard_0_1), and the entry of Megatron-LM's content metadata.
+RECORD = "mixln_settings"
+GPT_RECORD_KEY = LAYERS + RECORD
+HYBRID_RECORD_KEY = f"{LAYERS}0.{RECORD}"
+METADATA_KEY = "mixln"
+# Megatron-core 0.19+ saves the common state (args, iteration, content metadata) as this object.
+COMMON_STATE_KEY = "common_state/shard_0_1"
+# A Mix-LN layer (P > 0 or LNS) stores its two norms here, whatever its kind (model.layer).
+MIXLN_NORM_A, MIXLN_NORM_B = "mixln_norm_a.", "mixln_norm_b."
+# A sandwich layer's output norms N_b (c) and N_d (d), stacked over the sandwich layers only.
+MIXLN_NORM_C, MIXLN_NORM_D = "mixln_norm_c.", "mixln_norm_d."
+SPIKE_SCALER = "mixln_spike_scaler."
+
+HYBRID_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+SPIKE = re.compile(r"^mixln_spike_scaler\.layer(\d+)\.(norm[1-4])\.(.+)$")
+
+# ------------------------------------------------------------------------------ halves of a block
+ATTENTION_NAMES = ("input_layernorm.", "self_attention.", "self_attn_bda.", "post_attention_layernorm.",
+                   "attn_output_layernorm.", MIXLN_NORM_C)
+MLP_NAMES = ("pre_mlp_layernorm.", "mlp.", "mlp_bda.", "post_mlp_layernorm.", "mlp_output_layernorm.", MIXLN_NORM_D)
+# Names of a layer that make it something other than a Mix-LN `*` or `-` layer.
+FOREIGN_NAMES = {"mixer.": "M (Mamba)", "mlp.experts.": "E (MoE)", "mlp.router.": "E (MoE)",
+                 "self_attention.linear_q_down_proj": "+ (MLA)", "self_attention.linear_kv_down_proj": "+ (MLA)"}
+MOE, MLA = "E (MoE)", "+ (MLA)"
+
+
+def foreign_names(what: str) -> Tuple[str, ...]:
+    """The FOREIGN_NAMES of one kind (MOE, MLA, ...)."""
+    return tuple(name for name, kind in FOREIGN_NAMES.items() if kind == what)
+
+
+def part_of_name(name: str, post_ln: bool) -> Optional[str]:
+    """ATTENTION or MLP: the half of a transformer block that holds the layer-local tensor `name`
+    (the block Post-LN or not); None for a name that is neither's."""
+    spike = SPIKE.match(name)
+    if spike:
+        return ATTENTION if spike.group(2) in ("norm1", "norm3") else MLP
+    if name.startswith(ATTENTION_NAMES) or name == RECORD:
+        return ATTENTION
+    if name.startswith(MLP_NAMES):
+        return MLP
+    if name.startswith(MIXLN_NORM_A):
+        return MLP if post_ln else ATTENTION
+    if name.startswith(MIXLN_NORM_B):
+        return ATTENTION if post_ln else MLP
+    return None
+
+
+def hybrid_index(block: int, part: str) -> int:
+    """The global 0-based hybrid layer of 0-based block `block`'s `part`."""
+    attention, mlp = hybrid_pattern.layer_numbers_of_block(block + 1)
+    return (attention if part == ATTENTION else mlp) - 1
+
+
+def block_of_hybrid_index(index: int) -> int:
+    """The 0-based block of global 0-based hybrid layer `index`."""
+    return hybrid_pattern.block_of_layer(index + 1) - 1
+
+
+def hybrid_layer_of(block: int, name: str, post_ln: bool) -> Optional[int]:
+    """The global 0-based hybrid layer that holds 0-based block `block`'s layer-local `name`; None
+    for a name of neither half."""
+    part = part_of_name(name, post_ln)
+    return None if part is None else hybrid_index(block, part)
+
+
+def hybrid_state_key(gpt_key: str, post_ln: bool = False) -> str:
+    """The HybridModel (`*-*-...`) name of a GPTModel state-dict key with per-layer names
+    (`decoder.layers.<i>.<name>`, one stage, PP1; a state_dict, not a sharded one); the final norm
+    renamed, other keys as they are. `post_ln`: whether block i is Post-LN (only the Mix-LN norm
+    keys depend on it). ValueError for a layer name of neither half."""
+    match = HYBRID_LAYER.match(gpt_key)
+    if match is None:
+        return HYBRID_FINAL_NORM + gpt_key[len(GPT_FINAL_NORM):] if gpt_key.startswith(GPT_FINAL_NORM) else gpt_key
+    block, name = int(match.group(1)), match.group(2)
+    index = hybrid_layer_of(block, name, post_ln)
+    if index is None:
+        raise ValueError(f"{gpt_key}: a layer key of neither attention's nor the MLP's half of a block")
+    return f"{LAYERS}{index}.{name}"
+
+
+# ------------------------------------------------------------------------------ the settings record
 class MixLNCheckpointMismatch(MixLNError, RuntimeError):
     """A checkpoint's Mix-LN settings differ from the model's."""
 
@@ -60,7 +153,7 @@ def describe_record(record: Optional[dict]) -> str:
     )
 
 
-def mismatch_message(checkpoint_record: Optional[dict], model_placement: Placement) -> Optional[str]:
+def mismatch_message(checkpoint_record: Optional[dict], model_placement) -> Optional[str]:
     """None when compatible, else a message naming both settings."""
     if _comparable(checkpoint_record) == _comparable(model_placement.record()):
         return None
@@ -73,11 +166,9 @@ def mismatch_message(checkpoint_record: Optional[dict], model_placement: Placeme
 
 def replica_id(pg_collection=None) -> tuple:
     """megatron-core's replica id, (0, TP rank, DP-with-CP rank), of what every TP and DP rank holds
-    alike: the settings record here and the spike scaler's state (training.spike.state). One
-    computation for both: megatron-core's make_sharded_object_for_checkpoint reads only the global
-    parallel_state (it ignores a model's own process groups), its make_sharded_tensor_for_checkpoint
-    takes the groups; the model's `pg_collection` (tp, dp_cp) comes first, parallel_state after."""
-    from megatron.core import parallel_state
+    alike (the settings record, the spike scaler's state): from the model's `pg_collection` first,
+    then the global parallel_state (megatron's own helpers disagree on which they read)."""
+    from megatron.core import parallel_state  # heavy
     from megatron.core.utils import get_pg_rank
 
     tp = getattr(pg_collection, "tp", None)
@@ -90,7 +181,7 @@ def replica_id(pg_collection=None) -> tuple:
 
 def add_settings_record(layer, sharded: dict, prefix: str, metadata: Optional[dict]) -> None:
     """Called from MixLNTransformerLayer.sharded_state_dict (save and load alike)."""
-    placement: Placement = layer.placement
+    placement = layer.placement
     if isinstance(metadata, dict):
         loaded = metadata.get(METADATA_KEY)
         if loaded is not None:
@@ -104,22 +195,22 @@ def add_settings_record(layer, sharded: dict, prefix: str, metadata: Optional[di
             metadata[METADATA_KEY] = placement.record()
     if placement.is_stock or layer.layer_number != 1 or getattr(layer, "is_mtp_layer", False):
         return
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.mapping import ShardedObject  # heavy
 
-    key = f"{prefix}{RECORD_NAME}"
+    key = f"{prefix}{RECORD}"
     sharded[key] = ShardedObject(key, placement.record(), (1,), (0,), replica_id=replica_id(layer.pg_collection))
 
 
 def add_legacy_record(layer, state_dict: dict, prefix: str) -> None:
     """state_dict hook: the record for legacy (torch.save of state_dict) checkpoints."""
     if not layer.placement.is_stock and layer.layer_number == 1 and not getattr(layer, "is_mtp_layer", False):
-        state_dict[f"{prefix}{RECORD_NAME}"] = layer.placement.record()
+        state_dict[f"{prefix}{RECORD}"] = layer.placement.record()
 
 
 def check_settings_record(layer, state_dict: dict, prefix: str, error_msgs: list) -> None:
     """Called from MixLNTransformerLayer._load_from_state_dict: pop the record and compare; a
     mismatch is refused (one line, exit 2). `error_msgs` is load_state_dict's, left untouched."""
-    record = state_dict.pop(f"{prefix}{RECORD_NAME}", None)
+    record = state_dict.pop(f"{prefix}{RECORD}", None)
     if layer.layer_number != 1 or getattr(layer, "is_mtp_layer", False):
         return
     if record is None and layer.placement.is_stock:

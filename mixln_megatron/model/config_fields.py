@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional, Tuple
 
+from . import moe_fields as mf
 from .moe_fields import RELEASES
 
 CARRIED, REFUSED, NO_EFFECT = "carried", "refused", "no effect"
@@ -175,7 +176,7 @@ TABLE: Tuple[Setting, ...] = (
             off=(None,)),
     Setting("enable_mhc_connections", REFUSED, "manifold hyper-connections (--enable-mhc-connections)",
             why="several residual streams, which Llama does not have", releases=_since("0.20")),
-    # muP: the values megatron's __post_init__ derives (convert.forward_scalars), as Mix-LN config fields
+    # muP: the values megatron's __post_init__ derives (convert.shape.forward_scalars), as Mix-LN config fields
     Setting("use_mup", CARRIED, "attention_scale, embedding_multiplier, logits_multiplier (+ the megatron_mup record)"),
     *(Setting(name, CARRIED, "through use_mup's fields (read only under --use-mup)") for name in (
         "mup_base_hidden_size", "mup_width_mult", "mup_embedding_mult", "mup_output_mult", "mup_base_head_dim",
@@ -414,8 +415,6 @@ def fields_of_release(release: str) -> Tuple[str, ...]:
 def counts(release: str) -> dict:
     """{handling: rows} of the fields (this table's and model.moe_fields') of `release`: the export's
     view, where moe_fields' folded counts as carried and its training / execution as no effect."""
-    from . import moe_fields as mf
-
     out = {h: 0 for h in HANDLINGS}
     for row in TABLE:
         if row.kind == FIELD and release in row.releases:

@@ -1,19 +1,11 @@
 """Mix-LN on megatron's HybridModel: the stack and the two layer kinds of a `*-*-...` pattern.
 
-A `*` layer is a MixLNTransformerLayer with attention only, a `-` layer one with the MLP only
-(hybrid_part, hybrid_pattern.py), an `E` layer a `-` layer whose MLP is megatron's MoE layer; the
-layer class, its norms, checkpoint keys and settings record are the GPT model's. With the same weights the network is the GPTModel Mix-LN network exactly,
-every layer kind of a layout (model.layout) split at the block's two residual steps:
-
-    block k Pre-LN:    layer 2k-1  h = x + Attn(N1(x))         layer 2k  y = h + MLP(N2(h))
-    block k Post-LN:   layer 2k-1  h = N1(x + Attn(x))         layer 2k  y = N2(h + MLP(h))
-    block k DeepNorm:  layer 2k-1  h = N1(a x + Attn(x))       layer 2k  y = N2(a h + MLP(h))
-    block k Sandwich:  layer 2k-1  h = x + N_b(Attn(N1(x)))    layer 2k  y = h + N_d(MLP(N2(h)))
-
-MixLNHybridStack is megatron's HybridStack with two changes: it refuses patterns Mix-LN does not
-define (per pipeline stage, from the segment and offset HybridModel hands it), and its final norm
-is the backend's (HybridStack hard-codes TENorm, so the local backend needs the stack subclass to
-run without TransformerEngine).
+A `*` layer is a MixLNTransformerLayer with attention only, a `-` layer one with the MLP only (an
+`E` layer: megatron's MoE MLP); block k's two layers 2k-1, 2k are the GPT layer k split at its
+two residual steps, with the same norms, keys and record, so with the same weights the network
+is the GPTModel one exactly. MixLNHybridStack is megatron's HybridStack that refuses patterns
+Mix-LN does not define (per stage) and builds the backend's final norm (HybridStack hard-codes
+TENorm).
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """HybridModel layer patterns as Mix-LN reads them: pure Python, no megatron import.
 
-megatron's HybridModel (`--hybrid-layer-pattern`) makes every symbol its own layer: `*` an
-attention layer, `-` an MLP layer, each x + F(N(x)) with its own norm. A pattern of L `*-` pairs
-is the GPT decoder of L transformer blocks split in two, so Mix-LN's rule carries over unchanged
-once it counts blocks: hybrid layer n (global, 1-based) belongs to block ceil(n / 2), P =
-floor(alpha * L) blocks are Post-LN, and block k's N1 sits in layer 2k - 1, its N2 in layer 2k.
-
-An `E` layer (megatron's MoE MLP) may stand where a `-` belongs: it is its block's MLP half and
-takes the block's kind like a `-` layer. HF conversion cannot carry experts, so its pattern rule
-(moe=False) refuses `E`. Other symbols (Mamba M, GDN G, DSA D, MLA +), MTP (`/...`) and patterns
-that do not strictly alternate attention and MLP are refused with the reason. `|` (pipeline stage
-splits) may sit anywhere, also inside a block.
+A pattern of L `*-` pairs is the GPT decoder of L transformer blocks split in two, so Mix-LN's
+rule counts blocks: hybrid layer n (global, 1-based) belongs to block ceil(n / 2), whose N1 sits
+in layer 2k - 1 and N2 in layer 2k. An `E` (megatron's MoE MLP) may stand for a `-` (HF
+conversion refuses it: moe=False); `|` splits may sit anywhere. Other symbols, MTP and patterns
+that do not strictly alternate are refused with the reason (docs/training.md, HybridModel).
 """
 
 from __future__ import annotations
@@ -131,10 +125,8 @@ def pattern_of_args(args) -> Optional[str]:
 
 def blocks_of_args(args) -> int:
     """L, the transformer blocks Mix-LN counts, of Megatron-LM's arguments (parsed or saved): a
-    Mix-LN pattern's `*-` pairs (num_layers is then the pattern's length 2L), else num_layers (a
-    GPTModel). The one reading of it: the entry point (training.pretrain.transformer_blocks) and
-    the checkpoint readers (convert.shape.args_num_blocks, which checks the saved values first).
-    MixLNUnsupportedError for a pattern Mix-LN does not define."""
+    Mix-LN pattern's `*-` pairs, else num_layers (a GPTModel). The one reading of it, for the entry
+    point and the checkpoint readers. MixLNUnsupportedError for a pattern Mix-LN does not define."""
     pattern = pattern_of_args(args)
     return check_pattern(pattern) if pattern else args.num_layers
 

@@ -4,49 +4,17 @@ Pre-LN (megatron as is):  h = x + Attn(N_in(x));           y = h + MLP(N_mlp(h))
 Post-LN (this module):    h = N1(x + Attn(x));             y = N2(h + MLP(h))
 DeepNorm (Post-LN):       h = N1(a * x + Attn(x));         y = N2(a * h + MLP(h))
 Sandwich (Pre-LN):        h = x + N_b(Attn(N_in(x)));      y = h + N_d(MLP(N_mlp(h)))
-(layout.py names the kinds; Mix-LN's own placement is the first P layers post, the rest pre.)
 
-The kind is decided once, before TransformerLayer.__init__, from the global 1-based
-layer_number (megatron's offset already accounts for PP, VPP, uneven stages and layouts), so
-one spec serves every layer and every pipeline split builds the same network.
+The kind is decided once, before TransformerLayer.__init__, from the global 1-based layer_number
+(megatron's offset already accounts for PP, VPP and layouts), so one spec serves every layer and
+every pipeline split builds the same network. A HybridModel `*` / `-` layer is this class with
+attention / MLP only, numbered by transformer block (hybrid_pattern.py).
 
-HybridModel (hybrid.py): a `*` layer (hybrid_part "attention") is this class with attention only,
-a `-` layer ("mlp") with the MLP only; both are numbered by transformer block (block_number =
-ceil(layer_number / 2), hybrid_pattern.py), so L `*-` pairs are this network split in two.
-
-The Post-LN layer reuses megatron's attention, MLP and bias-dropout-add; only the norms move:
-its input/pre-MLP norms are IdentityOp, N1 runs at the end of `_forward_attention` and N2 at
-the end of the MLP residual step (`_forward_post_mlp` up to 0.19, `_apply_mlp_bda_step` from
-0.20; compat.keep_release_hooks keeps the one the release calls). Those are the methods CUDA-graph capture calls directly, so the
-norms live inside the captured paths.
-
-Checkpoint keys (one answer for every backend and for conversion). A model with P > 0 or an
-LNS scheme stores every layer's two norms under Mix-LN keys that megatron's stock spec does not
-have, so loading its checkpoint into a stock model fails at load instead of silently training on;
-P = 0 with scheme mixln keeps the stock keys and stays interchangeable with the stock spec:
-    role                  local module               TE module                  torch_dist key (layer-stacked)         HF (Mix-LN code)
-    Pre-LN attn norm      input_layernorm            linear_qkv (fused norm)    mixln_norm_a.*   (stock: self_attention.linear_qkv.layer_norm_*)   input_layernorm
-    Pre-LN MLP norm       pre_mlp_layernorm          linear_fc1 (fused norm)    mixln_norm_b.*   (stock: mlp.linear_fc1.layer_norm_*)              post_attention_layernorm
-    Post-LN N1            post_attention_layernorm   post_attention_layernorm   mixln_norm_b.*                                                     post_attention_layernorm
-    Post-LN N2            post_mlp_layernorm         post_mlp_layernorm         mixln_norm_a.*                                                     post_feedforward_layernorm
-    DeepNorm N1 / N2      as Post-LN                 as Post-LN                 as Post-LN
-    Sandwich N_in / N_mlp as Pre-LN                  as Pre-LN                  as Pre-LN
-    Sandwich N_b          attn_output_layernorm      attn_output_layernorm      mixln_norm_c.* (stacked over the S sandwich layers)
-    Sandwich N_d          mlp_output_layernorm       mlp_output_layernorm       mixln_norm_d.* (stacked over the S sandwich layers)
-Every kind maps its two norms onto the same two stacked keys, so a checkpoint's layout does not
-depend on P: torch_dist stacking and resharding across TP/PP/VPP come for free. Only sandwich
-layers have N_b / N_d; torch_dist requires a stacked key to cover its whole axis, so those two keys
-are stacked over the sandwich layers alone ([S, ...], a layer's offset its 0-based rank among
-them, global like the layer number, so every pipeline split agrees). What the layout cannot tell,
-the recorded settings do (see checkpoint.py): every layer's kind is checked on load.
-
-DeepNorm's residual scale and Sandwich's output norms sit in the layer's bias-dropout-add steps
-(self_attn_bda / mlp_bda, wrapped by ResidualStep), which every supported megatron release calls
-as `bda(training, fusion)(out_with_bias, residual, dropout)`. DeepNorm's init (DeepNet's beta on
-fc1, fc2, the attention output projection and the value rows of linear_qkv, all four from the base
-init: megatron's depth-scaled output-layer init is not used for a deepnorm layer's linear_proj and
-linear_fc2, see output_layers_at_base_init) multiplies the weights megatron's init methods made, on
-each TP shard, so CPU and TP-sharded init agree.
+The Post-LN layer reuses megatron's attention, MLP and bias-dropout-add; only the norms move: N1
+runs at the end of `_forward_attention`, N2 at the end of the MLP residual step (the methods
+CUDA-graph capture calls, so the norms live inside the captured paths). DeepNorm's residual scale
+and Sandwich's output norms wrap the bias-dropout-add steps (ResidualStep). Checkpoint keys: the
+table in docs/checkpoints.md; DeepNorm's init: docs/configuration.md and CONTRIBUTING.md.
 """
 
 from __future__ import annotations
@@ -69,15 +37,14 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.utils import get_pg_rank, make_viewless_tensor
 
 from .. import compat
-from . import backends, hybrid_pattern as hybrid, layout, moe_layers, qkv_layout
-from .checkpoint_keys import MIXLN_NORM_A, MIXLN_NORM_B, MIXLN_NORM_C, MIXLN_NORM_D
-from .support import MixLNUnsupportedError, check_kind_supported, check_supported  # noqa: F401  (re-exported)
-from . import checkpoint as mixln_checkpoint
+from . import backends, checkpoint as mixln_checkpoint, hybrid_pattern as hybrid, layout, qkv_layout
+from .checkpoint import MIXLN_NORM_A, MIXLN_NORM_B, MIXLN_NORM_C, MIXLN_NORM_D
+from .support import MixLNUnsupportedError, check_kind_supported, check_supported
 from .placement import MixLNSettings, Placement, resolve_placement
 
 
-# Where each norm of a Mix-LN model (P > 0 or LNS) is stored in sharded checkpoints (see the
-# table above). Both backends' Pre-LN names map, so the TE and local layouts are one layout.
+# Where each norm of a Mix-LN model (P > 0 or LNS) is stored in sharded checkpoints. Both
+# backends' Pre-LN names map, so the TE and local layouts are one layout.
 PRE_LN_KEYS_MAP = {
     "input_layernorm.": MIXLN_NORM_A,
     "self_attention.linear_qkv.layer_norm_": MIXLN_NORM_A,
@@ -102,10 +69,8 @@ _ON_LAYER_BUILT = "_mixln_on_layer_built"
 
 def on_layer_built(config, callback) -> None:
     """Call `callback(layer)` for every MixLNTransformerLayer built from now on with `config`
-    (idempotent). How training hooks installed before the build (the spike scaler's checkpoint
-    state) join the layers without the spec or the layer knowing them. Kept on the config because
-    nothing in megatron-core runs a hook when a layer is built (torch's module-registration hook
-    is process-wide); remove_on_layer_built undoes it."""
+    (idempotent): how hooks installed before the build reach the layers. On the config because
+    megatron-core has no layer-built hook (torch's module-registration hook is process-wide)."""
     config = getattr(config, "transformer", config)
     callbacks = config.__dict__.setdefault(_ON_LAYER_BUILT, [])
     if callback not in callbacks:
@@ -172,14 +137,10 @@ def _check_extra_state_empty(key: str, item) -> None:
 
 
 class ResidualStep:
-    """A deepnorm or sandwich layer's bias-dropout-add (self_attn_bda / mlp_bda): megatron's own,
-    called as megatron calls it, `bda(training, fusion)(out_with_bias, residual, dropout)`, with
-
-        deepnorm  the residual multiplied by `residual_scale` (DeepNet's alpha) before the add;
-        sandwich  the sublayer output (bias added first) through `output_norm` before dropout and add.
-
-    A plain object, not a Module (the norm is the layer's own submodule; this holds a reference,
-    which copy.deepcopy of the layer maps to the copy's norm)."""
+    """A deepnorm or sandwich layer's bias-dropout-add, megatron's own called as megatron calls
+    it, `bda(training, fusion)(out_with_bias, residual, dropout)`, with (deepnorm) the residual
+    times `residual_scale` or (sandwich) the sublayer output through `output_norm` first.
+    A plain object, not a Module: the norm is the layer's own submodule."""
 
     def __init__(self, bda, residual_scale: float = 1.0, output_norm=None):
         self.bda, self.residual_scale, self.output_norm = bda, float(residual_scale), output_norm
@@ -213,16 +174,30 @@ def value_rows(weight_rows: int, attention) -> slice:
     return qkv_layout.value_rows(heads // groups, dim)
 
 
+def expert_linears(mlp) -> list:
+    """The fc1 / fc2 linears of an MoE MLP's experts and shared experts (empty for a dense MLP):
+    one MLP per sequential expert, one grouped linear per projection for grouped-GEMM experts."""
+    found = []
+    for part in ("experts", "shared_experts"):
+        module = getattr(mlp, part, None)
+        if module is None:
+            continue
+        found += [linear for name, linear in module.named_modules()
+                  if name.rpartition(".")[2] in ("linear_fc1", "linear_fc2")]
+    return found
+
+
+def linear_weights(linear) -> list:
+    """A linear's own weight tensors: `weight`, or a grouped linear's weight0, weight1, ..."""
+    return [p for name, p in linear.named_parameters(recurse=False)
+            if name == "weight" or (name.startswith("weight") and name[len("weight"):].isdigit())]
+
+
 @contextlib.contextmanager
 def output_layers_at_base_init(config):
-    """While a deepnorm layer is built: megatron draws linear_proj and linear_fc2 with the base init
-    (config.init_method) instead of its depth-scaled output-layer init (init_method_std / sqrt(2L)).
-
-    DeepNet's rule is one gain, beta = (8L)^(-1/4), on a depth-free base init for V, the output
-    projection, fc1 and fc2; beta is the depth scaling, so on top of megatron's 1/sqrt(2L) the two
-    output projections would start sqrt(2L) times smaller than fc1 and V. The swap lasts only for
-    the construction (every init method is read then; meta-device init, which re-initialises
-    later, is refused for deepnorm layers) and is undone even when the build fails."""
+    """While a deepnorm layer is built, linear_proj and linear_fc2 draw from the base init, not
+    megatron's depth-scaled output-layer init (why: CONTRIBUTING.md, DeepNorm's output
+    projections). Only for the construction, which reads every init method; undone on failure."""
     saved = config.output_layer_init_method
     config.output_layer_init_method = config.init_method
     try:
@@ -233,15 +208,10 @@ def output_layers_at_base_init(config):
 
 @compat.keep_release_hooks  # only the MLP residual-step override this release calls stays
 class MixLNTransformerLayer(TransformerLayer):
-    """A TransformerLayer of the kind (pre, post, deepnorm, sandwich) the placement gives its global
-    layer (Mix-LN's default: Post-LN when layer_number <= P). `kind` names it; `is_post_ln` is True
-    for post and deepnorm.
-
-    Extra spec params (ModuleSpec.params):
-        mixln_settings: MixLNSettings (None: environment, then defaults).
-        post_ln_norm:   the norm class for N1 / N2 and sandwich's N_b / N_d, called as
-                        (config=, hidden_size=, eps=).
-    """
+    """A TransformerLayer of the kind the placement gives its global layer (`kind`; `is_post_ln`
+    for post and deepnorm). Extra spec params: `mixln_settings` (None: environment, then
+    defaults) and `post_ln_norm`, the class of N1 / N2 / N_b / N_d, called as (config=,
+    hidden_size=, eps=)."""
 
     def __init__(
         self,
@@ -273,8 +243,7 @@ class MixLNTransformerLayer(TransformerLayer):
         self.block_number = hybrid.block_number(global_number, hybrid_part)
         num_blocks = hybrid.num_blocks(config.num_layers, hybrid_part)
         self.placement: Placement = resolve_placement(num_blocks, mixln_settings)
-        # MTP layers sit after the decoder and are built from megatron's stock spec; if one ever
-        # reaches this class it stays Pre-LN rather than being numbered into the Post-LN group.
+        # MTP layers (after the decoder, megatron's stock spec) stay Pre-LN if one ever gets here.
         self.kind = layout.PRE if is_mtp_layer else self.placement.kind(self.block_number)
         self.is_post_ln = self.kind in layout.POST_LN_KINDS  # post and deepnorm
         self.norm_output_scale = 1.0 if is_mtp_layer else self.placement.norm_output_scale(self.block_number)
@@ -346,16 +315,9 @@ class MixLNTransformerLayer(TransformerLayer):
 
     # ---------------------------------------------------------------- the two norms
     def norm_parameters(self) -> list:
-        """[(role, parameter)] of this layer's two norms, the one answer to "which parameters are
-        this layer's norms" (spike scaler, telemetry, grad-norm analysis).
-
-        Roles do not depend on backend: 'norm1.<name>' is the first pre/post norm in forward order
-        (Pre-LN and sandwich: before attention; Post-LN and deepnorm: N1 after the attention
-        residual add), 'norm2.<name>' the second; a sandwich layer adds 'norm3.<name>' (N_b, on the
-        attention output) and 'norm4.<name>' (N_d, on the MLP output). <name> is 'weight' (and
-        'bias' for a norm that has one). TE's Pre-LN norms are fused into linear_qkv / linear_fc1
-        as layer_norm_weight / layer_norm_bias.
-        """
+        """[(role, parameter)] of this layer's norms (spike scaler, telemetry, analysis). Roles,
+        whatever the backend: 'norm1.<name>' / 'norm2.<name>' the first / second norm in forward
+        order, a sandwich layer's N_b / N_d 'norm3.' / 'norm4.'; <name> 'weight' (and 'bias')."""
         def own(module):
             return list(module.named_parameters()) if module is not None else []
 
@@ -379,17 +341,15 @@ class MixLNTransformerLayer(TransformerLayer):
     # ---------------------------------------------------------------- DeepNorm's init
     @torch.no_grad()
     def _apply_deepnorm_init(self, beta: float) -> None:
-        """DeepNet's init on the weights megatron's init methods just made (this TP shard's, all
-        four drawn with the base init): fc1, fc2 (an MoE MLP: each expert's and shared expert's),
-        the attention output projection and the value rows of linear_qkv times `beta`; the query
-        and key rows, biases, norms and an MoE router unchanged."""
+        """DeepNet's init on this TP shard's weights as megatron made them: fc1, fc2 (each
+        expert's too), linear_proj and linear_qkv's value rows times `beta`; the rest unchanged."""
         attention, mlp = self.self_attention, self.mlp
         for module, name in ((mlp, "linear_fc1"), (mlp, "linear_fc2"), (attention, "linear_proj")):
             linear = getattr(module, name, None)
             if linear is not None and getattr(linear, "weight", None) is not None:
                 linear.weight.mul_(beta)
-        for linear in moe_layers.expert_linears(mlp):  # an MoE MLP: every expert's fc1 / fc2
-            for weight in moe_layers.linear_weights(linear):
+        for linear in expert_linears(mlp):  # an MoE MLP: every expert's fc1 / fc2
+            for weight in linear_weights(linear):
                 weight.mul_(beta)
         qkv = getattr(attention, "linear_qkv", None)
         if qkv is not None and getattr(qkv, "weight", None) is not None:
@@ -425,13 +385,8 @@ class MixLNTransformerLayer(TransformerLayer):
 
     # ---------------------------------------------------------------- CUDA graphs
     def _get_submodules_under_cudagraphs(self):
-        """Add N1 / N2 (sandwich: N_b / N_d) to the modules a scoped CUDA graph covers.
-
-        megatron lists the input, attention, pre-MLP norm and MLP per scope; a Post-LN layer runs
-        N1 inside the attention path and N2 inside the MLP path (a sandwich layer N_b and N_d), so
-        their parameters must be in the list too (DDP's pre-replay hooks wait for their all-gather
-        only if they are).
-        """
+        """Add N1 / N2 (sandwich: N_b / N_d), which run inside the attention / MLP paths, to the
+        modules a scoped CUDA graph covers: DDP's pre-replay hooks wait only for listed ones."""
         submodules = super()._get_submodules_under_cudagraphs()
         if not self.extra_norm_names or not self.config.cuda_graph_modules:
             return submodules  # unscoped: megatron lists the whole layer
@@ -454,8 +409,8 @@ class MixLNTransformerLayer(TransformerLayer):
     @property
     def norms_without_extra_state(self) -> tuple:
         """The norms whose `_extra_state` stays out of sharded checkpoints: the extra norms, and in
-        a Mix-LN-keyed model an MoE layer's standalone TE pre-MLP norm (mixln_norm_b, whose other
-        layers, Post-LN ones or dense TE ones with the norm fused, have no such state)."""
+        a Mix-LN-keyed model an MoE layer's standalone TE pre-MLP norm (the other layers' mixln_norm_b
+        has no such state)."""
         standalone = not self.placement.is_stock and not isinstance(self.pre_mlp_layernorm, IdentityOp) \
             and type(self.pre_mlp_layernorm).get_extra_state is not torch.nn.Module.get_extra_state
         return self.extra_norm_names + (("pre_mlp_layernorm",) if standalone else ())
@@ -475,13 +430,9 @@ class MixLNTransformerLayer(TransformerLayer):
         return sharded
 
     def _stack_over_sandwich_layers(self, sharded: dict, prefix: str, sharded_offsets: tuple, metadata) -> None:
-        """N_b / N_d under mixln_norm_c / _d with their layer axis over the S sandwich layers.
-
-        TransformerBlock hands every layer the offset (0, global layer - 1, L) of the shared layer
-        axis; only sandwich layers have these norms, so their keys take (0, rank among the
-        sandwich layers, S) instead (rank and S global: every pipeline split writes the same
-        checkpoint). Without a layer axis (per-layer keys, non-homogeneous layers) nothing changes.
-        """
+        """N_b / N_d under mixln_norm_c / _d, their layer axis (0, rank among the sandwich layers,
+        S) instead of TransformerBlock's (0, global layer - 1, L): torch_dist needs a stacked key
+        to cover its whole axis. Without a layer axis (per-layer keys) nothing changes."""
         from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
         from megatron.core.transformer.utils import sharded_state_dict_default
 

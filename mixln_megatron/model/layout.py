@@ -1,22 +1,11 @@
 """Per-layer norm kinds: the layout string users write, parsed into one kind per layer. Pure Python.
 
-The four kinds (F = attention, then MLP; N a norm; each layer has two residual steps):
-    pre       h = x + F(N_a(x))                          Pre-LN (megatron's stock layer)
-    post      h = N(x + F(x))                            Post-LN (the Mix-LN paper's early layers)
-    deepnorm  h = N(alpha * x + F(x))                    DeepNet's Post-LN (arXiv 2203.00555):
-              alpha = (2L)^(1/4); fc1, fc2, the attention output and value projections
-              initialised at beta = (8L)^(-1/4) times megatron's base init (init_method_std)
-    sandwich  h = x + N_b(F(N_a(x)))                     Sandwich-LN (Ding et al. 2021; Peri-LN,
-              Gemma 2): four norms per layer
-`post` and `deepnorm` are Post-LN kinds (the residual stream is normalised), `pre` and `sandwich`
-Pre-LN kinds (it is not). The spike scaler's boundary is where a Post-LN kind is followed by a
-Pre-LN kind.
-
-The layout string: comma-separated `kind:layers` items, layers 1-based global:
-    post:1-2,pre:3-32     a range (`3-` runs to the last layer)     post:4   one layer
-    post:every4,pre:*     every 4th layer (4, 8, ...)               sandwich:*  every layer left
-Explicit items may not overlap; `*` (at most one item) takes every layer no other item names;
-without `*` every layer must be named. The canonical text (`layout_text`) lists runs in order.
+The four kinds and the string's syntax are in docs/configuration.md ("Layer kinds and layouts"):
+`pre` (megatron's stock layer), `post`, `deepnorm` (DeepNet's Post-LN) and `sandwich` (four
+norms); `post` and `deepnorm` are Post-LN kinds (the residual stream is normalised). The spike
+scaler's boundary is where a Post-LN kind is followed by a Pre-LN kind. Items are `kind:layers`,
+layers 1-based global (`N`, `N-M`, `N-`, `everyK`, `*`); the canonical text (`layout_text`)
+lists runs in order.
 """
 
 from __future__ import annotations

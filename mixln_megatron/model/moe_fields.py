@@ -1,6 +1,6 @@
 """Every megatron-core MoE setting, and what a Hugging Face conversion, the analysis loader and the
-Megatron-Bridge MoE export do with it: one table (TABLE), read by convert.moe_shape,
-analysis.moe and bridge.moe, and shown in docs/moe.md (mixln_megatron.dev.moe_table).
+Megatron-Bridge MoE export do with it: one table (TABLE), read by convert.shape (MoEShape),
+analysis.loading and bridge.moe, and shown in docs/conversion.md (scripts/moe_table.py).
 
 Each row is one TransformerConfig field (every field whose name holds "moe" or "expert", in any
 supported release 0.17-0.20; tests/test_moe_fields.py walks the installed release's fields) with:

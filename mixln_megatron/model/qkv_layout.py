@@ -1,10 +1,6 @@
-"""Megatron's fused QKV rows: the one statement of their layout.
-
-Per query group g, the rows are [the q heads of g; k_g; v_g], each head `head_dim` rows, so a group
-holds (q_per_group + 2) * head_dim rows. Tensor parallelism splits whole groups, so a TP shard (and
-the concatenated TP shards of a legacy checkpoint) has the same layout with fewer groups.
-DeepNorm's init finds the value rows by it (model.layer); the HF conversion splits and merges by
-it (convert.layouts, convert.hf_roles). Torch is imported only where tensors are merged.
+"""Megatron's fused QKV rows: the one statement of their layout. Per query group, [its q heads;
+k; v], `head_dim` rows each; TP splits whole groups, so a shard has the same layout with fewer
+groups. DeepNorm's init and the HF conversion use it. Torch only where tensors are merged.
 """
 
 from __future__ import annotations

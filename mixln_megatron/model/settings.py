@@ -1,17 +1,11 @@
 """What the user chose, and where each value came from: one frozen `MixLNSettings`. Pure Python.
 
-It holds the placement (alpha | post_ln_layers | layout, scheme, DeepNorm's alpha and beta) and two groups, the gradient-spike scaler
-(`SpikeSettings`) and the telemetry (`TelemetrySettings`). One constructor per source; every value
-remembers its source by the name the user typed:
-    MixLNSettings(alpha=0.25, spike=SpikeSettings(enabled=True))  Python arguments   `argument`
-    MixLNSettings.from_environ(environ=None)                      MIXLN_* variables  `MIXLN_ALPHA`
-    MixLNSettings.from_args(args)                                 Megatron-LM's --mixln-* flags
-    MixLNSettings.from_checkpoint(args_or_record)                 a checkpoint       `the checkpoint`
-`layered(highest, ..., lowest)` combines sources: per group, the first that sets a value wins
-(alpha, post_ln_layers and layout are one group, so a flag's alpha beats an inherited MIXLN_LAYOUT).
-Unset values (None) take the defaults when used (placement.resolve_placement, SpikeSettings.resolved).
-This is the only module that reads MIXLN_* (FIELDS names them all); the edges build the object
-once and pass it down. Which layers are Post-LN for a given L is placement.py's rule.
+It holds the placement (alpha | post_ln_layers | layout, scheme, DeepNorm's alpha and beta), the
+spike scaler's `SpikeSettings` and the telemetry's `TelemetrySettings`. One constructor per source
+(arguments, from_environ, from_args, from_checkpoint); every value remembers its source by the
+name the user typed. `layered(highest, ..., lowest)` combines sources: per group, the first that
+sets a value wins (alpha, post_ln_layers and layout are one group). Unset values (None) take the
+defaults when used. The only module that reads MIXLN_* (FIELDS names them all).
 """
 
 from __future__ import annotations
@@ -23,6 +17,8 @@ from fractions import Fraction
 from typing import Mapping, Optional, Sequence, Tuple, Union
 
 from ..errors import MixLNConfigError
+from .hybrid_pattern import blocks_of_args
+from .layout import POST_LN_KINDS, check_layout_syntax, first_p_kinds, layout_text, leading_post_count, parse_layout
 
 ARGUMENT, DEFAULT, CHECKPOINT = "argument", "default", "the checkpoint"
 # mixln: Post-LN for the first P layers, Pre-LN after. lns: LayerNorm Scaling, Pre-LN everywhere
@@ -251,8 +247,6 @@ class MixLNSettings(_Sourced):
         if self.post_ln_layers is not None:
             parse_count(self.post_ln_layers, self._where("post_ln_layers"), "post_ln_layers")
         if self.layout is not None:
-            from .layout import check_layout_syntax
-
             check_layout_syntax(self.layout, self._where("layout"))
         for name in ("deepnorm_alpha", "deepnorm_beta"):
             if getattr(self, name) is not None:
@@ -314,16 +308,12 @@ class MixLNSettings(_Sourced):
 
     @classmethod
     def from_checkpoint(cls, saved, record=None, metadata=None, num_layers=None) -> Optional["MixLNSettings"]:
-        """The placement a checkpoint carries: `saved` is its saved args (from-hf and the entry
-        point write --mixln-*) or a Mix-LN record (Placement.record()); `record` / `metadata` its
-        settings record and content-metadata entry when the caller has them. Every source is
-        cross-checked (saved_settings, the reading `convert inspect` uses too): a disagreement is
-        MixLNSavedSettingsDisagree naming both. None when the checkpoint carries none."""
+        """The placement a checkpoint carries, its sources cross-checked (saved_settings): `saved`
+        is its saved args or a Mix-LN record (Placement.record()); `record` / `metadata` its
+        settings record and content-metadata entry when known. None when it carries none."""
         if isinstance(saved, Mapping):
             saved, record = None, saved if record is None else record
         if num_layers is None and saved is not None and getattr(saved, "num_layers", None) is not None:
-            from .hybrid_pattern import blocks_of_args
-
             num_layers = blocks_of_args(saved)
         found = saved_settings(num_layers, record=record, metadata=metadata, args=saved)
         if found is None:
@@ -347,19 +337,13 @@ SETTINGS_RECORD, CONTENT_METADATA, SAVED_ARGS = ("the settings record", "the con
 
 
 def saved_settings(num_layers: Optional[int] = None, record=None, metadata=None, args=None) -> Optional[dict]:
-    """The Mix-LN settings a checkpoint carries, cross-checked: {scheme, post_ln_layers, alpha,
-    layout, deepnorm_alpha, deepnorm_beta, source} (a value None where no source gives it; layout
-    only for a layout other than Mix-LN's first P; source: the first source that has any), None
-    when no source has any. The one reading, for a resume (MixLNSettings.from_checkpoint) and for
-    conversion and analysis (convert.inspect.mixln_record) alike.
+    """The Mix-LN settings a checkpoint carries, the one reading for a resume, conversion and
+    analysis: {scheme, post_ln_layers, alpha, layout (only one other than Mix-LN's first P),
+    deepnorm_alpha, deepnorm_beta, source (the first source that has any)}, None when none has.
 
-    Sources: the sharded settings `record` the layers saved, the `mixln` entry of Megatron-LM's
-    content `metadata`, the saved --mixln-* `args`. `num_layers` (the checkpoint's transformer
-    blocks L, when known) turns a saved alpha into P and must match the record's L. Two sources
-    that disagree on scheme, the layer kinds or DeepNorm's alpha / beta are one
-    MixLNSavedSettingsDisagree naming both."""
-    from .layout import POST_LN_KINDS, first_p_kinds, layout_text, leading_post_count, parse_layout
-
+    Sources: the settings `record`, the `mixln` entry of the content `metadata`, the saved
+    --mixln-* `args`; `num_layers` (L, when known) turns a saved alpha into P. Two sources that
+    disagree are one MixLNSavedSettingsDisagree naming both."""
     sources = []  # dicts: name, scheme, P, alpha, layout (canonical, when L is known or recorded), deepnorm_*
 
     def kinds_text(layout, p, layers, name):

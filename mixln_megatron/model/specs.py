@@ -15,12 +15,14 @@ from typing import Optional
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from . import backends, hybrid_pattern, moe_layers
+from .. import compat
+from . import backends, hybrid_pattern
 from .layer import MixLNTransformerLayer
 from .placement import resolve_placement
 from .settings import MixLNSettings, layered
-from .support import check_kind_supported, check_supported
+from .support import MixLNUnsupportedError, check_kind_supported, check_supported
 
 
 def _with_arguments(settings: Optional[MixLNSettings], alpha, post_ln_layers, scheme, layout=None) -> MixLNSettings:
@@ -41,14 +43,11 @@ def MixLNTransformerLayerSpec(
     layout: Optional[str] = None,
     moe: Optional[bool] = None,
 ) -> ModuleSpec:
-    """A layer ModuleSpec; each layer picks Post-LN or Pre-LN from its global layer_number.
+    """A layer ModuleSpec; each layer picks its kind from its global layer_number.
 
-    alpha / post_ln_layers / scheme override `settings`; left unset, the default applies (alpha
-    0.25, only for models of at most 24 layers). `layout` gives every layer's kind instead
-    (model.layout: pre, post, deepnorm, sandwich; e.g. 'deepnorm:1-2,pre:3-'). `moe`: with a
-    config of num_moe_experts, False builds a dense layer of it (a --moe-layer-freq stack's dense
-    layers); None follows the config. The layer kind's norms sit around an MoE MLP as around a
-    dense one.
+    alpha / post_ln_layers / scheme / layout override `settings`. `moe`: with a config of
+    num_moe_experts, False builds a dense layer of it (a --moe-layer-freq stack's dense layers);
+    None follows the config.
     """
     settings = _with_arguments(settings, alpha, post_ln_layers, scheme, layout)
     return ModuleSpec(
@@ -73,13 +72,13 @@ def get_mixln_decoder_block_spec(
     nothing is installed on `config` (see install_training_hooks)."""
     config = getattr(config, "transformer", config)  # Megatron-LM's GPTModelConfig wraps it
     settings = _with_arguments(settings, alpha, post_ln_layers, scheme, layout)
-    pattern = moe_layers.moe_layer_pattern(config)
+    pattern = moe_layer_pattern(config)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     if len(set(pattern)) == 1:  # every layer alike (dense, or all MoE): one spec
         layer_specs = [checked_layer_spec(config, backend, settings, moe=pattern[0])] * num_layers
     else:  # megatron's --moe-layer-freq mixed stack: each layer the MLP its global number gets
         by_kind = {moe: checked_layer_spec(config, backend, settings, moe=moe) for moe in (False, True)}
-        layer_specs = [by_kind[pattern[i]] for i in moe_layers.stage_layer_ids(config, num_layers, vp_stage, pp_rank)]
+        layer_specs = [by_kind[pattern[i]] for i in stage_layer_ids(config, num_layers, vp_stage, pp_rank)]
     return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=backends.norm_class(backend))
 
 
@@ -87,7 +86,7 @@ def checked_layer_spec(config, backend: str, settings: MixLNSettings, moe: Optio
     """The layer spec for `config`, after the support table and the placement rule accept it.
 
     moe: an MoE layer (True) or a dense one (False); None: what config asks of every layer, which
-    a mixed --moe-layer-freq stack cannot be given by one spec (refused, see moe_layers)."""
+    a mixed --moe-layer-freq stack cannot be given by one spec (refused, see uniform_moe)."""
     check_supported(config, backend=backend)  # mixln_megatron.model.support.TABLE
     placement = resolve_placement(config.num_layers, settings)  # a bad setting fails here, not inside a layer
     for kind in sorted(set(placement.kinds)):
@@ -96,7 +95,7 @@ def checked_layer_spec(config, backend: str, settings: MixLNSettings, moe: Optio
         # inside megatron's block construction.
         check_kind_supported(config, kind)
     if moe is None:
-        moe = moe_layers.uniform_moe(config)
+        moe = uniform_moe(config)
     return MixLNTransformerLayerSpec(
         backend=backend, settings=settings,
         normalization=config.normalization, qk_layernorm=getattr(config, "qk_layernorm", False),
@@ -116,17 +115,13 @@ def get_mixln_hybrid_stack_spec(
     layout: Optional[str] = None,
 ) -> ModuleSpec:
     """The stack spec for megatron's HybridModel (its `hybrid_stack_spec`) with a `*-*-...` pattern
-    of L transformer blocks (`E` for a `-`: an MoE MLP, when `config` has num_moe_experts): P =
-    floor(alpha * L) blocks Post-LN, final norm the backend's. Plain
-    data, like get_mixln_decoder_block_spec. With `config` (num_layers = the pattern's length)
-    the builder flags come from it and the settings are checked here; with the pattern, so is the
-    pattern (HybridModel hands each stage only its own part, which the stack checks again)."""
-    from .. import compat
-
+    of L transformer blocks (`E` for a `-`: an MoE MLP), final norm the backend's; plain data.
+    With `config` (num_layers = the pattern's length) the builder flags come from it and the
+    settings are checked here; with the pattern, so is the pattern."""
     compat.require_hybrid_model()
-    from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
+    from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules  # optional: megatron-core 0.19+
 
-    from .hybrid import MixLNHybridStack, hybrid_layer_submodules
+    from .hybrid import MixLNHybridStack, hybrid_layer_submodules  # optional: megatron-core 0.19+
 
     settings = _with_arguments(settings, alpha, post_ln_layers, scheme, layout)
     if hybrid_layer_pattern is not None:
@@ -134,7 +129,7 @@ def get_mixln_hybrid_stack_spec(
     if config is not None:
         config = getattr(config, "transformer", config)
         check_supported(config, backend=backend)
-        # a bad setting fails here, not inside a layer; the placement counts blocks (`*-` pairs)
+        # a bad setting fails here, not inside a layer; the placement counts blocks
         resolve_placement(hybrid_pattern.num_blocks(config.num_layers, hybrid_pattern.ATTENTION), settings)
         # `-` layers dense whatever the config says; `E` layers (hybrid_pattern.MOE_MLP) megatron's MoE
         layer = backends.layer_submodules(backend, config=config, moe=False)
@@ -155,3 +150,45 @@ def get_mixln_hybrid_stack_spec(
             attention_layer=part(hybrid_pattern.ATTENTION), mlp_layer=part(hybrid_pattern.MLP), **extra),
         params={"final_norm": backends.norm_class(backend)},
     )
+
+
+# ------------------------------------------------------------------------------ MoE layers
+# Which layers are MoE layers: megatron's --moe-layer-freq, read once for the specs. An MoE layer
+# takes the same norms as a dense one (docs/configuration.md); a mixed stack gives each layer its
+# MLP by its global 0-based index, as megatron's own decoder spec does.
+def moe_layer_pattern(config) -> list:
+    """[bool] per global layer: True for an MoE layer. A dense config: all False."""
+    config = getattr(config, "transformer", config)
+    if not getattr(config, "num_moe_experts", None):
+        return [False] * config.num_layers
+    freq = getattr(config, "moe_layer_freq", 1)
+    if isinstance(freq, int):  # one MoE layer every `freq` layers, the first one included
+        return [i % freq == 0 for i in range(config.num_layers)]
+    if isinstance(freq, (list, tuple)) and len(freq) == config.num_layers and set(freq) <= {0, 1}:
+        return [bool(v) for v in freq]
+    raise MixLNUnsupportedError(
+        f"moe_layer_freq must be an int or a list of 0/1 per layer ({config.num_layers} layers), "
+        f"got {freq!r}")
+
+
+def uniform_moe(config) -> bool:
+    """Whether every layer is an MoE layer (False: every layer dense); a mixed stack is refused,
+    because a single layer spec (the 0.17/0.18 `--spec` path) builds every layer alike."""
+    pattern = moe_layer_pattern(config)
+    if len(set(pattern)) > 1:
+        raise MixLNUnsupportedError(
+            f"a mixed dense/MoE stack (moe_layer_freq={getattr(config, 'moe_layer_freq', None)!r}) needs one "
+            "spec per layer: build the decoder with get_mixln_decoder_block_spec (megatron-core 0.19+'s "
+            "--spec call, or the mixln-megatron pretrain entry point)")
+    return bool(pattern and pattern[0])
+
+
+def stage_layer_ids(config, num_layers: int, vp_stage: Optional[int], pp_rank: Optional[int]) -> list:
+    """The global 0-based indices of the `num_layers` layers this (virtual) pipeline stage builds."""
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout is not None:
+        from megatron.core.transformer.enums import LayerType  # optional: pipeline layouts only
+
+        return list(layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank))
+    offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
+    return list(range(offset, offset + num_layers))

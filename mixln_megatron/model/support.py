@@ -1,4 +1,5 @@
-"""Which configurations Mix-LN does not support, and why: a view of model.config_fields.TABLE.
+"""Which configurations Mix-LN does not support, and why (a view of model.config_fields.TABLE); and
+which it supports but were not reported stable (launch-time advice).
 
 Each refusal names a TransformerConfig field followed by its Megatron-LM argument aliases (a
 config and an argparse Namespace are both checked by name), the reason, and who rejects it:
@@ -14,11 +15,14 @@ config and an argparse Namespace are both checked by name), the reason, and who 
 A refusal with `backend` applies only with that backend ("te" or "local"); callers that do not
 know the backend (converter, analysis) skip such rows. The rows are written once, in
 config_fields.TABLE (with the field's export handling); this module only reads them.
+
+Launch-time advice (advise, announce): one warning from rank 0 at model build for a configuration
+outside what the Mix-LN paper and its authors report stable; no setting is changed.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 from ..errors import MixLNError
 from . import config_fields
@@ -93,3 +97,78 @@ def check_kind_supported(config, kind: str) -> None:
                      f"query groups per shard; use num_query_groups a multiple of {tp} [num_query_groups={groups}]")
     if found:
         raise MixLNUnsupportedError("; ".join(found))
+
+
+# ------------------------------------------------------------------------------ launch-time advice
+_announced = set()
+
+PAPER = "Mix-LN paper (arXiv 2412.13795)"
+AUTHORS_REPLY = (
+    "the Mix-LN authors' reply to a 7B-class instability report in their reference repository's "
+    "issue tracker"
+)
+STABLE_WARMUP_FRACTION = 0.10
+
+
+def findings(
+    placement,
+    train_iters: Optional[int] = None,
+    warmup_iters: Optional[int] = None,
+) -> List[str]:
+    """Each finding is one sentence: setting, stable choice, source."""
+    out = []
+    L, P = placement.num_layers, placement.post_ln_layers
+    if L >= 32 and P > 2:
+        out.append(
+            f"{P} Post-LN layers at {L} layers: the stable 7B setting reported is 2 Post-LN layers "
+            f"of 32 (alpha = 0.0625) ({PAPER}, LLaMA-7B; {AUTHORS_REPLY}, where 3 Post-LN layers "
+            "at 51 layers trained unstably)"
+        )
+    if L >= 24 and P == L:
+        out.append(
+            f"all {L} layers Post-LN (alpha = 1): the paper reports Post-LN diverging at 24 "
+            f"layers; Mix-LN used alpha = 0.25 up to 1B ({PAPER})"
+        )
+    if P > 0 and train_iters and warmup_iters is not None:
+        fraction = warmup_iters / train_iters
+        if fraction < STABLE_WARMUP_FRACTION:
+            out.append(
+                f"learning-rate warm-up of {warmup_iters} of {train_iters} iterations "
+                f"({fraction:.1%}): the authors recommend warming up over 10% of training with "
+                f"Post-LN layers ({AUTHORS_REPLY})"
+            )
+    return out
+
+
+def advise(placement, train_iters: Optional[int] = None, warmup_iters: Optional[int] = None) -> Optional[str]:
+    """Warning text for this run (the schedule, when known, from the caller: an edge)."""
+    items = findings(placement, train_iters, warmup_iters)
+    if not items:
+        return None
+    body = "\n".join(f"  - {item}" for item in items)
+    return (
+        "[mixln_megatron] WARNING: this configuration is outside what was reported stable "
+        f"(advice only; settings unchanged):\n{body}"
+    )
+
+
+def _rank() -> int:
+    import torch  # heavy
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+def announce(placement, train_iters: Optional[int] = None, warmup_iters: Optional[int] = None) -> None:
+    """Rank 0 prints the placement line (users look for it) and any advice, once per placement.
+    Called at the edges (training.hooks.install_training_hooks), never by a layer."""
+    if placement in _announced:
+        return
+    _announced.add(placement)
+    if _rank() != 0:
+        return
+    print(placement.describe(), flush=True)
+    text = advise(placement, train_iters, warmup_iters)
+    if text:
+        print(text, flush=True)

@@ -1,26 +1,14 @@
-"""The one place that installs Mix-LN's training hooks on a model's config.
-
-Specs are plain data; hooks are installed here and nowhere else, from a MixLNSettings, and rank 0
-prints the build line (placement and sources, model/advice.py) here, once per placement:
-  * the gradient-spike scaler (settings.spike.enabled) wraps config.finalize_model_grads_func;
-  * the per-layer gradient telemetry (settings.telemetry.interval > 0) wraps it again, after
-    the scaler, so it sees the gradients the optimizer receives.
-Called by the two `--spec` functions (stock Megatron-LM gives a plugin no other place), by the
-entry point's model provider, and by megatron-core users after building the spec and before
-building the model:
-
-    settings = MixLNSettings(alpha=0.25, spike=SpikeSettings(enabled=True))
-    block_spec = get_mixln_decoder_block_spec(config, backend="te", settings=settings)
-    mixln_megatron.install_training_hooks(config, settings)
-    model = GPTModel(config=config, transformer_layer_spec=block_spec, ...)
-
+"""The one place that installs Mix-LN's training hooks on a model's config, from a MixLNSettings
+(specs are plain data), and where rank 0 prints the build line once per placement. The spike
+scaler wraps config.finalize_model_grads_func, the telemetry wraps it again after the scaler, so
+it sees the gradients the optimizer receives. Called by the `--spec` functions, the entry point's
+model provider, and megatron-core users between the spec and the model (docs/training.md).
 Idempotent: Megatron calls the spec / model provider once per virtual pipeline chunk.
-Both hooks run inside config.finalize_model_grads_func, which a full-iteration CUDA graph
-captures: the telemetry counts steps in Python and reads its norms on the host (a replay does
-neither), and the scaler, whose per-step tensor work is written to be capturable, finds its
-targets at its first call and, under fp16, takes the loss scale tensor the optimizer later
-replaces (a replay keeps reading the old one); it has not been run under capture. So either hook
-with such a graph is refused in one line; per-layer CUDA graphs do not capture the hook.
+
+A full-iteration CUDA graph would capture both hooks: the telemetry counts steps in Python and
+reads norms on the host, and the scaler finds its targets at its first call and, under fp16,
+keeps the loss-scale tensor the optimizer later replaces; so either hook with such a graph is
+refused in one line (per-layer CUDA graphs do not capture the hook).
 """
 
 from __future__ import annotations
@@ -28,10 +16,11 @@ from __future__ import annotations
 from typing import Optional
 
 from .. import compat
-from ..model import advice, hybrid_pattern
-from ..model.placement import resolve_placement
 from ..errors import MixLNError
+from ..model import hybrid_pattern, support
+from ..model.placement import resolve_placement
 from ..model.settings import MixLNSettings
+from . import runtime
 
 
 class HooksUnderCudaGraph(MixLNError, NotImplementedError):
@@ -55,7 +44,7 @@ def check_no_full_iteration_graph(config, spike: bool, telemetry: bool) -> None:
 def install_training_hooks(config, settings: Optional[MixLNSettings] = None, hybrid: bool = False) -> dict:
     """Install what `settings` asks for on `config`; returns {"spike_scaler": ..., "telemetry": ...}.
     `hybrid`: the config is a HybridModel's (num_layers counts `*` and `-` layers, two per block)."""
-    from . import runtime, telemetry
+    from . import telemetry  # heavy: both import megatron-core
     from .spike import install_on_config, resolve_spike_settings
 
     config = getattr(config, "transformer", config)  # Megatron-LM's GPTModelConfig wraps it
@@ -63,7 +52,7 @@ def install_training_hooks(config, settings: Optional[MixLNSettings] = None, hyb
     installed = {"spike_scaler": None, "telemetry": None}
     part = hybrid_pattern.ATTENTION if hybrid else None
     placement = resolve_placement(hybrid_pattern.num_blocks(config.num_layers, part), settings)
-    advice.announce(placement, *runtime.schedule())
+    support.announce(placement, *runtime.schedule())
     spike = resolve_spike_settings(settings.spike)
     interval = settings.telemetry.interval or 0
     check_no_full_iteration_graph(config, spike.enabled, interval > 0)

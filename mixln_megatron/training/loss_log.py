@@ -1,10 +1,6 @@
-"""`--loss-log`: the training loss of every iteration and every evaluation pass, as a JSON file.
-
-The losses are recorded where the loss function computes them, not parsed from Megatron's log:
-its log line averages over --log-interval, and its first line after a (re)start over two
-iterations. One LossLog belongs to one run: the entry point creates it and hands it to the
-forward step and the evaluation hook (no module-level recorder, so two runs in one process, or
-a test, never share state).
+"""`--loss-log`: the training loss of every iteration and every evaluation pass, as a JSON file,
+recorded where the loss function computes them (Megatron's log line averages over
+--log-interval). One LossLog per run, handed to the forward step and the evaluation hook.
 """
 
 from __future__ import annotations
@@ -16,16 +12,13 @@ from functools import partial
 
 import torch
 
+from . import runtime
 
 class LossLog:
-    """Per-iteration training losses and per-pass evaluation losses of one run.
-
-    Each rank keeps its local (loss sum, token count) per training iteration and per evaluation
-    pass as detached tensors (no host sync in the training loop); finalize() sums them over the
-    data-parallel (with context-parallel) group, which gives the token-weighted loss over the
-    global batch that Megatron reports for the iteration. Evaluation passes are closed by the
-    `non_loss_data_func` hook Megatron calls at the end of every evaluate(); each is labelled by
-    the data iterator it read from, in order of first use: "valid", then "test".
+    """Per-iteration training losses and per-pass evaluation losses of one run: each rank keeps
+    its (loss sum, token count) as detached tensors (no host sync in the loop); finalize() sums
+    them over DP x CP, the token-weighted loss Megatron reports. Evaluation passes close at the
+    `non_loss_data_func` hook, labelled by data iterator in order of first use: "valid", "test".
     """
 
     def __init__(self):
@@ -95,7 +88,7 @@ class LossLog:
 
         `extra` (the Mix-LN placement, the model shape) is merged into the record.
         """
-        from megatron.core import mpu
+        from megatron.core import mpu  # heavy
 
         if not torch.distributed.is_initialized() or not mpu.model_parallel_is_initialized():
             return
@@ -117,6 +110,4 @@ class LossLog:
 
 def _loaded_iteration() -> int:
     """The iteration a resumed run starts from (an evaluation before any training step)."""
-    from . import runtime
-
     return int(runtime.arg("iteration", 0))

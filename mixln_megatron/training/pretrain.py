@@ -1,40 +1,16 @@
-"""`mixln-megatron pretrain` / `python -m mixln_megatron.training.pretrain`: pretraining with Mix-LN.
-
-Megatron-LM's own training loop (`megatron.training.pretrain`, shipped in the megatron-core
-wheel) with this project's pieces plugged in. This module is the entry point: its arguments and
-main(). The rest lives beside it, one job each:
-  - providers.py: model (GPTModel over get_mixln_decoder_block_spec, or HybridModel over
-    get_mixln_hybrid_stack_spec), batches, forward step, loss and datasets, laid out like
-    Megatron-LM's pretrain_gpt.py;
-  - loss_log.py: the per-iteration losses of --loss-log, one LossLog per run;
-  - dataset_helpers.py: the compile_helpers workaround (named in the README).
-Arguments: every Megatron-LM flag, plus the --mixln-* flags (megatron_args.add_mixln_args,
-turned into one MixLNSettings by run_settings: flags > the checkpoint's args with
---use-checkpoint-args > defaults; the MIXLN_* environment is not read here) and the few flags of
-this entry point (--cpu, --loss-log).
-
-Launch it like any Megatron-LM script, e.g.
-    torchrun --nproc_per_node 8 -m mixln_megatron.training.pretrain --mixln-alpha 0.25 <megatron flags>
-A run without torchrun (no RANK in the environment) is a single process on a free local port.
-
-HybridModel (megatron-core 0.19+): Megatron-LM's `--hybrid-layer-pattern "*-*-..."` (L strictly
-alternating `*-` pairs, `|` pipeline splits allowed) trains HybridModel instead of GPTModel, with
-the same --mixln-* settings counted in transformer blocks (P = floor(alpha * L)); num_layers
-follows from the pattern (2L, as Megatron-LM derives it; --num-layers is not needed). A pattern
-Mix-LN does not define stops the run before anything is built: one `[mixln_megatron] ERROR:` line
-on rank 0, exit 2.
-
-CPU (development only): `--cpu` or MIXLN_CPU=1 calls mixln_megatron.dev.cpu.enable_training() before
-anything else and adds the Megatron flags a CPU run needs (cpu.CPU_MEGATRON_FLAGS: gloo, local
-modules, the CUDA-only fusions off); flags given on the command line still win. So that the
-harness comes first, nothing here imports megatron at module level.
-
-Not supported with Mix-LN yet (rejected before anything is built): Megatron-FSDP
-(--use-megatron-fsdp) and context parallelism with the local backend.
+"""`mixln-megatron pretrain` / `python -m mixln_megatron.training.pretrain`: Megatron-LM's own
+training loop with Mix-LN (usage: docs/training.md). This module holds the entry point's
+arguments, its refusals and main(); the providers are in providers.py, --loss-log in
+loss_log.py. Settings come from the --mixln-* flags (run_settings: flags > the checkpoint's
+args with --use-checkpoint-args > defaults), never from MIXLN_*. So that the CPU harness
+(--cpu, MIXLN_CPU=1) comes first, nothing here imports megatron at module level.
 """
 
 from __future__ import annotations
 
+import argparse
+import copy
+import importlib
 import os
 import socket
 import sys
@@ -42,14 +18,18 @@ import time
 from functools import partial
 from typing import Optional, Sequence
 
+from .. import cpu
 from ..cli_parsing import one_line_usage_errors
+from ..convert.dcp_files import metadata_cache
+from ..convert.inspect import apply_resume_args, open_checkpoint
+from ..convert.vet import megatron_iteration_dir, vet_load_args
 from ..errors import EXIT_STATUS, MixLNError, report
 from ..known_warnings import quiet_known_warnings
-from ..megatron_args import add_mixln_args, backend_from_args, run_settings  # noqa: F401  (run_settings: part of this entry point's API)
+from ..megatron_args import add_mixln_args, backend_from_args, run_settings
 from ..model import hybrid_pattern, settings as mixln_settings, support
 from ..model.placement import resolve_placement
 from ..model.settings import MixLNSettings
-from .dataset_helpers import use_prebuilt_dataset_helpers
+from . import runtime
 from .loss_log import LossLog
 
 
@@ -62,10 +42,11 @@ def add_pretrain_args(parser):
     """extra_args_provider: the --mixln-* flags and this entry point's own."""
     add_mixln_args(parser)
     group = parser.add_argument_group("mixln-megatron pretrain", "the entry point's own options")
+    cpu_flags = " ".join(f.replace("%", "%%") for f in cpu.CPU_MEGATRON_FLAGS)
     group.add_argument(
         "--cpu", action="store_true",
-        help="Development on a machine without a GPU: apply mixln_megatron.dev.cpu.enable_training() "
-        "first and add the flags a CPU run needs (" + " ".join(_cpu_flags_text()) + "). Same as "
+        help="Development on a machine without a GPU: apply mixln_megatron.cpu.enable_training() "
+        f"first and add the flags a CPU run needs ({cpu_flags}). Same as "
         "MIXLN_CPU=1. Never for production runs.",
     )
     group.add_argument(
@@ -75,21 +56,13 @@ def add_pretrain_args(parser):
     return parser
 
 
-def _cpu_flags_text():
-    from ..dev.cpu import CPU_MEGATRON_FLAGS
-
-    return [f.replace("%", "%%") for f in CPU_MEGATRON_FLAGS]
-
-
 def cpu_requested(argv: Sequence[str], environ=None) -> bool:
     return "--cpu" in argv or mixln_settings.cpu_requested(environ)
 
 
 def with_cpu_flags(argv: Sequence[str]) -> list:
     """The CPU flags first, so that a flag given on the command line overrides their values."""
-    from ..dev.cpu import CPU_MEGATRON_FLAGS
-
-    return list(CPU_MEGATRON_FLAGS) + list(argv)
+    return list(cpu.CPU_MEGATRON_FLAGS) + list(argv)
 
 
 MIXLN_SPECS = tuple(["mixln_megatron.spec", name] for name in (
@@ -117,7 +90,7 @@ def check_supported_args(args, spec_from_checkpoint: bool = False) -> None:
 def check_hooks_against_cuda_graphs(args, settings: MixLNSettings) -> None:
     """The hooks' refusal of full-iteration CUDA graphs (training.hooks), here before Megatron-LM
     initialises anything: its CUDA-graph set-up would fail first on a machine without CUDA."""
-    from .hooks import check_no_full_iteration_graph
+    from .hooks import check_no_full_iteration_graph  # heavy: both import megatron
     from .spike import resolve_spike_settings
 
     check_no_full_iteration_graph(args, resolve_spike_settings(settings.spike).enabled,
@@ -147,13 +120,9 @@ def check_hybrid_args(args) -> None:
         raise MixLNHybridUnsupported(problem)
 
 
-
 def check_command_line(args) -> MixLNSettings:
-    """Every refusal that depends on the command line alone (`args` as parsed, before Megatron-LM
-    validates them and prints its argument table): the support table, the hybrid pattern, the
-    --mixln-* values, their placement on the model's depth when the depth is on the command line
-    (not with --use-checkpoint-args), and the hooks against full-iteration CUDA graphs. Every rank
-    meets these alike, so the job prints them once. Returns the flags' settings."""
+    """Every refusal that depends on the command line alone (before Megatron-LM validates `args`),
+    alike on every rank, so the job prints it once. Returns the flags' settings."""
     check_supported_args(args)
     check_hybrid_args(args)
     settings = MixLNSettings.from_args(args)
@@ -183,9 +152,43 @@ def _single_process_defaults(environ=None) -> bool:
 def single_process_store():
     """The store of a one-process run: in memory. A TCP store on a port picked beforehand loses
     the port to any process that binds it in between (EADDRINUSE on a busy machine)."""
-    import torch.distributed
+    import torch.distributed  # heavy
 
     return torch.distributed.HashStore()
+
+
+# ------------------------------------------------------------------ dataset helpers
+# Megatron-LM's start-up runs `make` for dataset helpers the wheel ships prebuilt, without a
+# Makefile (CONTRIBUTING.md, "The entry point's dataset helpers").
+HELPERS_MODULE = "megatron.core.datasets.helpers_cpp"
+
+
+def _compile_helpers_prebuilt():
+    """Stands in for megatron.core.datasets.utils.compile_helpers: the library is prebuilt."""
+    importlib.import_module(HELPERS_MODULE)
+
+
+_compile_helpers_prebuilt.mixln_prebuilt = True
+
+
+def use_prebuilt_dataset_helpers(datasets_utils=None) -> bool:
+    """Replace compile_helpers by an import of the prebuilt helpers, only when the Makefile is
+    absent and that import works (a source tree keeps compiling). Returns whether it is in place.
+    `datasets_utils`: the module to patch (tests pass a stand-in)."""
+    utils = datasets_utils
+    if utils is None:
+        utils = importlib.import_module("megatron.core.datasets.utils")
+    if getattr(utils.compile_helpers, "mixln_prebuilt", False):
+        return True
+    directory = os.path.dirname(os.path.abspath(utils.__file__))
+    if os.path.exists(os.path.join(directory, "Makefile")):
+        return False
+    try:
+        importlib.import_module(HELPERS_MODULE)
+    except ImportError:
+        return False
+    utils.compile_helpers = _compile_helpers_prebuilt
+    return True
 
 
 # ------------------------------------------------------------------ settings
@@ -194,9 +197,7 @@ def _checkpoint_args(args):
     own shape flags from them, not the Mix-LN placement that from-hf records)."""
     if not getattr(args, "use_checkpoint_args", False) or not getattr(args, "load", None):
         return None
-    import copy
-
-    from megatron.training.checkpointing import load_args_from_checkpoint
+    from megatron.training.checkpointing import load_args_from_checkpoint  # heavy
 
     loaded = load_args_from_checkpoint(copy.deepcopy(args))
     return loaded[1] if isinstance(loaded, tuple) else None
@@ -204,15 +205,10 @@ def _checkpoint_args(args):
 
 def _saved_settings_sources(args) -> dict:
     """With --use-checkpoint-args: the settings record and the `mixln` content-metadata entry of
-    the iteration Megatron-LM will load, read through the project's checkpoint reader, so that
-    run_settings cross-checks them against the saved args as strictly as `convert inspect` does
-    (a disagreement is one line naming both sources, not the saved args silently winning); the
-    run's settings still come from run_settings (flags > saved args > defaults)."""
+    the iteration Megatron-LM will load, to be cross-checked against the saved args as `convert
+    inspect` does (the run's settings still come from run_settings)."""
     if not getattr(args, "use_checkpoint_args", False):
         return {}
-    from ..convert.megatron_reader import open_checkpoint
-    from ..convert.vet import megatron_iteration_dir
-
     path = megatron_iteration_dir(getattr(args, "load", None), getattr(args, "ckpt_step", None))
     if path is None:
         return {}
@@ -243,16 +239,9 @@ def _note_ignored_environment() -> None:
               "with --spec)", file=sys.stderr, flush=True)
 
 
-def print_help(file=None) -> None:
-    """--help: this entry point's flags. (megatron-core 0.19.2's own --help crashes on a help
-    string with a stray '%'; see Megatron-LM's arguments.py for its flags.)"""
-    help_parser().print_help(file)
-
-
 def help_parser():
-    """The parser --help shows: the --mixln-* flags and this entry point's own."""
-    import argparse
-
+    """The parser --help shows: the --mixln-* flags and this entry point's own (megatron-core
+    0.19.2's own --help crashes on a help string with a stray '%')."""
     parser = argparse.ArgumentParser(
         prog="mixln-megatron pretrain", allow_abbrev=False,
         description="Megatron-LM's pretraining loop with the Mix-LN GPT model (or HybridModel with "
@@ -266,35 +255,25 @@ def help_parser():
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run pretraining with Megatron-LM's command-line flags (argv without the program name).
 
-    Returns 0 on success and 2 for a refusal: one `[mixln_megatron] ERROR:` line (errors.report),
-    on every rank before any process group exists. A refusal of the command line alone
-    (check_command_line, a usage error) comes before Megatron-LM's argument table and is printed
-    once per job, by global rank 0; one that reads the checkpoint, once per node.
-    With --load (or --pretrained-checkpoint) every pickle the load will read is vetted first
-    (convert.vet.vet_load_args, on every release): a checkpoint carrying code is refused, exit 2,
-    before Megatron-LM unpickles anything.
+    0 on success, 2 for a refusal: one `[mixln_megatron] ERROR:` line before any process group
+    exists, once per job for the command line alone (before Megatron-LM's argument table), once
+    per node for one that reads the checkpoint. Every pickle the load will read is vetted first.
     """
     t0 = time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        print_help()
+        help_parser().print_help()
         return 0
     quiet_known_warnings()  # every rank imports megatron-core below: its CPU-machine warnings stay off
     if cpu_requested(argv):
-        from ..dev import cpu
-
         cpu.enable_training()  # before any other megatron code runs
         argv = with_cpu_flags(argv)
     single_process = _single_process_defaults()
     use_prebuilt_dataset_helpers()
 
-    from megatron.training.arguments import parse_args
+    from megatron.training.arguments import parse_args  # heavy: after the CPU harness
 
     from .. import compat  # imports megatron: after the CPU harness
-    from . import runtime
-    from ..convert.inspect import apply_resume_args
-    from ..convert.dcp_files import metadata_cache
-    from ..convert.vet import vet_load_args
 
     saved_argv = sys.argv
     sys.argv = [saved_argv[0] if saved_argv else "mixln-megatron-pretrain", *argv]

@@ -1,21 +1,10 @@
 """The providers Megatron-LM's training loop calls: model, batch, forward step, loss, datasets.
 
-Laid out like Megatron-LM's own pretrain_gpt.py (core_r0.19.0) so that a diff against it is
-short and shows the Mix-LN changes only:
-  - model_provider builds GPTModel over get_mixln_decoder_block_spec (upstream: a layer spec
-    from --spec or the stock GPT spec) and installs the spike scaler / telemetry the settings ask
-    for on the config before the build;
-  - hybrid_model_provider (--hybrid-layer-pattern "*-*-...", megatron-core 0.19+) builds
-    HybridModel the way Megatron-LM's pretrain_hybrid.py does (hybrid_config_from_args, then
-    HybridModelBuilder), with get_mixln_hybrid_stack_spec as the stack spec; batches, forward
-    step, loss and datasets are the same for both models (pretrain_hybrid.py's, for a `*-`
-    decoder without packed sequences or MTP);
-  - loss_func hands each micro-batch's (loss sum, tokens) to the run's LossLog, when it has one;
-  - what Mix-LN rejects before the build (packed sequences / SFT, FIM, ModelOpt, distillation)
-    is left out instead of carried as dead branches. MoE models build through the same decoder
-    block spec (model.moe_layers: megatron's --moe-layer-freq stacks included).
-Importing this module imports megatron.training: the entry point imports it only after the
-CPU harness (if any) is in place.
+Laid out like Megatron-LM's pretrain_gpt.py (core_r0.19.0) so that a diff against it shows the
+Mix-LN changes only: the Mix-LN decoder block spec (HybridModel: pretrain_hybrid.py's builder
+with the Mix-LN stack spec), the training hooks installed on the config before the build, the
+losses handed to the run's LossLog; what Mix-LN refuses before the build (packed sequences, FIM,
+ModelOpt, distillation) is left out. Imports megatron.training: only after the CPU harness.
 """
 
 from __future__ import annotations
@@ -47,20 +36,20 @@ from .loss_log import LossLog
 BATCH_KEYS = ["tokens", "labels", "loss_mask", "attention_mask", "position_ids"]
 
 
+def _settings_and_backend(args, settings: Optional[MixLNSettings], backend: Optional[str]):
+    """The entry point binds both; a caller of Megatron's get_model gets them from the global args."""
+    settings = settings if settings is not None else run_settings(args)
+    return settings, (backend if backend is not None else backend_from_args(args))
+
+
 # Megatron-LM calls the providers: a refusal while building (a layer's unsupported kind, a hook
 # the run's CUDA graphs would capture) is one line and exit 2 on every rank, not a traceback.
 @refusals_leave()
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None,
                    settings: Optional[MixLNSettings] = None, backend: Optional[str] = None):
-    """Megatron-LM's model-provider contract: GPTModel with the Mix-LN decoder block spec.
-
-    The entry point binds `settings` and `backend`; without them (a caller of Megatron's
-    get_model) they come from the --mixln-* flags and --transformer-impl in the global args.
-    """
+    """Megatron-LM's model-provider contract: GPTModel with the Mix-LN decoder block spec."""
     args = get_args()
-    if settings is None or backend is None:
-        settings = settings if settings is not None else run_settings(args)
-        backend = backend or backend_from_args(args)
+    settings, backend = _settings_and_backend(args, settings, backend)
     if config is None:
         config = core_transformer_config_from_args(args)
     pp_rank = get_pg_rank(pg_collection.pp) if pg_collection is not None else None
@@ -95,22 +84,15 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 @refusals_leave()
 def hybrid_model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None,
                           settings: Optional[MixLNSettings] = None, backend: Optional[str] = None):
-    """The same contract for HybridModel (--hybrid-layer-pattern, a `*-*-...` Mix-LN pattern).
-
-    Megatron-LM's own pieces build it: hybrid_config_from_args derives the model config from the
-    flags exactly as pretrain_hybrid.py does, HybridModelBuilder builds this stage; only the
-    stack spec is Mix-LN's. The hooks go on the transformer config before the build, once the
-    settings have been checked against the pattern (num_layers = the pattern's length, 2L).
-    """
+    """The same contract for HybridModel (--hybrid-layer-pattern), built by Megatron-LM's own
+    hybrid_config_from_args and HybridModelBuilder; only the stack spec is Mix-LN's."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.training.argument_utils import hybrid_config_from_args
     from megatron.training.models.hybrid import HybridModelBuilder
 
     compat.require_hybrid_model()
     args = get_args()
-    if settings is None or backend is None:
-        settings = settings if settings is not None else run_settings(args)
-        backend = backend or backend_from_args(args)
+    settings, backend = _settings_and_backend(args, settings, backend)
     model_config = hybrid_config_from_args(args, config)  # args.spec is None: the entry point refuses --spec
     model_config.hybrid_stack_spec = get_mixln_hybrid_stack_spec(
         model_config.transformer, backend=backend, settings=settings,
@@ -192,6 +174,12 @@ def is_dataset_built_on_rank(vp_stage=None):
     return is_first_or_last_pipeline_stage(vp_stage) and mpu.get_tensor_model_parallel_rank() == 0
 
 
+# GPTDatasetConfig fields that take the flag of the same name.
+DATASET_FLAGS = ("split", "multiple_validation_sets", "full_validation", "num_dataset_builder_threads",
+                 "mmap_bin_files", "reset_position_ids", "reset_attention_mask", "eod_mask_loss",
+                 "context_parallel_size")
+
+
 def core_gpt_dataset_config_from_args(args) -> GPTDatasetConfig:
     """The GPT dataset config of the parsed flags."""
     blend, blend_per_split = get_blend_and_blend_per_split(args)
@@ -200,18 +188,10 @@ def core_gpt_dataset_config_from_args(args) -> GPTDatasetConfig:
         sequence_length=args.seq_length,
         blend=blend,
         blend_per_split=blend_per_split,
-        split=args.split,
-        multiple_validation_sets=args.multiple_validation_sets,
-        full_validation=args.full_validation,
-        num_dataset_builder_threads=args.num_dataset_builder_threads,
         path_to_cache=args.data_cache_path,
-        mmap_bin_files=args.mmap_bin_files,
         tokenizer=get_tokenizer(),
-        reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
-        context_parallel_size=args.context_parallel_size,
+        **{name: getattr(args, name) for name in DATASET_FLAGS},
     )
 
 

@@ -1,32 +1,16 @@
-"""Training-health telemetry: per-layer gradient norms during training, every N steps.
+"""Training-health telemetry: per-layer gradient norms every N steps (what is logged and where:
+docs/configuration.md). It wraps `config.finalize_model_grads_func` around everything already
+there (the spike scaler included), so it sees the gradients the optimizer receives. Off (N = 0):
+zero cost.
 
-It wraps `config.finalize_model_grads_func` around everything already there (megatron's
-finalize_model_grads and, when installed, the gradient-spike scaler), so it sees the reduced
-gradients the optimizer receives, after the scaler. Off by default (N = 0): zero cost.
-
-For each Mix-LN layer, i.e. transformer block (global number; a GPTModel layer, or a HybridModel's
-`*` layer 2k-1 and `-` layer 2k together), it logs the gradient norm of all the block's parameters
-and, separately, of its two norms (roles of layer.norm_parameters(): first and second in forward
-order, Pre-LN N_in / N_mlp, Post-LN N1 / N2; in a HybridModel norm1 is the `*` layer's, norm2 the
-`-` layer's; a sandwich layer's output norms N_b / N_d as norm3 / norm4, logged when the model has
-sandwich layers), plus the Post-LN-group (post and deepnorm layers) and Pre-LN-group (the rest)
-aggregates. Each record names every row's kind (`layer_kinds`). Rows are per block in both
-model kinds, so the same network logs the same numbers.
-Squared sums are formed like megatron's grad norm: TP-duplicated parameters count once (TP rank 0), TP-sharded ones are
-summed over TP, stages are summed over PP (each holds its own layers), and under the
-distributed optimizer each rank adds only the shard of main_grad it owns (the rest is not
-reduced) and the shards are summed over the ranks of its optimizer instance (with
---num-distributed-optimizer-instances k, every instance holds each element once: summing over
-the whole data-parallel group would make the norms sqrt(k) too large). MoE experts count once
-across expert parallelism: their squares are summed over the expert-TP x EP x PP group (each EP
-rank holds other experts), expert-TP duplicates once, their owned shards over their own
-(expert data-parallel) optimizer instance. At most two all-reduces of an [L, 5] vector per
-logged step, four with experts.
-
-Where it goes: Megatron's TensorBoard / W&B writers when they exist (one scalar per layer and
-the group aggregates), and always a JSONL file (`mixln_telemetry.jsonl` next to the checkpoints,
-or TelemetrySettings.path, e.g. from MIXLN_TELEMETRY_PATH), which `mixln-megatron analyze train-health RUN_DIR` reads. The spike
-scaler's counts join the same records.
+Rows are per transformer block (a HybridModel's `*` and `-` layers together), columns the
+block's parameters and its norms by role (layer.norm_parameters()), so the same network logs the
+same numbers in both model kinds. Squared sums are formed like megatron's grad norm:
+TP-duplicated parameters once, TP-sharded ones summed over TP, stages over PP; under the
+distributed optimizer each rank adds only the shard it owns, summed over its optimizer instance
+(not the whole DP group: with k instances that would be sqrt(k) too large). MoE experts: summed
+over expert-TP x EP x PP, owned shards over their expert-DP instance. At most two all-reduces of
+an [L, 5] vector per logged step, four with experts.
 """
 
 from __future__ import annotations
@@ -40,11 +24,10 @@ from typing import List, Optional
 
 import torch
 
-from . import runtime
-from .config_shared import SharedByConfigCopies
-from .hooks_finalize import FinalizeWrapper, unwrap_finalize
-from .ddp_shards import owned_range, shard_group
+from .. import compat
 from ..model.layer import MixLNTransformerLayer
+from . import runtime
+from .runtime import FinalizeWrapper, SharedByConfigCopies, owned_range, shard_group, unwrap_finalize
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +65,7 @@ class GradTelemetry(SharedByConfigCopies):
 
     # -- setup -----------------------------------------------------------------------------
     def _build_plan(self, model_chunks) -> None:
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # heavy
 
         tp_rank = ps.get_tensor_model_parallel_rank()
         etp_rank = ps.get_expert_tensor_parallel_rank()
@@ -158,7 +141,7 @@ class GradTelemetry(SharedByConfigCopies):
 
     @staticmethod
     def _reduce(sq: torch.Tensor, shards, expert: bool = False) -> None:
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # heavy
 
         if not torch.distributed.is_initialized():
             return
@@ -254,8 +237,6 @@ def write_record(record: dict, path: Optional[str] = None) -> None:
 
 
 def get_telemetry(config) -> Optional[GradTelemetry]:
-    from .. import compat
-
     hook = compat.finalize_chain_head(getattr(config, "transformer", config))  # 0.17/0.18: under train()'s dispatcher
     return hook.telemetry if isinstance(hook, TelemetryHook) else None
 

@@ -176,7 +176,7 @@ def run_one(folder, tp, pp, vpp):
 
 
 def main():
-    from mixln_megatron.dev import testing
+    from harness import testing
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)

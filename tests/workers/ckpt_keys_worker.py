@@ -74,7 +74,8 @@ def run_step(spec, env, actions, result_file, parent_pid):
         from fork_queue import fork_started_write_results_queue
 
         fork_started_write_results_queue()
-    from mixln_megatron.dev import cpu, testing
+    from mixln_megatron import cpu
+    from harness import testing
 
     cpu.enable_training()
     testing.init_distributed()

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import test_deepnorm_init as T  # noqa: E402  (the model's shape and the q / k / v split)
-from mixln_megatron.dev import testing  # noqa: E402
+from harness import testing  # noqa: E402
 
 
 def shard_stats(model) -> list:

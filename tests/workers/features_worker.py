@@ -118,7 +118,7 @@ def main():
     fork_started_write_results_queue()  # before any gloo thread: see fork_queue.py
     with open(os.path.join(a.workdir, "plan.json")) as f:
         plan = json.load(f)
-    from mixln_megatron.dev import cpu
+    from mixln_megatron import cpu
 
     cpu.enable_training()
     from mixln_megatron.training import pretrain

@@ -25,7 +25,9 @@ import sys
 
 import torch
 
-from mixln_megatron.dev import cpu, testing
+from mixln_megatron import cpu
+
+from harness import testing
 
 L = 4
 ITERATION = 5

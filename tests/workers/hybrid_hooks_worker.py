@@ -54,7 +54,7 @@ def settings(telemetry_path):
 def build(kind, telemetry_path, pattern=PATTERN, pp=1):
     """(config, model) of this pipeline stage, the hooks installed on the config before the build
     (Megatron-LM's order)."""
-    from mixln_megatron.dev.testing import build_gpt, build_hybrid, tiny_config
+    from harness.testing import build_gpt, build_hybrid, tiny_config
     from mixln_megatron.model.specs import get_mixln_decoder_block_spec, get_mixln_hybrid_stack_spec
     from mixln_megatron.training.hooks import install_training_hooks
 
@@ -143,7 +143,7 @@ class Trainer:
     def train(self, last_step):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from mixln_megatron.dev.testing import SEQ, batch
+        from harness.testing import SEQ, batch
 
         while self.step < last_step:
             self.step += 1
@@ -222,7 +222,7 @@ def gathered(value) -> list:
 def run_split(workdir, name, pattern) -> dict:
     from megatron.core import parallel_state as ps
 
-    from mixln_megatron.dev.testing import init_distributed
+    from harness.testing import init_distributed
 
     init_distributed(pp=2)
     config, model = build("hybrid", os.path.join(workdir, f"{name}.jsonl"), pattern, pp=2)
@@ -239,7 +239,7 @@ def run_split(workdir, name, pattern) -> dict:
 
 
 def resume_at_pp1(workdir, name) -> dict:
-    from mixln_megatron.dev.testing import init_distributed
+    from harness.testing import init_distributed
 
     init_distributed(pp=1)  # DP2: both ranks see the same micro-batches, so the same gradients
     config, model = build("hybrid", os.path.join(workdir, f"{name}_resumed.jsonl"))

@@ -21,7 +21,7 @@ import json
 import sys
 from functools import partial
 
-from mixln_megatron.dev import cpu
+from mixln_megatron import cpu
 
 
 def describe(chunk) -> dict:
@@ -50,7 +50,7 @@ def main():
     from megatron.training.arguments import parse_and_validate_args
 
     from mixln_megatron.training import providers
-    from mixln_megatron.training.dataset_helpers import use_prebuilt_dataset_helpers
+    from mixln_megatron.training.pretrain import use_prebuilt_dataset_helpers
     from mixln_megatron.training.loss_log import LossLog
 
     use_prebuilt_dataset_helpers()

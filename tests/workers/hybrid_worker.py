@@ -24,7 +24,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from mixln_megatron.dev import testing as mu
+from harness import testing as mu
 
 L, P = 4, 2
 PATTERN = "*-" * L

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from mixln_megatron.dev import testing
+from harness import testing
 
 LAYOUT = "deepnorm:1,sandwich:2,post:3,sandwich:4,pre:5-6"
 NUM_LAYERS = 6

@@ -16,7 +16,7 @@ import traceback
 
 import torch
 
-from mixln_megatron.dev import testing
+from harness import testing
 
 
 def run(load, out, layout, args_values, tp, pp):

@@ -6,7 +6,9 @@ Run as a plain script (one process); prints one JSON line with what was built.
 import json
 import sys
 
-from mixln_megatron.dev import cpu, testing
+from mixln_megatron import cpu
+
+from harness import testing
 
 ARGS = [*testing.TINY_MEGATRON_LM_ARGS, "--spec", "mixln_megatron.spec", "mixln_local_layer_spec"]
 

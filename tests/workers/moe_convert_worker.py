@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from mixln_megatron.dev import testing
+from harness import testing
 
 LAYOUT = "post:1,deepnorm:2,sandwich:3,pre:4"
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_layer_freq=[0, 1, 1, 1],

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from mixln_megatron.dev import testing
+from harness import testing
 
 LAYOUT = "post:1,deepnorm:2,sandwich:3,pre:4"
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=False, moe_ffn_hidden_size=48,

@@ -39,24 +39,23 @@ def once(fn, marker, after=1):
 
 def install(point: str, marker: str) -> None:
     import mixln_megatron.safe_output as so
-    from mixln_megatron.convert import from_hf, megatron_reader, to_hf
+    from mixln_megatron.convert import from_hf, gpt_hybrid, megatron_reader, to_hf, torch_dist_reader
     from mixln_megatron.data import preprocess as pp
 
     if point == "read":
         from_hf.HFCheckpoint.get = once(from_hf.HFCheckpoint.get, marker)
-        for cls in vars(megatron_reader).values():
+        for cls in [*vars(megatron_reader).values(), *vars(torch_dist_reader).values()]:
             if isinstance(cls, type) and "read_vocab_rows" in vars(cls):
                 cls.read_vocab_rows = once(cls.read_vocab_rows, marker)
         pp.encode_chunk = once(pp.encode_chunk, marker)
     elif point == "write":
-        make_bar = to_hf._progress
+        for module in (to_hf, from_hf, gpt_hybrid):  # each conversion's progress bar
+            def progress(*a, _make=module.progress_bar, **k):
+                bar = _make(*a, **k)
+                bar.update = once(bar.update, marker, after=3)
+                return bar
 
-        def progress(*a, **k):
-            bar = make_bar(*a, **k)
-            bar.update = once(bar.update, marker, after=3)
-            return bar
-
-        to_hf._progress = progress
+            module.progress_bar = progress
         pp._add_document = once(pp._add_document, marker, after=3)
     elif point == "rename":
         real_rename, real_replace = so.os.rename, pp.os.replace

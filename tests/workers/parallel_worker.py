@@ -20,7 +20,7 @@ import traceback
 
 import torch
 
-from mixln_megatron.dev import testing
+from harness import testing
 
 
 class Run(testing.MixLNRun):

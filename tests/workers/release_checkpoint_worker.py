@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 
 def build(seed):
-    from mixln_megatron.dev import testing
+    from harness import testing
     from mixln_megatron.model.settings import MixLNSettings
     from mixln_megatron.spec import get_mixln_decoder_block_spec
 
@@ -33,7 +33,7 @@ def build(seed):
 
 
 def loss_of(model):
-    from mixln_megatron.dev import testing
+    from harness import testing
 
     ids, labels, pos, mask = testing.batch()
     with torch.no_grad():
@@ -69,7 +69,7 @@ def run(action, directory) -> dict:
 def main():
     steps = sys.argv[1:]
     assert steps and len(steps) % 2 == 0, "usage: save|load DIR [save|load DIR ...]"
-    from mixln_megatron.dev import testing
+    from harness import testing
 
     testing.init_distributed()
     for action, directory in zip(steps[::2], steps[1::2]):

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from parallel_worker import run_phase  # noqa: E402
 
-from mixln_megatron.dev import testing as mu  # noqa: E402
+from harness import testing as mu  # noqa: E402
 
 
 def _stock_model(config):

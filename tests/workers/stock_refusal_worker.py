@@ -23,8 +23,8 @@ import os
 import sys
 import time
 
-from mixln_megatron.dev import cpu
-from mixln_megatron.dev import testing as mu
+from mixln_megatron import cpu
+from harness import testing as mu
 
 
 def megatron_lm_args(**values):

@@ -22,7 +22,9 @@ import sys
 
 import torch
 
-from mixln_megatron.dev import cpu, testing
+from mixln_megatron import cpu
+
+from harness import testing
 
 ARGS = [
     *testing.TINY_MEGATRON_LM_ARGS, "--ckpt-format", "torch_dist", "--no-save-optim", "--no-save-rng",

@@ -21,8 +21,8 @@ import traceback
 
 import torch
 
-from mixln_megatron.dev import cpu
-from mixln_megatron.dev import testing as mu
+from mixln_megatron import cpu
+from harness import testing as mu
 
 L = 4
 

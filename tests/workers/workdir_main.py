@@ -13,7 +13,7 @@ import argparse
 import sys
 import traceback
 
-from mixln_megatron.dev import testing
+from harness import testing
 
 
 def run_workdir_main(main) -> None:

@@ -1,5 +1,5 @@
-"""The gradient-spike scaler's rule and its state: plain tensor code, no torch.distributed, no
-megatron. It only sees [targets, elements] matrices of reduced gradients (targets.py finds them).
+"""The gradient-spike scaler's rule, its state (plain tensor code on [targets, elements]
+matrices: no torch.distributed, no megatron) and its per-step statistics.
 
 The rule, per element i of a target tensor (t_i = the steps element i has seen so far):
 
@@ -11,68 +11,43 @@ The rule, per element i of a target tensor (t_i = the steps element i has seen s
                                                   inflates the momentum that judges the next one
     t_i       <- t_i + 1
 
-Details that follow from it:
-  * Nothing is scaled during the first `warmup_steps` steps (the momentum still learns), and an
-    element whose momentum is exactly 0 (it never had a gradient) is never scaled: there is no
-    scale to compare it with (scaling it would also freeze it at 0 for good).
-  * An element whose gradient is inf or nan keeps its momentum and step and its gradient is left
-    as it is (the optimizer then skips the step under fp16 loss scaling; under bf16 Megatron's
-    NaN check stops the run). Being elementwise, every decision needs only that element's reduced
-    gradient and state, so a distributed-optimizer rank can decide for the shard it owns without
-    any communication, and the decisions do not depend on TP/PP/DP layouts.
-  * Gradients may still carry the fp16 loss scale: `scale` divides them before the comparison and
-    multiplies the replacement, so the state is always in unscaled units.
-  * Known property of this rule: a *lasting* 50x jump of an element's gradient is held at the old
-    momentum for as long as it lasts (the momentum is only fed scaled values). That is the intent
-    for the boundary norms, where such jumps are instabilities; it is why the threshold is large.
+An element with momentum 0 is never scaled (nothing to compare with); a non-finite one keeps its
+state and gradient. Being elementwise, a distributed-optimizer rank decides for its own shard
+without communication. `scale` (fp16 loss scale) divides g before the comparison and multiplies
+the replacement, so the state is in unscaled units. A *lasting* jump is held at the old momentum
+while it lasts: the intent for the boundary norms, hence the large threshold.
 
-The alternative considered (SPAM, "spike-aware" Adam clipping): keep the optimizer's second moment
-v (EMA of g^2, before its update); an element is a spike when g^2 > theta * v with theta = 5000, and
-it is clipped to sign(g) * sqrt(theta * v), i.e. to the threshold rather than to the typical size;
-SPAM also resets the moments periodically. We keep the Mix-LN authors' first-moment rule instead:
-it needs no access to the optimizer's state (which the distributed optimizer shards and which
-differs between Adam variants), it runs on the reduced gradient before clipping and the norm
-computation, and scaling to the momentum removes the spike's energy rather than keeping
-sqrt(5000) ~ 71x of it. `ReferenceSpikeRule` below is the rule as plain Python, element by element:
-the tensor code is tested against it.
+Considered instead, SPAM's rule (spike when g^2 > 5000 * v, Adam's second moment, clipped to the
+threshold): it needs the optimizer's sharded, variant-specific state and keeps ~71x of the spike;
+the Mix-LN authors' first-moment rule needs neither. `ReferenceSpikeRule` is the rule in plain
+Python, the specification the tensor code is tested against.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from ...model.settings import DEFAULT_BETA, DEFAULT_THRESHOLD, DEFAULT_WARMUP_STEPS
+from .. import runtime
+
+logger = logging.getLogger(__name__)
 
 
 class SpikeState:
-    """State of the rule for K target tensors, as rows of [K, n] matrices (n = the largest size).
+    """State of the rule for K target tensors, as rows of [K, n] matrices (n = the largest size;
+    a smaller target at the start of its row, zero padding, which never spikes). Everything is per
+    element, so a caller may decide for any subset (`owned`) and the rest stays untouched.
 
-    A target smaller than n occupies the start of its row; the rest of the row is padding that the
-    caller fills with zeros (a zero gradient never spikes and keeps a zero momentum). The norm
-    weights the scaler watches all have the hidden size, so in practice there is no padding.
-
-    Everything is per element: the momentum, the step count and the validity (an element whose
-    gradient is inf/nan keeps its momentum and step). So a caller may decide for any subset of the
-    elements (`owned`, e.g. the shard a distributed-optimizer rank owns): the elements outside it
-    are left untouched, and the decisions do not depend on how the elements are split.
-
-    Two-phase, so that a step the optimizer then skips never changes the state, and so that the
-    proposal can run inside a captured CUDA graph: `propose_in_place` computes the decisions, writes
-    them into the gradient buffer and the candidate next state into preallocated `pending_*` tensors
-    (in place, no host sync); `commit` copies the candidate into the state (in place); `discard`
-    drops it. Between proposals the pending state equals the committed one, so a commit without a
-    proposal changes nothing. Proposing twice before a commit (Megatron's rerun of a step) gives the
-    same result, since it always starts from the committed state.
-
-    Statistics of the proposal (`pending_stats`, over the decided elements): [number of scaled
-    elements, largest |g| / momentum over finite elements that have a momentum, number of
-    non-finite elements]. A commit moves them to `stats_into`; zeros when nothing was proposed.
-
-    The work is a fixed number of whole-matrix tensor ops, whatever K is: the hook's cost per step
-    does not grow with the number of targets.
+    Two-phase, so that a step the optimizer skips never changes the state and the proposal can
+    run inside a captured CUDA graph: `propose_in_place` writes the decisions into the gradient
+    buffer and the candidate state into `pending_*` (in place, no host sync); `commit` makes it the
+    state, `discard` drops it. Proposing twice (Megatron's rerun) starts from the committed state.
+    `pending_stats`: [scaled elements, largest |g| / momentum, non-finite elements]. A fixed
+    number of whole-matrix ops, whatever K is.
     """
 
     def __init__(
@@ -112,15 +87,10 @@ class SpikeState:
         scale: Optional[torch.Tensor] = None,
         owned: Optional[torch.Tensor] = None,
     ):
-        """Decide for one step on `grad`, an fp32 [K, n] buffer of the targets' reduced gradients
-        (a target smaller than n at the start of its row, zero padding), which then holds the
-        result: the spiking elements replaced, every other element untouched.
-
-        `scale`: the loss scale `grad` carries (fp16), or None. `owned`: a [K, n] bool mask of the
-        elements to decide for (None: all); `grad` outside it is ignored and left as it is.
-        Returns (spike, replacement): a bool mask and the values, in `grad`'s units, that the
-        spiking elements took. Writes the candidate state into pending_*; no host sync, no
-        grad-mode switch (neither the buffer nor the state needs grad)."""
+        """Decide for one step on `grad`, the fp32 [K, n] buffer of reduced gradients, replacing
+        its spiking elements in place. `scale`: the loss scale `grad` carries, or None; `owned`: a
+        [K, n] bool mask of the elements to decide for (None: all). Returns (spike, replacement),
+        the latter in `grad`'s units; the candidate state goes to pending_*, no host sync."""
         spike, replacement = self._decide(grad if scale is None else grad / scale, scale, owned)
         torch.where(spike, replacement, grad, out=grad)
         return spike, replacement
@@ -179,11 +149,8 @@ class SpikeState:
 
 # --------------------------------------------------------------------------------------- reference
 class ReferenceSpikeRule:
-    """The rule for one target tensor in plain Python floats, element by element.
-
-    The specification the tensor code (SpikeState) and the hook are checked against; slow on
-    purpose. `step(grad)` takes a list of floats (unscaled) and returns (new_grad, spike_flags).
-    """
+    """The rule for one target tensor in plain Python floats, the specification SpikeState is
+    checked against. `step(grad)`: a list of unscaled floats -> (new_grad, spike_flags)."""
 
     def __init__(self, numel: int, threshold=DEFAULT_THRESHOLD, beta=DEFAULT_BETA, warmup_steps=DEFAULT_WARMUP_STEPS):
         self.threshold, self.beta, self.warmup_steps = float(threshold), float(beta), int(warmup_steps)
@@ -206,3 +173,122 @@ class ReferenceSpikeRule:
             out.append(y)
             flags.append(is_spike)
         return out, flags
+
+
+# --------------------------------------------------------------------------------------- statistics
+# Per step: scaled elements, largest |g| / momentum, non-finite elements; summed (max for the
+# ratio) over shards and stages at each report, then to TensorBoard / W&B or else the log.
+DEFAULT_LOG_INTERVAL = 100
+
+
+def reduce_rows(rows: torch.Tensor, groups: Sequence) -> torch.Tensor:
+    """[.., 3] statistics summed (counts) / maxed (ratio) over each process group."""
+    if rows.shape[0] == 0:  # every rank has recorded the same number of steps: all skip alike
+        return rows
+    for group in groups:
+        parts = [torch.empty_like(rows) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(parts, rows.contiguous(), group=group)
+        stacked = torch.stack(parts)
+        rows = torch.stack([stacked[..., 0].sum(0), stacked[..., 1].amax(0), stacked[..., 2].sum(0)], dim=-1)
+    return rows
+
+
+class StepStats:
+    """A ring of per-step statistics since the last report, and the totals before it."""
+
+    def __init__(self):
+        self._ring: Optional[torch.Tensor] = None
+        self._slots: List[torch.Tensor] = []  # the ring's rows, as views made once
+        self.iterations: List[int] = []
+        self.reported_totals = [0.0, 0.0, 0.0]  # reduced over shards and stages
+        self.local_totals = [0.0, 0.0, 0.0]  # this rank's own counts
+        self.last_report: Optional[List[dict]] = None
+
+    def slot_for(self, iteration: int, size: int, device: Callable) -> Optional[torch.Tensor]:
+        """The ring's [3] row for one committed step's statistics, which the caller fills on the
+        device (None when the ring is full). `device()` is asked only when the ring is (re)made."""
+        if len(self._slots) < size:
+            self._ring = torch.zeros(size, 3, dtype=torch.float32, device=device())
+            self._slots = list(self._ring.unbind(0))
+        index = len(self.iterations)
+        if index >= len(self._slots):
+            return None
+        self.iterations.append(iteration)
+        return self._slots[index]
+
+    def _pending_rows(self, device) -> torch.Tensor:
+        n = len(self.iterations)
+        return self._ring[:n].clone() if n else torch.zeros(0, 3, device=device)
+
+    def report(self, groups: Sequence) -> List[dict]:
+        """Reduce the steps since the last report and write them. Host sync and collectives: every
+        rank of the groups calls it at the same step."""
+        if not self.iterations or self._ring is None:
+            return []
+        local = self._pending_rows(None)
+        _add(self.local_totals, local.tolist())
+        values = reduce_rows(local, groups).tolist()
+        _add(self.reported_totals, values)
+        report = [
+            {"iteration": it, "scaled": int(v[0]), "max_ratio": float(v[1]), "nonfinite": int(v[2])}
+            for it, v in zip(self.iterations, values)
+        ]
+        self.iterations = []
+        self.last_report = report
+        write_report(report)
+        return report
+
+    def totals(self, groups: Sequence, reduce: bool, device) -> dict:
+        """Totals over committed steps (host sync; collectives over `groups` when reduce)."""
+        rows = self._pending_rows(device)
+        if reduce:
+            rows = reduce_rows(rows, groups)
+        scaled, ratio, nonfinite = self.reported_totals if reduce else self.local_totals
+        for s, r, f in rows.tolist():
+            scaled, ratio, nonfinite = scaled + s, max(ratio, r), nonfinite + f
+        return {"scaled": int(scaled), "max_ratio": float(ratio), "nonfinite": int(nonfinite)}
+
+
+def _add(totals: list, rows) -> None:
+    for scaled, ratio, nonfinite in rows:
+        totals[0] += scaled
+        totals[1] = max(totals[1], ratio)
+        totals[2] += nonfinite
+
+
+STEP_COLUMNS = (("scaled", "scaled-elements"), ("max_ratio", "max-ratio"), ("nonfinite", "nonfinite-elements"))
+
+
+def write_report(report: List[dict]) -> None:
+    tensorboard, wandb = runtime.writers()
+    if tensorboard is not None:  # TensorBoard takes any step, in any order: one point per step
+        for row in report:
+            for field, name in STEP_COLUMNS:
+                tensorboard.add_scalar(f"mixln-spike/{name}", row[field], row["iteration"])
+    if wandb is not None and report:
+        wandb.log(*wandb_entry(report))
+    if tensorboard is None and wandb is None and report and runtime.is_last_rank():
+        logger.info(
+            "mixln spike scaler: iterations %d-%d: %d elements scaled (per step %s), largest "
+            "|g|/momentum %.3g, %d non-finite target gradient elements left alone",
+            report[0]["iteration"], report[-1]["iteration"], sum(r["scaled"] for r in report),
+            [r["scaled"] for r in report], max(r["max_ratio"] for r in report),
+            sum(r["nonfinite"] for r in report),
+        )
+
+
+def wandb_entry(report: List[dict]) -> tuple:
+    """(scalars, step): the one W&B entry for a report, at the current iteration (W&B drops logs
+    below its current step): the interval's totals (`mixln-spike/interval/*`) and every step's
+    row as lists (`mixln-spike/steps/*`, index-aligned with `mixln-spike/steps/iteration`)."""
+    step = max(report[-1]["iteration"], runtime.current_iteration() or 0)
+    scalars = {
+        "mixln-spike/interval/scaled-elements": sum(row["scaled"] for row in report),
+        "mixln-spike/interval/max-ratio": max(row["max_ratio"] for row in report),
+        "mixln-spike/interval/nonfinite-elements": sum(row["nonfinite"] for row in report),
+        "mixln-spike/interval/steps": len(report),
+        "mixln-spike/steps/iteration": [row["iteration"] for row in report],
+    }
+    for field, name in STEP_COLUMNS:
+        scalars[f"mixln-spike/steps/{name}"] = [row[field] for row in report]
+    return scalars, step

@@ -1,31 +1,22 @@
 """SpikeScaler: one process's owner of the rule's state, the per-step work after Megatron's
-finalize_model_grads, the commit after the optimizer step, and the reporting.
+finalize_model_grads, the commit after the optimizer step and the reporting; and its installation
+on `config.finalize_model_grads_func` (a SpikeGradsHook: the original finalize, then the scaler
+edits the target norms' `main_grad`). Where it sits and why: CONTRIBUTING.md, "Where the spike
+scaler sits"; the user's view: docs/configuration.md.
 
-Correctness under each kind of parallelism (targets.py says which elements a rank decides for):
-  * DDP: main_grad is the reduced gradient on every DP rank; the rule runs as is.
-  * Distributed optimizer: each rank decides for its own shard of each target and advances only
-    that shard's state; `synchronize()` (a masked all-reduce: every element from its one owner)
-    makes the state replicated again whenever it is checkpointed, so what is saved does not
-    depend on the layout. (Considered instead: all-reduce the target grads every step with the
-    non-owned parts zeroed. Same decisions, but one more collective per step inside a possibly
-    captured region, for nothing the optimizer reads.)
-  * TP / SP: replicated norm grads give identical decisions. PP / VPP: each stage handles the
-    targets it holds; the decisions do not depend on where the stages split the model (in a
-    HybridModel a split may fall inside a block: its norm1 and norm2 then live on two stages).
-  * fp16 loss scaling: main_grad still carries the loss scale; the rule divides by the
-    optimizer's current scale (a device tensor) and multiplies the replacement back.
-  * Skipped steps: the hook only proposes the next state; the optimizer's `step` (wrapped on the
-    instance by CommitAfterStep, the class untouched; release_optimizer() unwraps) commits it
-    when it reports success and discards it otherwise (fp16 overflow, grad-norm skip). A rerun
-    of the same step proposes again from the same committed state. Without a known optimizer
-    each proposal is committed at once (documented fallback for custom loops; then fp16 skips
-    cannot be seen).
-  * CUDA graphs: nothing in the per-step work reads a device value on the host; statistics stay
-    on the device and are read at the logging interval, from the optimizer-step wrapper.
+Per parallelism: DDP runs the rule as is; under the distributed optimizer each rank decides for
+its own shard and `synchronize()` (a masked all-reduce) makes the state whole when it is
+checkpointed (rather than one more collective per step); TP / SP replicas decide alike; PP
+stages handle the targets they hold. The hook only proposes: the optimizer's `step`, wrapped on
+the instance (CommitAfterStep), commits on success and discards otherwise; without a known
+optimizer each proposal is committed at once. Nothing per step reads a device value on the host.
+`install_finalize_hook` is the one function that touches the config; `remove_spike_scaler`
+undoes every install (config, optimizer, layers).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -33,26 +24,23 @@ from typing import Callable, List, Optional
 
 import torch
 
+from ... import compat
+from ...model.layer import on_layer_built, remove_on_layer_built
 from ...model.placement import Placement
-from .. import runtime
-from ..config_shared import SharedByConfigCopies
 from ...model.settings import SpikeSettings
-from .rule import SpikeState
-from .state import HOLDER_NAME, CheckpointState, SpikeStateHolder
-from .stats import DEFAULT_LOG_INTERVAL, StepStats
-from .targets import Target, TargetSet, find_targets, is_target_layer, mixln_layers, placement_text, target_layers
+from .. import runtime
+from ..runtime import FinalizeWrapper, SharedByConfigCopies, unwrap_finalize
+from .rule import DEFAULT_LOG_INTERVAL, SpikeState, StepStats
+from .state import (HOLDER_NAME, CheckpointState, SpikeStateHolder, Target, TargetSet, find_targets, is_target_layer,
+                    mixln_layers, placement_text, target_layers)
 
 logger = logging.getLogger(__name__)
 
 
 class CommitAfterStep:
-    """What `optimizer.step` becomes on one optimizer instance (its class is untouched): the step,
-    then the scaler's commit or discard with the step's success flag.
-
-    Why a wrapper: Megatron's optimizers have no step hook, and torch's register_step_post_hook on
-    the inner optimizer never runs for a step Megatron skips (fp16 overflow, non-finite grad norm),
-    which the scaler must see to discard its proposal. uninstall() restores the instance as it was.
-    """
+    """What `optimizer.step` becomes on one optimizer instance (its class untouched): the step,
+    then the scaler's commit or discard. A wrapper because Megatron's optimizers have no step hook
+    and torch's step post-hook never runs for a step Megatron skips. uninstall() restores it."""
 
     _ABSENT = object()
 
@@ -218,9 +206,8 @@ class SpikeScaler(SharedByConfigCopies):
 
     # -- the hook's own work ---------------------------------------------------------------------
     def after_finalize(self, model_chunks, force_all_reduce: bool = False, pg_collection=None) -> None:
-        """Runs right after the original finalize_model_grads. With force_all_reduce megatron
-        all-reduced even under the distributed optimizer: the owned shards are reduced all the same,
-        so the hook proceeds unchanged. A fixed number of tensor ops, whatever the number of targets."""
+        """Runs right after the original finalize_model_grads (force_all_reduce changes nothing:
+        the owned shards are reduced either way)."""
         if not self.is_set_up:
             if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
                 self._pp_group = pg_collection.pp
@@ -298,7 +285,7 @@ class SpikeScaler(SharedByConfigCopies):
             groups.append(self.target_set.group)
         group = self._pp_group
         if group is None and torch.distributed.is_initialized():
-            from megatron.core import parallel_state
+            from megatron.core import parallel_state  # heavy
 
             if parallel_state.model_parallel_is_initialized():
                 group = parallel_state.get_pipeline_model_parallel_group()
@@ -328,3 +315,124 @@ class SpikeScaler(SharedByConfigCopies):
             mine = torch.where(owned, tensor, torch.zeros((), dtype=tensor.dtype, device=tensor.device))
             torch.distributed.all_reduce(mine, group=group)
             tensor.copy_(mine)
+
+
+# --------------------------------------------------------------------------------------- the hook and its installation
+def resolve_spike_settings(settings=None) -> SpikeSettings:
+    """SpikeSettings (or a dict of its fields) with the defaults filled in; enabled defaults to False."""
+    if settings is None or isinstance(settings, dict):
+        settings = SpikeSettings(**(settings or {}))
+    return settings.resolved()
+
+
+class SpikeGradsHook(FinalizeWrapper):
+    """What `config.finalize_model_grads_func` becomes: the original finalize, then the scaler."""
+
+    def __init__(self, scaler: SpikeScaler, original: Optional[Callable] = None):
+        super().__init__(original)
+        self.mixln_spike_scaler = scaler
+
+    def after_finalize(self, model, args: tuple, kwargs: dict) -> None:
+        pg_collection = kwargs.get("pg_collection", args[1] if len(args) > 1 else None)
+        force_all_reduce = kwargs.get("force_all_reduce", args[2] if len(args) > 2 else False)
+        chunks = model if isinstance(model, (list, tuple)) else [model]
+        self.mixln_spike_scaler.after_finalize(chunks, bool(force_all_reduce), pg_collection)
+
+    def __repr__(self) -> str:
+        return f"SpikeGradsHook(original={self.original!r})"
+
+
+def _transformer_config(config):
+    return getattr(config, "transformer", config)  # Megatron-LM's GPTModelConfig wraps it
+
+
+def get_spike_scaler(config) -> Optional[SpikeScaler]:
+    """The scaler installed on `config` (a TransformerConfig, or Megatron-LM's wrapper), if any."""
+    hook = compat.finalize_chain_head(_transformer_config(config))
+    return getattr(hook, "mixln_spike_scaler", None)
+
+
+def install_finalize_hook(config, scaler: SpikeScaler) -> SpikeGradsHook:
+    """Wrap whatever `config.finalize_model_grads_func` holds (None: megatron's finalize) so that
+    `scaler` runs after it. The only place the scaler touches a config."""
+    config = _transformer_config(config)
+    hook = SpikeGradsHook(scaler, getattr(config, "finalize_model_grads_func", None))
+    config.finalize_model_grads_func = hook
+    return hook
+
+
+def remove_spike_scaler(config) -> Optional[SpikeScaler]:
+    """Undo every install of the scaler on `config`: the finalize function, the optimizer's step,
+    the layers' checkpoint holders and the layer-built callback. Returns the scaler, or None."""
+    hook = unwrap_finalize(config, SpikeGradsHook)
+    if hook is None:
+        return None
+    scaler = hook.mixln_spike_scaler
+    remove_on_layer_built(_transformer_config(config), scaler.attach)
+    scaler.detach()
+    return scaler
+
+
+def _no_boundary(placement: Placement) -> str:
+    return (f"[mixln_megatron] gradient-spike scaler disabled: the model has no Post/Pre-LN "
+            f"boundary ({placement_text(placement)}); targets other than 'boundary' "
+            "(--mixln-spike-targets all, or layer numbers) enable it")
+
+
+def _scaler_on(config, settings: SpikeSettings, placement: Placement) -> SpikeScaler:
+    """The scaler already on `config`, or a new one installed and announced."""
+    scaler = get_spike_scaler(config)
+    if scaler is None:
+        scaler = SpikeScaler(settings, placement, config)
+        install_finalize_hook(config, scaler)
+        runtime.print_rank_0(scaler.describe())
+    return scaler
+
+
+def install_spike_scaler(model_chunks, config=None, optimizer=None, settings=None, **overrides) -> Optional[SpikeScaler]:
+    """Enable the gradient-spike scaler on a megatron-core model (list of DDP-wrapped chunks),
+    whatever settings.enabled says. settings: a SpikeSettings or dict, keyword overrides merged
+    in, unset fields the defaults. optimizer: the one whose step() decides whether a step's
+    decisions are kept (None: `config.grad_scale_func.__self__`, at the first call). Install
+    before loading a checkpoint. None, nothing installed, when the model has no boundary."""
+    from megatron.core.utils import get_model_config  # heavy
+
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    config = _transformer_config(config) if config is not None else get_model_config(chunks[0])
+    if isinstance(settings, SpikeSettings):
+        settings = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.name != "sources"}
+    resolved = resolve_spike_settings(SpikeSettings(**{**(settings or {}), **overrides, "enabled": True}))
+    layers = [layer for _, layer in mixln_layers(chunks)]
+    if not layers:
+        raise ValueError("install_spike_scaler: the model has no Mix-LN layers (MixLNTransformerLayer)")
+    placement = layers[0].placement
+    if not target_layers(resolved.targets, placement):
+        runtime.print_rank_0(_no_boundary(placement))
+        return None
+    existing = get_spike_scaler(config)
+    scaler = _scaler_on(config, resolved, placement)
+    if existing is not None and resolved != scaler.settings:
+        if scaler.is_set_up:
+            raise RuntimeError("install_spike_scaler: the scaler already ran with other settings")
+        scaler._configure(resolved, placement)
+        runtime.print_rank_0(scaler.describe())
+    for layer in layers:
+        scaler.attach(layer)
+    if optimizer is not None:
+        scaler.set_optimizer(optimizer)
+    return scaler
+
+
+def install_on_config(config, placement: Placement, settings: SpikeSettings) -> Optional[SpikeScaler]:
+    """Install the hook on a model's config before the build (Megatron-LM's path): the target
+    layers built next take their checkpoint holders. Idempotent (one call per VPP chunk); None,
+    announced once, when the model has no boundary."""
+    config = _transformer_config(config)
+    if not target_layers(settings.targets, placement):
+        if not getattr(config, "_mixln_spike_disabled_announced", False):
+            runtime.print_rank_0(_no_boundary(placement))
+            config._mixln_spike_disabled_announced = True
+        return None
+    scaler = _scaler_on(config, settings, placement)
+    on_layer_built(config, scaler.attach)  # the layers built next carry the scaler's state
+    return scaler

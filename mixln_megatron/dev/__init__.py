@@ -1,2 +1,0 @@
-"""Development aids: the CPU/gloo harness (entered explicitly, e.g. by `pretrain --cpu`), the demo
-and its plots."""
