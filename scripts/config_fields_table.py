@@ -1,10 +1,7 @@
 """The table of every megatron-core setting outside MoE in docs/conversion.md, generated
 from model.config_fields.TABLE (the one list the converter, the analysis loader, the entry point
 and the model build read), with the counts per release of both tables (MoE: scripts/moe_table.py).
-
-    python scripts/config_fields_table.py                 print the table
-    python scripts/config_fields_table.py --write FILE    replace the table between the markers in FILE
-    python scripts/config_fields_table.py --check FILE    exit 1 when FILE's table is stale
+`--write FILE` / `--check FILE`: the command line every generated table shares (generated_tables.table_main).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The configuration reference table of docs/configuration.md, generated from the settings' own
 field list (model/settings.FIELDS), so that the docs cannot drift from the flags and variables.
-
-    python scripts/config_table.py                 print the table
-    python scripts/config_table.py --write FILE    replace the table between the markers in FILE
-    python scripts/config_table.py --check FILE    exit 1 when FILE's table is stale
+`--write FILE` / `--check FILE`: the command line every generated table shares (generated_tables.table_main).
 
 The defaults come from the constants the code uses (placement.DEFAULT_ALPHA, SpikeSettings' resolved
 defaults), not from prose, for the same reason.

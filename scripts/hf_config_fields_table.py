@@ -1,9 +1,6 @@
 """The table of every config.json field `convert from-hf` reads, in docs/conversion.md, generated
 from convert.hf_config_fields.TABLE (the one list from-hf checks a folder against).
-
-    python scripts/hf_config_fields_table.py                 print the table
-    python scripts/hf_config_fields_table.py --write FILE    replace the table between the markers in FILE
-    python scripts/hf_config_fields_table.py --check FILE    exit 1 when FILE's table is stale
+`--write FILE` / `--check FILE`: the command line every generated table shares (generated_tables.table_main).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The MoE settings table of docs/conversion.md, generated from model.moe_fields.TABLE (the one list that
 convert, the analysis loader and the Bridge read), so that the docs cannot drift from the code.
-
-    python scripts/moe_table.py                 print the table
-    python scripts/moe_table.py --write FILE    replace the table between the markers in FILE
-    python scripts/moe_table.py --check FILE    exit 1 when FILE's table is stale
+`--write FILE` / `--check FILE`: the command line every generated table shares (generated_tables.table_main).
 """
 
 from __future__ import annotations

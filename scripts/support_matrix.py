@@ -1,10 +1,7 @@
 """The support matrix of docs/compatibility.md: every Megatron-LM feature a large run turns on, and
 where Mix-LN (its layers, the spike scaler, the telemetry) stands with it. One table, here; the
 page is generated from it, so that it cannot drift from the tests and the refusals.
-
-    python scripts/support_matrix.py                 print the table
-    python scripts/support_matrix.py --write FILE    replace the table between the markers in FILE
-    python scripts/support_matrix.py --check FILE    exit 1 when FILE's table is stale
+`--write FILE` / `--check FILE`: the command line every generated table shares (generated_tables.table_main).
 
 Each feature is one of:
   tested on CPU  the tests that train or build it (tests/<file>.py::<test>), which must exist;
